@@ -1,0 +1,1 @@
+"""Layout planning: valid layouts, memory per GPU, stage partition, throughput. Pure code."""
