@@ -1,0 +1,88 @@
+"""The backend protocol: what the controller needs from a cluster, and nothing more.
+
+A required core (inventory, inference replicas, training jobs) in the spirit of Kueue's
+``GenericJob``. GPUs are named ``GPU(node, index)``; the controller decides which GPUs
+each workload holds and the backend makes it so. Every call either does what it says or
+raises: ``BackendUnavailable`` when the cluster cannot be reached (the controller then
+stops acting and reports not ready) and ``BackendError`` when one action failed (the
+controller records it and stops applying the rest of that plan).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from elastic.model import GPU, InferenceSpec, Layout, TrainingSpec
+
+
+class BackendError(RuntimeError):
+    """One action failed; the message says which and why."""
+
+
+class BackendUnavailable(BackendError):
+    """The cluster cannot be reached at all."""
+
+
+@dataclass(frozen=True)
+class JobRuntime:
+    """What a training job reports about itself."""
+
+    name: str
+    phase: str  # Pending | Running | Rescaling | Paused | Failed | Stopped
+    layout: str | None
+    gpus: tuple[GPU, ...]
+    generation: int = 0
+    step: int = 0
+    loss: float | None = None
+    tokens_per_second: float = 0.0
+    error: str | None = None
+    last_pause_seconds: float | None = None
+    last_bytes_moved: int | None = None
+
+
+@dataclass(frozen=True)
+class RescaleOutcome:
+    """What one start/rescale/stop did, for the reshard history."""
+
+    job: str
+    from_layout: str | None
+    to_layout: str | None
+    generation: int
+    pause_seconds: float = 0.0
+    total_seconds: float = 0.0
+    bytes_moved: int = 0
+    bytes_planned: int = 0
+    bytes_lower_bound: int = 0
+    step: int = 0
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+
+    def ping(self) -> None:
+        """Raise BackendUnavailable when the cluster cannot be reached."""
+
+    def inventory(self) -> dict[str, int]:
+        """Node name -> GPUs the pool may use."""
+
+    def service_gpus(self, service: str) -> tuple[GPU, ...]:
+        """GPUs held by the service's replicas (ready or starting)."""
+
+    def ready_replicas(self, service: str) -> int:
+        """Replicas that serve traffic now."""
+
+    def service_targets(self, service: str) -> list[str]:
+        """Base URLs of the ready replicas (for a direct /metrics scrape)."""
+
+    def set_service_gpus(self, spec: InferenceSpec, gpus: tuple[GPU, ...]) -> None:
+        """Run exactly one replica per ``spec.gpus_per_replica`` of ``gpus``: start the missing,
+        drain and stop the extra. Returns once removed replicas released their GPUs."""
+
+    def job_runtime(self, job: str) -> JobRuntime | None:
+        """The job's state, or None if it is not running."""
+
+    def set_job_gpus(self, spec: TrainingSpec, gpus: tuple[GPU, ...], layout: Layout | None) -> RescaleOutcome:
+        """Start, rescale in place, or stop (``gpus == ()``) a training job. Returns once the
+        new layout has run its first step (or the job has released its GPUs)."""

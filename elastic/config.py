@@ -1,0 +1,118 @@
+"""Controller configuration: the pool, its inference services and training jobs (a YAML file).
+
+Validated as a whole at load time, so a bad file is rejected before anything is started:
+unknown keys, an inference minimum that alone exceeds the pool, a job whose minimum cannot
+fit next to the inference minimums, an unknown model or hardware. Every error names the
+field (``services[0].min_replicas``) and says what to change. Pure: no I/O beyond reading
+the file handed in.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from elastic.model import (
+    InferenceSpec,
+    ModelSpec,
+    PoolSpec,
+    SpecError,
+    TrainingSpec,
+    _one_line,
+    check_layout,
+    load_model,
+)
+
+
+class ControllerSettings(BaseModel):
+    """How the loop runs (not what it schedules)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tick_seconds: float = Field(default=5.0, gt=0, description="seconds between reconcile cycles")
+    lease_seconds: float = Field(default=15.0, gt=0, description="leader lease; another controller takes over after it")
+    metrics_max_age_seconds: float = Field(default=30.0, gt=0, description="older samples count as stale (never shrink)")
+    rescale_timeout_seconds: float = Field(default=120.0, gt=0)
+
+
+class ControllerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pool: PoolSpec = Field(default_factory=PoolSpec)
+    services: tuple[InferenceSpec, ...] = ()
+    jobs: tuple[TrainingSpec, ...] = ()
+    controller: ControllerSettings = Field(default_factory=ControllerSettings)
+
+    @model_validator(mode="after")
+    def _fits(self) -> ControllerConfig:
+        names = [s.name for s in self.services] + [j.name for j in self.jobs]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"workload names must be unique across services and jobs; repeated: {', '.join(dup)}")
+        total = self.pool.total_gpus
+        for i, s in enumerate(self.services):
+            if s.gpus_per_replica > self.pool.gpus_per_node and s.gpus_per_replica % self.pool.gpus_per_node:
+                raise ValueError(
+                    f"services[{i}].gpus_per_replica={s.gpus_per_replica}: a replica larger than a node "
+                    f"({self.pool.gpus_per_node} GPUs) must take whole nodes"
+                )
+        inf_min = sum(s.min_replicas * s.gpus_per_replica for s in self.services)
+        if inf_min > total:
+            detail = " + ".join(f"{s.name} {s.min_replicas}x{s.gpus_per_replica}" for s in self.services)
+            raise ValueError(
+                f"services: inference minimum {detail} = {inf_min} GPUs exceeds the pool's "
+                f"{self.pool.nodes}x{self.pool.gpus_per_node} = {total} GPUs; lower min_replicas or add nodes"
+            )
+        for i, j in enumerate(self.jobs):
+            if inf_min + j.min_gpus > total:
+                raise ValueError(
+                    f"jobs[{i}].min_gpus={j.min_gpus} cannot fit next to the inference minimum of {inf_min} GPUs "
+                    f"in a pool of {total}; lower min_gpus to at most {total - inf_min} or lower the services' minimums"
+                )
+        return self
+
+    def models(self) -> dict[str, ModelSpec]:
+        return {j.name: load_model(j.model) for j in self.jobs}
+
+
+def load_config(path: str | Path | None = None, data: dict[str, Any] | None = None) -> ControllerConfig:
+    """Read and validate a config file (or mapping). Raises SpecError with one clear line."""
+    source = str(path) if path else "config"
+    if data is None:
+        if path is None:
+            return ControllerConfig()
+        p = Path(path)
+        try:
+            import yaml
+
+            data = yaml.safe_load(p.read_text()) or {}
+        except OSError as e:
+            raise SpecError(f"config {p}: cannot read ({e.strerror})") from None
+        except Exception as e:  # noqa: BLE001 - YAML errors become one line
+            raise SpecError(f"config {p}: not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: expected a mapping with pool/services/jobs/controller")
+    try:
+        cfg = ControllerConfig.model_validate(data)
+    except ValidationError as e:
+        raise SpecError(f"{source}: {_one_line(e)}") from None
+    for i, j in enumerate(cfg.jobs):
+        try:
+            model = load_model(j.model)
+        except SpecError as e:
+            raise SpecError(f"{source}: jobs[{i}].model: {e}") from None
+        for field_name, values in (("allowed_tp", j.allowed_tp), ("allowed_pp", j.allowed_pp)):
+            for v in values or ():
+                if v < 1:
+                    raise SpecError(f"{source}: jobs[{i}].{field_name} contains {v}; degrees must be >= 1")
+        if j.allowed_tp:
+            from elastic.model import Layout
+
+            for tp in j.allowed_tp:
+                try:
+                    check_layout(model, Layout(tp=tp, pp=1, dp=1))
+                except SpecError as e:
+                    raise SpecError(f"{source}: jobs[{i}].allowed_tp: {e}") from None
+    return cfg

@@ -1,0 +1,343 @@
+"""The controller loop: observe -> decide -> apply -> record, one pool, one leader.
+
+One ``tick()`` reads as numbered steps (Kueue's scheduler, Kopf's collected effects):
+
+0. lead      hold the pool's DB lease; a controller without it does nothing.
+1. observe   backend inventory, what each workload holds, each service's metric, job status.
+2. decide    the pure replica policy per service, then the pure co-scheduler for the pool.
+3. apply     the plan's ordered steps, each confirmed before the next: training shrinks
+             finish before inference gets their GPUs; inference drains before training grows.
+4. record    the decision (with its reason), allocations and reshard events in the DB.
+
+Only step 3 touches the backend's actuators and only step 4 writes the store. When the
+DB or the backend is unreachable the tick stops acting and says so (``ready`` False,
+reason in ``last_error``) instead of guessing. Crash recovery (``recover()``, run before
+the first decision): actions the DB shows in flight are reconciled with what the backend
+reports, so a controller killed mid-shrink resumes from the backend's truth.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from elastic import store as db
+from elastic.backends.base import Backend, BackendError, BackendUnavailable, JobRuntime
+from elastic.config import ControllerConfig
+from elastic.metrics.sample import MetricSample, MetricSource
+from elastic.model import GPU, Allocation, HardwareSpec, Layout, ModelSpec, PlanStep, load_hardware
+from elastic.policy import decide as policy_decide
+from elastic.policy.types import PolicyContext, PolicyState, ReplicaDecision
+from elastic.scheduler import decide as schedule
+from elastic.scheduler.types import JobState, Knobs, SchedulePlan, ServiceDemand, Snapshot
+
+log = logging.getLogger("elastic.controller")
+
+
+@dataclass
+class TickResult:
+    at: float
+    acted: bool
+    reason: str
+    message: str
+    plan: SchedulePlan | None = None
+    replica_decisions: dict[str, ReplicaDecision] = field(default_factory=dict)
+    applied: list[str] = field(default_factory=list)
+    error: str | None = None
+    seconds: float = 0.0
+
+
+def _dt(t: float) -> datetime:
+    return datetime.fromtimestamp(t, tz=UTC)
+
+
+def throughput_table(model: ModelSpec, hardware: HardwareSpec, max_gpus: int, *, gpus_per_node: int,
+                     global_batch: int, micro_batch: int | None = None,
+                     allowed_tp: list[int] | None = None, allowed_pp: list[int] | None = None,
+                     zero: int = 0) -> dict[int, tuple[str, float]]:
+    """GPU count -> (best feasible layout, tokens/s), from the planner; honours allowed tp/pp."""
+    from elastic.parallel.planner import best_by_gpu_count, feasible_layouts
+
+    if not allowed_tp and not allowed_pp:
+        best = best_by_gpu_count(model, hardware, max_gpus, gpus_per_node=gpus_per_node, global_batch=global_batch)
+        out = {n: (str(p.layout), p.tokens_per_second) for n, p in best.items()}
+        return {n: v for n, v in out.items() if Layout.parse(v[0]).world_size == n}
+    out = {}
+    for n in range(1, max_gpus + 1):
+        for p in feasible_layouts(model, n, hardware, gpus_per_node=gpus_per_node, global_batch=global_batch):
+            L = p.layout
+            if L.world_size != n or (allowed_tp and L.tp not in allowed_tp) or (allowed_pp and L.pp not in allowed_pp):
+                continue
+            out[n] = (str(L), p.tokens_per_second)
+            break
+    return out
+
+
+class Controller:
+    """Runs ticks for one pool. ``clock`` is injectable; decisions never read it themselves."""
+
+    def __init__(self, cfg: ControllerConfig, backend: Backend, store: db.Store, sources: Mapping[str, MetricSource],
+                 *, owner: str, clock: Callable[[], float] = time.time,
+                 throughput: Mapping[str, Mapping[int, tuple[str, float]]] | None = None) -> None:
+        self.cfg = cfg
+        self.backend = backend
+        self.store = store
+        self.sources = dict(sources)
+        self.owner = owner
+        self.clock = clock
+        self.pool = cfg.pool.name
+        self.hardware = load_hardware(cfg.pool.hardware)
+        self.policy_state: dict[str, PolicyState] = {s.name: PolicyState() for s in cfg.services}
+        self.last_rescale: dict[str, float] = {}
+        self.paused = False
+        self.ready = False
+        self.last_error: str | None = None
+        self.last_tick: TickResult | None = None
+        self.is_leader = False
+        self.recovered = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._throughput = dict(throughput or {})
+        for j in cfg.jobs:
+            if j.name not in self._throughput:
+                self._throughput[j.name] = throughput_table(
+                    cfg.models()[j.name], self.hardware, min(j.max_gpus, cfg.pool.total_gpus),
+                    gpus_per_node=cfg.pool.gpus_per_node, global_batch=j.global_batch,
+                    allowed_tp=j.allowed_tp, allowed_pp=j.allowed_pp, zero=j.zero)
+        self._register()
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def _register(self) -> None:
+        now = _dt(self.clock())
+        db.upsert_pool(self.store, self.pool, self.cfg.pool.model_dump(), now=now)
+        for s in self.cfg.services:
+            db.upsert_service(self.store, s.name, self.pool, s.model_dump(by_alias=True), now=now)
+        for j in self.cfg.jobs:
+            db.upsert_job(self.store, j.name, self.pool, j.model_dump(), now=now)
+
+    def recover(self) -> list[str]:
+        """Reconcile what the DB shows in flight with what the backend reports. Returns notes."""
+        notes: list[str] = []
+        for act in db.open_actions(self.store, self.pool):
+            rt = self.backend.job_runtime(act.workload) if act.kind.endswith("training") else None
+            truth = f"backend reports {rt.layout} on {len(rt.gpus)} GPUs" if rt else "backend reports nothing running"
+            db.finish_action(self.store, act.id, error=f"interrupted (controller restarted); {truth}")
+            notes.append(f"{act.kind} {act.workload}: {truth}")
+        for ev in db.in_flight_reshards(self.store, self.pool):
+            rt = self.backend.job_runtime(ev.job)
+            done = rt is not None and rt.layout == ev.to_layout
+            db.finish_reshard(self.store, ev.id, bytes_moved=None, pause_seconds=None,
+                              error=None if done else f"interrupted; job is on {rt.layout if rt else 'nothing'}")
+            notes.append(f"reshard {ev.job} g{ev.generation} -> {ev.to_layout}: {'completed' if done else 'abandoned'}")
+        self._record_allocations(self._observed_allocation(), generation=0)
+        self.recovered = True
+        return notes
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run_forever(self) -> None:
+        while not self._stop.is_set():
+            started = self.clock()
+            self.tick()
+            self._stop.wait(max(0.0, self.cfg.controller.tick_seconds - (self.clock() - started)))
+        if self.is_leader:
+            db.release_lease(self.store, self.pool, self.owner)
+
+    # ---- one reconcile cycle --------------------------------------------------------------------
+    def tick(self) -> TickResult:
+        with self._lock:
+            t0 = time.perf_counter()
+            now = self.clock()
+            try:
+                res = self._tick(now)
+                self.ready, self.last_error = True, None
+            except (db.StoreUnavailable, BackendUnavailable) as e:
+                self.ready, self.last_error = False, f"{type(e).__name__}: {e}"
+                log.error("not acting: %s", self.last_error)
+                res = TickResult(now, False, "Unavailable", self.last_error, error=self.last_error)
+            res.seconds = time.perf_counter() - t0
+            self.last_tick = res
+            return res
+
+    def _tick(self, now: float) -> TickResult:
+        # 0. lead
+        self.backend.ping()
+        self.store.ping()
+        self.is_leader = db.acquire_lease(self.store, self.pool, self.owner, self.cfg.controller.lease_seconds,
+                                          now=_dt(now))
+        if not self.is_leader:
+            holder = db.lease_holder(self.store, self.pool, now=_dt(now))
+            return TickResult(now, False, "NotLeader", f"lease held by {holder.owner if holder else '?'}")
+        if not self.recovered:
+            self.recover()
+        if self.paused:
+            return TickResult(now, False, "Paused", "controller paused by an operator")
+        # 1. observe
+        nodes = self.backend.inventory()
+        previous = self._observed_allocation()
+        samples = {s.name: self._sample(s.name, now) for s in self.cfg.services}
+        runtimes = {j.name: self.backend.job_runtime(j.name) for j in self.cfg.jobs}
+        # 2. decide
+        replica_decisions = self._decide_replicas(now, previous, samples)
+        plan = schedule(self._snapshot(now, nodes, previous, replica_decisions, runtimes))
+        # 3. apply
+        applied, error = self._apply(now, plan)
+        # 4. record
+        self._record(now, plan, replica_decisions, samples, applied, error)
+        return TickResult(now, True, plan.reason, plan.message, plan, replica_decisions, applied, error)
+
+    # ---- 1. observe -----------------------------------------------------------------------------
+    def _observed_allocation(self) -> Allocation:
+        hold: dict[str, tuple[GPU, ...]] = {}
+        for s in self.cfg.services:
+            g = self.backend.service_gpus(s.name)
+            if g:
+                hold[s.name] = g
+        for j in self.cfg.jobs:
+            rt = self.backend.job_runtime(j.name)
+            if rt and rt.gpus:
+                hold[j.name] = rt.gpus
+        return Allocation(hold)
+
+    def _sample(self, service: str, now: float) -> MetricSample | None:
+        src = self.sources.get(service)
+        if src is None:
+            return None
+        try:
+            s = src.sample(service, now)
+        except Exception as e:  # noqa: BLE001 - a failing source is missing data, never zero
+            log.warning("metric source for %s failed: %s", service, e)
+            return None
+        if s is not None and now - s.observed_at > self.cfg.controller.metrics_max_age_seconds:
+            return MetricSample(s.value, s.observed_at, s.source, stale=True)
+        return s
+
+    # ---- 2. decide ------------------------------------------------------------------------------
+    def _decide_replicas(self, now: float, previous: Allocation, samples: dict[str, MetricSample | None]
+                         ) -> dict[str, ReplicaDecision]:
+        out: dict[str, ReplicaDecision] = {}
+        for s in self.cfg.services:
+            current = len(previous.gpus_of(s.name)) // s.gpus_per_replica
+            ctx = PolicyContext.from_sample(s, current, samples[s.name], now, self.policy_state[s.name])
+            decision, self.policy_state[s.name] = policy_decide(ctx)
+            out[s.name] = decision
+        return out
+
+    def _snapshot(self, now: float, nodes: dict[str, int], previous: Allocation,
+                  replicas: dict[str, ReplicaDecision], runtimes: dict[str, JobRuntime | None]) -> Snapshot:
+        services = tuple(
+            ServiceDemand(s.name, replicas[s.name].replicas, s.gpus_per_replica, s.priority, s.min_replicas)
+            for s in self.cfg.services)
+        jobs = tuple(
+            JobState(j.name, self._throughput[j.name], j.min_gpus, j.max_gpus, j.priority,
+                     layout=(runtimes[j.name].layout if runtimes[j.name] else None),
+                     last_rescale_at=self.last_rescale.get(j.name),
+                     status="running" if runtimes[j.name] else "pending")
+            for j in self.cfg.jobs)
+        return Snapshot(now, nodes, services, jobs, previous, Knobs.from_pool(self.cfg.pool))
+
+    # ---- 3. apply -------------------------------------------------------------------------------
+    def _apply(self, now: float, plan: SchedulePlan) -> tuple[list[str], str | None]:
+        applied: list[str] = []
+        specs = {s.name: s for s in self.cfg.services} | {j.name: j for j in self.cfg.jobs}
+        for step in plan.steps:
+            if step.action == "noop":
+                continue
+            gpus = plan.allocation.gpus_of(step.workload)
+            action_id = db.begin_action(self.store, pool=self.pool, kind=step.action, workload=step.workload,
+                                        payload={"gpus": [str(g) for g in gpus], "reason": step.reason},
+                                        now=_dt(now))
+            try:
+                self._apply_step(step, specs[step.workload], gpus, now)
+            except BackendError as e:
+                db.finish_action(self.store, action_id, error=str(e), now=_dt(self.clock()))
+                log.error("step %s %s failed: %s; the rest of this plan is skipped", step.action, step.workload, e)
+                return applied, f"{step.action} {step.workload}: {e}"
+            db.finish_action(self.store, action_id, now=_dt(self.clock()))
+            applied.append(f"{step.action} {step.workload}")
+        return applied, None
+
+    def _apply_step(self, step: PlanStep, spec: Any, gpus: tuple[GPU, ...], now: float) -> None:
+        if step.action in ("scale_inference_up", "scale_inference_down"):
+            self.backend.set_service_gpus(spec, gpus)
+            return
+        layout = None
+        target = step.target
+        if gpus:
+            text = getattr(target, "layout_after", None) or self._throughput[spec.name][len(gpus)][0]
+            layout = Layout.parse(text)
+        before = self.backend.job_runtime(spec.name)
+        rid = None
+        if before is not None and layout is not None:
+            rid = db.start_reshard(self.store, job=spec.name, pool=self.pool, generation=before.generation + 1,
+                                   from_layout=before.layout or "", to_layout=str(layout), bytes_planned=0,
+                                   bytes_lower_bound=0, now=_dt(now))
+        try:
+            out = self.backend.set_job_gpus(spec, gpus, layout)
+        except BackendError as e:
+            if rid is not None:
+                db.finish_reshard(self.store, rid, bytes_moved=None, pause_seconds=None, error=str(e))
+            raise
+        if rid is not None:
+            db.finish_reshard(self.store, rid, bytes_moved=out.bytes_moved, pause_seconds=out.pause_seconds,
+                              now=_dt(self.clock()))
+            self._reshard_bytes(rid, out)
+        self.last_rescale[spec.name] = now
+
+    def _reshard_bytes(self, rid: int, out: Any) -> None:
+        """Planned and lower-bound bytes are known only after the plan ran: store them too."""
+        setter = getattr(db, "set_reshard_plan_bytes", None)
+        if setter is not None:
+            setter(self.store, rid, bytes_planned=out.bytes_planned, bytes_lower_bound=out.bytes_lower_bound)
+
+    # ---- 4. record ------------------------------------------------------------------------------
+    def _record(self, now: float, plan: SchedulePlan, replicas: dict[str, ReplicaDecision],
+                samples: dict[str, MetricSample | None], applied: list[str], error: str | None) -> None:
+        inputs = {
+            "metrics": {k: (None if v is None else {"value": v.value, "stale": v.stale}) for k, v in samples.items()},
+            "replicas": {k: {"current": d.current, "desired": d.replicas, "reason": str(d.reason), "message": d.message}
+                         for k, d in replicas.items()},
+        }
+        plan_doc = {
+            "steps": [{"action": s.action, "workload": s.workload, "reason": s.reason, "message": s.message}
+                      for s in plan.steps],
+            "allocation": {w: [str(g) for g in gs] for w, gs in plan.allocation.holdings.items()},
+            "applied": applied,
+            "error": error,
+            "jobs": {k: asdict(v) for k, v in plan.jobs.items()},
+        }
+        reason = "ApplyFailed" if error else plan.reason
+        message = f"{plan.message}; failed: {error}" if error else plan.message
+        db.record_decision(self.store, pool=self.pool, tick_at=_dt(now), reason=reason, message=message,
+                           plan=plan_doc, inputs=inputs)
+        self._record_allocations(self._observed_allocation(), generation=int(now))
+        for name, d in replicas.items():
+            db.set_service_status(self.store, name, {
+                "currentReplicas": d.current, "desiredReplicas": d.replicas, "observedValue": d.metric,
+                "reason": str(d.reason), "message": d.message}, now=_dt(now))
+        for j in self.cfg.jobs:
+            rt = self.backend.job_runtime(j.name)
+            jd = plan.jobs.get(j.name)
+            db.set_job_status(self.store, j.name, {
+                "phase": rt.phase if rt else "Pending", "layout": rt.layout if rt else None,
+                "generation": rt.generation if rt else 0, "step": rt.step if rt else 0,
+                "loss": rt.loss if rt else None, "tokensPerSecond": rt.tokens_per_second if rt else 0.0,
+                "worldSize": len(rt.gpus) if rt else 0,
+                "reason": jd.reason if jd else None, "message": jd.message if jd else None}, now=_dt(now))
+
+    def _record_allocations(self, alloc: Allocation, generation: int) -> None:
+        current = db.current_allocations(self.store, self.pool)
+        for w, gpus in alloc.holdings.items():
+            rec = current.get(w)
+            if rec is None or sorted(map(str, rec.gpus)) != sorted(map(str, gpus)):
+                kind = "inference" if w in {s.name for s in self.cfg.services} else "training"
+                db.set_allocation(self.store, self.pool, w, gpus, generation, kind=kind)
+        for w in current:
+            if w not in alloc.holdings:
+                db.release_allocation(self.store, self.pool, w)

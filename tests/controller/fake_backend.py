@@ -1,0 +1,86 @@
+"""A fake backend at our own boundary (the Backend protocol), with levers for tests.
+
+It keeps the truth a real cluster would: which GPUs each service's replicas and each
+job's workers hold. It refuses to double-book a GPU (so an apply order that scales
+inference before the training shrink freed the GPUs fails loudly), and logs every call.
+"""
+
+from __future__ import annotations
+
+from elastic.backends.base import BackendError, BackendUnavailable, JobRuntime, RescaleOutcome
+from elastic.model import GPU, InferenceSpec, Layout, TrainingSpec
+
+
+class FakeBackend:
+    name = "fake"
+
+    def __init__(self, nodes: dict[str, int]) -> None:
+        self.nodes = dict(nodes)
+        self.services: dict[str, tuple[GPU, ...]] = {}
+        self.jobs: dict[str, JobRuntime] = {}
+        self.calls: list[tuple[str, str, int]] = []
+        self.reachable = True
+        self.fail_next: str | None = None
+
+    # levers
+    def set_reachable(self, ok: bool) -> None:
+        self.reachable = ok
+
+    def _held(self, exclude: str) -> set[GPU]:
+        held = {g for s, gs in self.services.items() if s != exclude for g in gs}
+        held |= {g for j, rt in self.jobs.items() if j != exclude for g in rt.gpus}
+        return held
+
+    def _check(self, workload: str, gpus: tuple[GPU, ...]) -> None:
+        clash = set(gpus) & self._held(workload)
+        if clash:
+            raise BackendError(f"{workload}: GPUs {sorted(map(str, clash))} are still held by another workload")
+        for g in gpus:
+            if g.node not in self.nodes or g.index >= self.nodes[g.node]:
+                raise BackendError(f"{workload}: no GPU {g}")
+
+    # protocol
+    def ping(self) -> None:
+        if not self.reachable:
+            raise BackendUnavailable("fake cluster unreachable")
+
+    def inventory(self) -> dict[str, int]:
+        self.ping()
+        return dict(self.nodes)
+
+    def service_gpus(self, service: str) -> tuple[GPU, ...]:
+        return self.services.get(service, ())
+
+    def ready_replicas(self, service: str) -> int:
+        return len(self.services.get(service, ()))
+
+    def service_targets(self, service: str) -> list[str]:
+        return []
+
+    def set_service_gpus(self, spec: InferenceSpec, gpus: tuple[GPU, ...]) -> None:
+        self.ping()
+        if self.fail_next == spec.name:
+            self.fail_next = None
+            raise BackendError(f"{spec.name}: injected failure")
+        self._check(spec.name, gpus)
+        self.calls.append(("service", spec.name, len(gpus)))
+        self.services[spec.name] = tuple(gpus)
+
+    def job_runtime(self, job: str) -> JobRuntime | None:
+        return self.jobs.get(job)
+
+    def set_job_gpus(self, spec: TrainingSpec, gpus: tuple[GPU, ...], layout: Layout | None) -> RescaleOutcome:
+        self.ping()
+        self._check(spec.name, gpus)
+        before = self.jobs.get(spec.name)
+        self.calls.append(("job", spec.name, len(gpus)))
+        if not gpus:
+            self.jobs.pop(spec.name, None)
+            return RescaleOutcome(spec.name, before.layout if before else None, None, 0)
+        assert layout is not None and layout.world_size == len(gpus), (layout, len(gpus))
+        gen = (before.generation + 1) if before else 0
+        step = before.step if before else 0
+        self.jobs[spec.name] = JobRuntime(spec.name, "Running", str(layout), tuple(gpus), gen, step)
+        return RescaleOutcome(spec.name, before.layout if before else None, str(layout), gen, pause_seconds=0.01,
+                              bytes_moved=1000 * len(gpus), bytes_planned=1000 * len(gpus),
+                              bytes_lower_bound=1000 * len(gpus), step=step)

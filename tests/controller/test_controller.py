@@ -1,0 +1,148 @@
+"""The controller tick against a fake backend (our boundary) and a real store (SQLite + PostgreSQL)."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic import store as db
+from elastic.config import load_config
+from elastic.controller import Controller
+from elastic.metrics import InProcessSource
+from elastic.model import SpecError
+
+from .fake_backend import FakeBackend
+
+CONFIG = {
+    "pool": {"name": "p", "nodes": 2, "gpus_per_node": 4, "hardware": "h100-80g",
+             "rescale_interval_seconds": 0, "gain_threshold": 0.0},
+    "services": [{"name": "chat", "gpus_per_replica": 1, "min_replicas": 1, "max_replicas": 6,
+                  "metric": {"preset": "vllm-running", "target": 10},
+                  "behavior": {"scaleDown": {"stabilizationWindowSeconds": 0}}}],
+    "jobs": [{"name": "pretrain", "model": "gpt-1.3b", "min_gpus": 1, "max_gpus": 8, "global_batch": 64}],
+    "controller": {"tick_seconds": 1},
+}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def env(db_url: str):
+    db.upgrade(db_url)
+    store = db.Store.from_url(db_url)
+    clock = Clock()
+    backend = FakeBackend({"n0": 4, "n1": 4})
+    source = InProcessSource(max_age=60)
+    cfg = load_config(data=CONFIG)
+    ctl = Controller(cfg, backend, store, {"chat": source}, owner="ctl-a", clock=clock)
+    yield ctl, backend, source, clock, store
+    store.dispose()
+
+
+def _tick(ctl, source, clock, load: float, dt: float = 20.0):
+    clock.t += dt
+    source.set("chat", load, clock.t)
+    res = ctl.tick()
+    assert res.error is None, res.error
+    return res
+
+
+def test_load_rise_shrinks_training_before_inference_grows_and_fall_reverses(env) -> None:
+    ctl, backend, source, clock, store = env
+    _tick(ctl, source, clock, 10.0)  # 1 replica at target: training takes what a layout can use of 7
+    assert len(backend.service_gpus("chat")) == 1
+    assert len(backend.jobs["pretrain"].gpus) == 6  # gpt-1.3b has no 7-GPU layout (batch 64): tp1.pp3.dp2
+    backend.calls.clear()
+
+    res = _tick(ctl, source, clock, 40.0)  # 4x target per replica -> 4 replicas
+    assert len(backend.service_gpus("chat")) == 4
+    assert len(backend.jobs["pretrain"].gpus) == 4  # whole node n1
+    kinds = [c[0] for c in backend.calls]
+    assert kinds.index("job") < kinds.index("service"), backend.calls  # shrink first, then scale up
+    assert any(s.startswith("shrink_training") for s in res.applied)
+
+    backend.calls.clear()
+    _tick(ctl, source, clock, 10.0)  # load falls back (scale-down window 0): inference drains, training grows
+    kinds = [c[0] for c in backend.calls]
+    assert kinds.index("service") < kinds.index("job"), backend.calls
+    assert len(backend.jobs["pretrain"].gpus) > 4
+
+    decisions = db.list_decisions(store, limit=50, pool="p")
+    assert len(decisions) == 3 and all(d.reason and d.message for d in decisions)
+    reshards = db.list_reshards(store, job="pretrain")
+    assert len(reshards) >= 2
+    assert all(r.status == "done" and r.bytes_moved and r.pause_seconds is not None for r in reshards)
+    # no GPU double-booked in the recorded allocation
+    alloc = db.current_allocation(store, "p")
+    alloc.check_disjoint()
+
+
+def test_missing_metrics_never_shrink_inference(env) -> None:
+    ctl, backend, source, clock, _ = env
+    _tick(ctl, source, clock, 10.0)  # activation from zero
+    _tick(ctl, source, clock, 50.0)
+    before = len(backend.service_gpus("chat"))
+    assert before >= 4
+    source.clear("chat")
+    for _ in range(3):
+        clock.t += 30
+        res = ctl.tick()
+        assert res.replica_decisions["chat"].reason == "MetricsMissing"
+    assert len(backend.service_gpus("chat")) == before
+
+
+def test_unreachable_backend_stops_acting_and_reports_not_ready(env) -> None:
+    ctl, backend, source, clock, store = env
+    _tick(ctl, source, clock, 10.0)
+    n = len(db.list_decisions(store, limit=50))
+    backend.set_reachable(False)
+    clock.t += 10
+    res = ctl.tick()
+    assert not res.acted and not ctl.ready and "unreachable" in (ctl.last_error or "")
+    assert len(db.list_decisions(store, limit=50)) == n
+    backend.set_reachable(True)
+    _tick(ctl, source, clock, 10.0)
+    assert ctl.ready
+
+
+def test_only_the_lease_holder_acts(env, db_url) -> None:
+    ctl, backend, source, clock, store = env
+    _tick(ctl, source, clock, 10.0)
+    other = Controller(ctl.cfg, backend, db.Store.from_url(db_url), {"chat": source}, owner="ctl-b", clock=clock)
+    clock.t += 1
+    res = other.tick()
+    assert not res.acted and res.reason == "NotLeader"
+    clock.t += ctl.cfg.controller.lease_seconds + 1  # ctl-a died: its lease expires
+    source.set("chat", 10.0, clock.t)
+    res = other.tick()
+    assert res.acted and other.is_leader
+
+
+def test_failed_step_stops_the_plan_and_is_recorded(env) -> None:
+    ctl, backend, source, clock, store = env
+    _tick(ctl, source, clock, 10.0)
+    backend.fail_next = "chat"
+    clock.t += 20
+    source.set("chat", 40.0, clock.t)
+    res = ctl.tick()
+    assert res.error and "injected failure" in res.error
+    d = db.list_decisions(store, limit=1, newest_first=True)[0]
+    assert d.reason == "ApplyFailed"
+
+
+@pytest.mark.parametrize("patch, needle", [
+    ({"services": [{"name": "chat", "min_replicas": 9, "max_replicas": 9}]}, "exceeds the pool"),
+    ({"jobs": [{"name": "j", "model": "tiny", "min_gpus": 8, "max_gpus": 8}]}, "jobs[0].min_gpus=8 cannot fit"),
+    ({"jobs": [{"name": "j", "model": "no-such-model"}]}, "jobs[0].model: unknown model 'no-such-model'"),
+    ({"pool": {"nodez": 3}}, "unknown field 'pool.nodez'"),
+])
+def test_bad_config_is_rejected_at_load(patch, needle) -> None:
+    data = dict(CONFIG, **patch)
+    with pytest.raises(SpecError) as e:
+        load_config(data=data)
+    assert needle in str(e.value)
