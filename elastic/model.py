@@ -509,6 +509,8 @@ class ScalingRules(_Spec):
     stabilization_window_seconds: int | None = Field(default=None, ge=0, le=3600, alias="stabilizationWindowSeconds")
     select_policy: Literal["Max", "Min", "Disabled"] = Field(default="Max", alias="selectPolicy")
     policies: list[ScalingPolicy] | None = None
+    # HPA v2 (Kubernetes 1.33+) per-direction tolerance; None = the HPA's cluster default 0.1.
+    tolerance: float | None = Field(default=None, ge=0, lt=1)
 
 
 class Behavior(_Spec):
@@ -524,6 +526,9 @@ class MetricTarget(_Spec):
     prometheus: str | None = Field(default=None, description="Prometheus base URL; none = scrape replicas directly")
     type: Literal["AverageValue", "Value", "Utilization"] = "AverageValue"
     target: float = Field(gt=0, description="target value (per replica for AverageValue)")
+    # KEDA's activationThreshold: with min_replicas=0 the service leaves zero only when the
+    # metric is strictly above this value, and returns to zero when it is at or below it.
+    activation_threshold: float = Field(default=0.0, ge=0, alias="activationThreshold")
 
     @model_validator(mode="after")
     def _one_source(self) -> MetricTarget:
@@ -541,6 +546,10 @@ class InferenceSpec(_Spec):
     metric: MetricTarget | None = None
     behavior: Behavior | None = None
     startup_seconds: float = Field(default=30.0, ge=0)
+    # Short-horizon forecast (elastic.policy.forecast): scale up `startup_seconds` ahead of a ramp.
+    forecast: Literal["off", "trend", "holt-winters"] = "off"
+    forecast_window_seconds: float = Field(default=600.0, gt=0, description="trend: regression window")
+    forecast_season_seconds: float = Field(default=86400.0, gt=0, description="holt-winters: season length")
 
     @model_validator(mode="after")
     def _bounds(self) -> InferenceSpec:

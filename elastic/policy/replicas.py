@@ -1,0 +1,202 @@
+"""``decide(ctx) -> (ReplicaDecision, PolicyState)``: how many replicas a service needs.
+
+Pure: the clock is ``ctx.now``, the metric is already read, the previous state comes in
+and the next one goes out. The stages (``stages.py``, ``forecast.py``) run in the order
+the HPA controller applies them, which is what users of ``behavior`` expect:
+
+1. bounds first when the current count is outside [min, max] (HPA: no metrics needed);
+2. fail-safe: a missing metric holds the current count (recorded as a recommendation, so
+   a scale-down after the gap still waits out its stabilisation window);
+3. raw ratio, then tolerance; scale-to-zero activation (KEDA ``activationThreshold``);
+4. forecast: ``max(reactive, forecast)`` - scale up ``startup_seconds`` ahead, never less;
+5. stabilisation windows over the recommendations;
+6. rate policies and bounds together (HPA ``convertDesiredReplicasWithBehaviorRate``);
+7. stale metrics may grow the service but never shrink it;
+8. reason code + message with the arithmetic; record the scale event.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from elastic.model import InferenceSpec
+from elastic.policy import forecast as fc
+from elastic.policy.stages import (
+    Rules,
+    bounds,
+    effective_rules,
+    fail_safe,
+    raw_replicas,
+    scale_down_limit,
+    scale_up_limit,
+    stabilize,
+    within_tolerance,
+)
+from elastic.policy.types import PolicyContext, PolicyState, Reason, ReplicaDecision
+
+
+def decide(ctx: PolicyContext) -> tuple[ReplicaDecision, PolicyState]:
+    spec, cur, now = ctx.spec, ctx.current_replicas, ctx.now
+    if cur < 0:
+        raise ValueError(f"current_replicas must be >= 0 (got {cur})")
+    up, down = effective_rules(spec.behavior)
+    state = _prune(ctx.state, now, up, down, spec)
+
+    # 1. Out of bounds (spec changed): go straight to the bound, as the HPA does.
+    if cur > spec.max_replicas or (cur < spec.min_replicas):
+        target, which = bounds(cur, spec.min_replicas, spec.max_replicas)
+        reason = Reason.LIMITED_BY_MAX if which == "max" else Reason.LIMITED_BY_MIN
+        msg = f"{cur} replicas outside [{spec.min_replicas}, {spec.max_replicas}] -> {target}"
+        return _finish(ctx, state, target, reason, msg, None, None)
+
+    if spec.metric is None:
+        return _finish(ctx, state, cur, Reason.NO_METRIC, "no metric configured; replicas follow min/max", None, None)
+
+    # 2. Fail-safe: no reading -> hold. Record the hold so the windows restart from it.
+    if ctx.metric is None:
+        state = replace(state, recommendations=state.recommendations + ((now, cur),))
+        msg = f"metric missing; holding {cur} replicas (missing metrics never shrink a service)"
+        return _finish(ctx, state, cur, Reason.METRICS_MISSING, msg, None, None)
+
+    # 3. Reactive answer: raw ratio, tolerance, activation.
+    reactive, reason, msg = _reactive(spec, cur, ctx.metric, up, down)
+    load = _load(spec, cur, ctx.metric)
+    state = _observe(state, spec, now, load)
+
+    # 4. Forecast: only ever adds replicas, only when the service is active.
+    predicted = _forecast_replicas(spec, state, cur, now, up) if reactive > 0 else None
+    desired = reactive
+    if predicted is not None and predicted > reactive:
+        desired = predicted
+        reason = Reason.FORECAST
+        msg += f"; forecast load in {spec.startup_seconds:g}s -> {predicted} replicas"
+
+    # 5. Stabilisation windows.
+    stable = stabilize(now, desired, cur, state.recommendations, up.window, down.window)
+    state = replace(state, recommendations=state.recommendations + ((now, desired),))
+    if stable != desired:
+        reason = Reason.STABILIZING
+        direction = "down" if desired < cur else "up"
+        window = down.window if direction == "down" else up.window
+        best = "highest" if direction == "down" else "lowest"
+        msg += f"; scale-{direction} window {window:g}s keeps the {best} recent recommendation -> {stable}"
+
+    # 6. Rate policies and bounds.
+    final, limit_reason, limit_msg = _limits(spec, cur, stable, now, state.events, up, down)
+    if limit_reason is not None:
+        reason, msg = limit_reason, msg + "; " + limit_msg
+
+    # 7. Stale readings may be partial: grow on them, never shrink.
+    if ctx.stale and final < cur:
+        final = fail_safe(final, cur, missing=False, stale=True)
+        reason = Reason.METRICS_MISSING
+        msg += f"; metric is stale, holding {cur} (stale metrics never shrink a service)"
+
+    if cur == 0 and final > 0:
+        reason = Reason.ACTIVATED
+    return _finish(ctx, state, final, reason, msg, reactive, predicted)
+
+
+# ---- steps -----------------------------------------------------------------------------------
+
+
+def _reactive(spec: InferenceSpec, cur: int, metric: float, up: Rules, down: Rules) -> tuple[int, Reason, str]:
+    m = spec.metric
+    assert m is not None
+    threshold = m.activation_threshold
+    if spec.min_replicas == 0 and metric <= threshold:
+        # KEDA: at/below the activation threshold an idle service may go to zero.
+        return 0, Reason.DEACTIVATED, f"metric {metric:g} <= activation threshold {threshold:g} -> 0 replicas"
+    if cur == 0:
+        raw = raw_replicas(metric, m.target, cur, m.type)
+        n = max(1, raw.replicas)
+        return n, Reason.ACTIVATED, f"metric {metric:g} > activation threshold {threshold:g}; {raw.message}"
+    raw = raw_replicas(metric, m.target, cur, m.type)
+    if within_tolerance(raw.ratio, up.tolerance, down.tolerance):
+        return cur, Reason.WITHIN_TOLERANCE, (
+            f"{raw.message}; usage ratio {raw.ratio:.2f} within tolerance "
+            f"[{1 - down.tolerance:.2f}, {1 + up.tolerance:.2f}] -> keep {cur}")
+    if raw.replicas == cur:
+        return cur, Reason.STEADY, raw.message
+    return raw.replicas, (Reason.SCALED_UP if raw.replicas > cur else Reason.SCALED_DOWN), raw.message
+
+
+def _load(spec: InferenceSpec, cur: int, metric: float) -> float:
+    # Forecast the total demand in target units: for Value/Utilization the metric is per
+    # replica (or one ratio), so 4 replicas at 0.9 carry a load of 3.6.
+    assert spec.metric is not None
+    return metric if spec.metric.type == "AverageValue" else metric * max(cur, 1)
+
+
+def _observe(state: PolicyState, spec: InferenceSpec, now: float, load: float) -> PolicyState:
+    if spec.forecast == "trend":
+        return replace(state, samples=state.samples + ((now, load),))
+    if spec.forecast == "holt-winters":
+        holt = state.holt or fc.holt_new(spec.forecast_season_seconds)
+        return replace(state, holt=fc.holt_observe(holt, now, load))
+    return state
+
+
+def _forecast_replicas(spec: InferenceSpec, state: PolicyState, cur: int, now: float, up: Rules) -> int | None:
+    horizon = spec.startup_seconds
+    if spec.forecast == "trend":
+        load = fc.trend_forecast(state.samples, now, horizon, spec.forecast_window_seconds)
+    elif spec.forecast == "holt-winters":
+        load = fc.holt_forecast(state.holt, now + horizon)
+    else:
+        return None
+    if load is None:
+        return None
+    m = spec.metric
+    assert m is not None
+    # The forecast is a load; convert with the AverageValue rule and the same tolerance band.
+    raw = raw_replicas(load, m.target, cur, "AverageValue")
+    if cur > 0 and within_tolerance(raw.ratio, up.tolerance, up.tolerance):
+        return cur
+    return raw.replicas
+
+
+def _limits(spec: InferenceSpec, cur: int, desired: int, now: float, events: tuple[tuple[float, int], ...],
+            up: Rules, down: Rules) -> tuple[int, Reason | None, str]:
+    if desired > cur:
+        rate_cap = scale_up_limit(cur, now, events, up)
+        if spec.max_replicas <= rate_cap and desired > spec.max_replicas:
+            return spec.max_replicas, Reason.LIMITED_BY_MAX, f"maxReplicas {spec.max_replicas} -> {spec.max_replicas}"
+        if desired > rate_cap:
+            return rate_cap, Reason.LIMITED_BY_RATE, f"scale-up rate ({_describe(up)}) -> {rate_cap}"
+    elif desired < cur:
+        rate_floor = scale_down_limit(cur, now, events, down)
+        if spec.min_replicas >= rate_floor and desired < spec.min_replicas:
+            return spec.min_replicas, Reason.LIMITED_BY_MIN, f"minReplicas {spec.min_replicas} -> {spec.min_replicas}"
+        if desired < rate_floor:
+            return rate_floor, Reason.LIMITED_BY_RATE, f"scale-down rate ({_describe(down)}) -> {rate_floor}"
+    return desired, None, ""
+
+
+def _describe(rules: Rules) -> str:
+    if rules.select == "Disabled":
+        return "selectPolicy Disabled"
+    pol = ", ".join(f"{p.kind} {p.value} per {p.period:g}s" for p in rules.policies)
+    return f"{pol}; selectPolicy {rules.select}"
+
+
+def _prune(state: PolicyState, now: float, up: Rules, down: Rules, spec: InferenceSpec) -> PolicyState:
+    keep_recs = max(up.window, down.window)
+    keep_events = max([p.period for p in up.policies + down.policies] or [0.0])
+    return replace(
+        state,
+        recommendations=tuple(r for r in state.recommendations if r[0] > now - keep_recs),
+        events=tuple(e for e in state.events if e[0] > now - keep_events),
+        samples=tuple(s for s in state.samples if s[0] >= now - spec.forecast_window_seconds),
+    )
+
+
+def _finish(ctx: PolicyContext, state: PolicyState, replicas: int, reason: Reason, msg: str,
+            reactive: int | None, predicted: int | None) -> tuple[ReplicaDecision, PolicyState]:
+    cur = ctx.current_replicas
+    if replicas != cur:
+        state = replace(state, events=state.events + ((ctx.now, replicas - cur),))
+    decision = ReplicaDecision(
+        service=ctx.spec.name, current=cur, replicas=replicas, reason=reason, message=msg, at=ctx.now,
+        metric=ctx.metric, reactive=reactive, forecast=predicted)
+    return decision, state

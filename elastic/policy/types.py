@@ -1,0 +1,122 @@
+"""Value types of the replica policy: context in, decision and state out.
+
+Pure data: no clock, no I/O. ``PolicyContext`` is a snapshot (spec, replicas, one metric
+reading, ``now``, the previous ``PolicyState``); ``decide`` returns a ``ReplicaDecision``
+with a machine-readable ``Reason`` and a human message, plus the next ``PolicyState``.
+The state is an immutable value, so the controller, the simulator and the tests can keep,
+copy, persist or replay it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from elastic.model import InferenceSpec
+
+
+class Reason(StrEnum):
+    """Why the replica count is what it is (flows into the DB log, CR conditions, dashboards)."""
+
+    SCALED_UP = "ScaledUp"
+    SCALED_DOWN = "ScaledDown"
+    STEADY = "Steady"  # outside the tolerance band but the rounded answer equals current
+    WITHIN_TOLERANCE = "WithinTolerance"
+    LIMITED_BY_MAX = "LimitedByMax"
+    LIMITED_BY_MIN = "LimitedByMin"
+    LIMITED_BY_RATE = "LimitedByRate"
+    STABILIZING = "Stabilizing"
+    FORECAST = "Forecast"
+    METRICS_MISSING = "MetricsMissing"
+    ACTIVATED = "Activated"  # left zero: metric above the activation threshold
+    DEACTIVATED = "Deactivated"  # went to zero: metric at/below the activation threshold
+    NO_METRIC = "NoMetric"  # spec has no metric: replicas only follow min/max
+
+
+@dataclass(frozen=True)
+class HoltWintersState:
+    """Online additive Holt-Winters over fixed-length buckets (see ``forecast.py``).
+
+    ``first`` buffers bucket means until one full season is seen; then ``level``/``trend``/
+    ``season`` are initialised classically and updated once per closed bucket.
+    """
+
+    season_seconds: float
+    buckets: int
+    level: float | None = None
+    trend: float = 0.0
+    season: tuple[float, ...] = ()
+    first: tuple[float, ...] = ()
+    bucket: int | None = None  # absolute bucket number being accumulated: floor(t / bucket_seconds)
+    acc_sum: float = 0.0
+    acc_n: int = 0
+    last_closed: int | None = None
+
+    @property
+    def bucket_seconds(self) -> float:
+        return self.season_seconds / self.buckets
+
+    @property
+    def ready(self) -> bool:
+        return self.level is not None
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    """What one service's policy remembers between ticks (HPA: recommendations + scale events).
+
+    * ``recommendations``: (t, replicas) unstabilised recommendations, for the windows.
+    * ``events``: (t, change) replica changes this policy decided, for the rate policies.
+    * ``samples``: (t, load) recent load, for the trend forecast.
+    * ``holt``: Holt-Winters state, for the seasonal forecast.
+    """
+
+    recommendations: tuple[tuple[float, int], ...] = ()
+    events: tuple[tuple[float, int], ...] = ()
+    samples: tuple[tuple[float, float], ...] = ()
+    holt: HoltWintersState | None = None
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """One snapshot for ``decide``.
+
+    ``current_replicas`` is the count the backend has been asked for (the HPA's
+    ``.spec.replicas``), including replicas still starting. ``metric`` is the aggregated
+    reading (None = missing); ``stale`` marks a reading that may be incomplete or old.
+    """
+
+    spec: InferenceSpec
+    current_replicas: int
+    metric: float | None
+    now: float
+    state: PolicyState = field(default_factory=PolicyState)
+    stale: bool = False
+
+    @classmethod
+    def from_sample(cls, spec: InferenceSpec, current_replicas: int, sample: Any, now: float,
+                    state: PolicyState | None = None) -> PolicyContext:
+        """Build from an ``elastic.metrics.MetricSample`` (duck-typed: keeps this module pure)."""
+        value = None if sample is None else float(sample.value)
+        stale = bool(sample is not None and sample.stale)
+        return cls(spec, current_replicas, value, now, state or PolicyState(), stale)
+
+
+@dataclass(frozen=True)
+class ReplicaDecision:
+    """The answer for one service at one tick."""
+
+    service: str
+    current: int
+    replicas: int
+    reason: Reason
+    message: str
+    at: float
+    metric: float | None = None
+    reactive: int | None = None  # after ratio + tolerance, before forecast/windows/limits
+    forecast: int | None = None  # replicas the forecast asks for (None: no forecast)
+
+    @property
+    def change(self) -> int:
+        return self.replicas - self.current

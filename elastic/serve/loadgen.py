@@ -1,0 +1,235 @@
+"""Open-loop load generator: Poisson arrivals following a rate profile, streaming requests,
+TTFT and end-to-end latency per request, SLO attainment.
+
+Open loop: a request is sent at its arrival time whether or not earlier ones finished (as
+users do), so an overloaded service shows up as growing TTFT, not as a slower generator.
+Bounded on purpose: ``duration`` seconds and ``max_requests`` requests at most, and, unless
+``allow_remote=True``, loopback targets only. Requests go to the target with the fewest
+requests in flight (a least-outstanding balancer); targets may change while running.
+
+``python -m elastic.serve.loadgen --target http://127.0.0.1:8000 --profile diurnal ...``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+
+from elastic.serve.profiles import (
+    BurstProfile,
+    ConstantProfile,
+    DiurnalProfile,
+    Profile,
+    arrival_times,
+    parse_csv_profile,
+)
+
+
+@dataclass(frozen=True)
+class Result:
+    sent_at: float  # seconds since the run started
+    target: str
+    status: int  # HTTP status; 0 = connection error / timeout
+    ttft: float | None = None
+    e2e: float | None = None
+    tokens: int = 0
+
+
+@dataclass
+class Report:
+    results: list[Result] = field(default_factory=list)
+    duration: float = 0.0
+
+    @property
+    def ok(self) -> list[Result]:
+        return [r for r in self.results if r.status == 200 and r.ttft is not None]
+
+    def slo_attainment(self, ttft_target: float, since: float = 0.0) -> float:
+        """Share of requests sent after ``since`` whose TTFT met the target (failures count as misses)."""
+        sent = [r for r in self.results if r.sent_at >= since]
+        if not sent:
+            return float("nan")
+        return sum(1 for r in sent if r.ttft is not None and r.ttft <= ttft_target) / len(sent)
+
+    def ttft_quantile(self, q: float, since: float = 0.0) -> float | None:
+        vals = sorted(r.ttft for r in self.ok if r.sent_at >= since and r.ttft is not None)
+        return vals[min(len(vals) - 1, int(q * len(vals)))] if vals else None
+
+    def summary(self, ttft_target: float) -> dict:
+        ok = self.ok
+        return {
+            "requests": len(self.results), "ok": len(ok),
+            "rejected": sum(1 for r in self.results if r.status in (429, 503)),
+            "errors": sum(1 for r in self.results if r.status not in (200, 429, 503)),
+            "ttft_p50": self.ttft_quantile(0.5), "ttft_p90": self.ttft_quantile(0.9),
+            "e2e_p50": _q([r.e2e for r in ok if r.e2e is not None], 0.5),
+            "slo_ttft_seconds": ttft_target, "slo_attainment": self.slo_attainment(ttft_target),
+            "duration_seconds": self.duration,
+        }
+
+
+def _q(vals: list[float], q: float) -> float | None:
+    vals = sorted(vals)
+    return vals[min(len(vals) - 1, int(q * len(vals)))] if vals else None
+
+
+def check_loopback(url: str) -> None:
+    host = urlparse(url).hostname or ""
+    try:
+        loop = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loop = False
+    if not loop:
+        raise ValueError(f"target {url!r} is not a loopback address; pass allow_remote=True (--allow-remote) "
+                         "to load a remote service on purpose")
+
+
+class LoadGenerator:
+    """``targets``: replica base URLs, or a callable returning the current list."""
+
+    def __init__(self, targets: Sequence[str] | Callable[[], Sequence[str]], profile: Profile, *,
+                 duration: float, max_requests: int = 10_000, max_tokens: int = 16, prompt: str = "Hello",
+                 timeout: float = 30.0, seed: int = 0, allow_remote: bool = False) -> None:
+        if duration <= 0 or max_requests < 1 or max_tokens < 1:
+            raise ValueError(f"duration > 0, max_requests >= 1, max_tokens >= 1 required "
+                             f"(got {duration}, {max_requests}, {max_tokens})")
+        self._targets = targets
+        self.profile, self.duration, self.max_requests = profile, duration, max_requests
+        self.max_tokens, self.prompt, self.timeout = max_tokens, prompt, timeout
+        self.allow_remote = allow_remote
+        self.rng = random.Random(seed)
+        self.in_flight: dict[str, int] = {}
+        self.report = Report()
+        self.started: float | None = None
+        self._stop = False
+
+    def stop(self) -> None:
+        """Ask a running ``run()`` to stop sending and to drop what is in flight (thread-safe)."""
+        self._stop = True
+
+    def targets(self) -> list[str]:
+        urls = [u.rstrip("/") for u in (self._targets() if callable(self._targets) else self._targets)]
+        if not self.allow_remote:
+            for u in urls:
+                check_loopback(u)
+        return urls
+
+    def elapsed(self) -> float:
+        return 0.0 if self.started is None else time.monotonic() - self.started
+
+    async def run(self) -> Report:
+        """1. draw arrival times, 2. fire each at its time (open loop), 3. wait (bounded), 4. report."""
+        self.targets()  # fail fast on a remote target
+        arrivals = arrival_times(self.profile, self.duration, self.rng, self.max_requests)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=self.timeout, limits=limits) as client:
+            self.started = time.monotonic()
+            tasks = []
+            for t in arrivals:
+                while not self._stop and self.elapsed() < t:
+                    await asyncio.sleep(min(0.05, t - self.elapsed()))
+                if self._stop:
+                    break
+                tasks.append(asyncio.create_task(self._one(client, self.elapsed())))
+            deadline = self.elapsed() + self.timeout + 1.0
+            pending = {t for t in tasks if not t.done()}
+            while pending and not self._stop and self.elapsed() < deadline:
+                _, pending = await asyncio.wait(pending, timeout=0.1)
+            for p in pending:
+                p.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        self.report.duration = self.elapsed()
+        self.report.results.sort(key=lambda r: r.sent_at)
+        return self.report
+
+    async def _one(self, client: httpx.AsyncClient, sent_at: float) -> None:
+        urls = self.targets()
+        if not urls:
+            self.report.results.append(Result(sent_at, "", 0))
+            return
+        # Least outstanding requests; ties broken at random so equal replicas share evenly.
+        target = min(urls, key=lambda u: (self.in_flight.get(u, 0), self.rng.random()))
+        self.in_flight[target] = self.in_flight.get(target, 0) + 1
+        try:
+            self.report.results.append(await self._request(client, target, sent_at))
+        finally:
+            self.in_flight[target] -= 1
+
+    async def _request(self, client: httpx.AsyncClient, target: str, sent_at: float) -> Result:
+        body = {"prompt": self.prompt, "max_tokens": self.max_tokens, "stream": True}
+        t0 = time.monotonic()
+        ttft, tokens = None, 0
+        try:
+            async with client.stream("POST", f"{target}/v1/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    await resp.aread()
+                    return Result(sent_at, target, resp.status_code)
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk["choices"][0]["text"] or chunk["choices"][0]["finish_reason"] is None:
+                        ttft = ttft if ttft is not None else time.monotonic() - t0
+                        tokens += 1
+            return Result(sent_at, target, 200, ttft, time.monotonic() - t0, tokens)
+        except (TimeoutError, httpx.HTTPError):
+            return Result(sent_at, target, 0, ttft)
+
+
+# ---- command line ----------------------------------------------------------------------------------
+
+
+def build_profile(a: argparse.Namespace) -> Profile:
+    if a.profile == "constant":
+        return ConstantProfile(a.rate)
+    if a.profile == "diurnal":
+        return DiurnalProfile(peak=a.rate, day_seconds=a.day_seconds, start_fraction=a.start_hour / 24)
+    if a.profile == "bursts":
+        bursts = tuple(tuple(float(x) for x in b.split(":")) for b in a.burst)
+        if any(len(b) != 3 for b in bursts):
+            raise ValueError("--burst expects START:DURATION:RATE")
+        return BurstProfile(a.rate, bursts)  # type: ignore[arg-type]
+    path = Path(a.profile)
+    return parse_csv_profile(path.read_text(), source=str(path))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m elastic.serve.loadgen", description=__doc__.split("\n")[0])
+    p.add_argument("--target", action="append", required=True, help="replica base URL (repeat for several)")
+    p.add_argument("--profile", default="constant", help="constant | diurnal | bursts | path to a CSV "
+                   "'t_seconds,requests_per_second'")
+    p.add_argument("--rate", type=float, default=5.0, help="req/s (constant), peak (diurnal) or base (bursts)")
+    p.add_argument("--day-seconds", type=float, default=600.0, help="diurnal: length of the compressed day")
+    p.add_argument("--start-hour", type=float, default=0.0, help="diurnal: time of day at start")
+    p.add_argument("--burst", action="append", default=[], help="bursts: START:DURATION:RATE (repeatable)")
+    p.add_argument("--duration", type=float, default=60.0)
+    p.add_argument("--max-requests", type=int, default=10_000)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--ttft-slo", type=float, default=0.5, help="TTFT target, seconds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--allow-remote", action="store_true", help="allow non-loopback targets")
+    a = p.parse_args(argv)
+    try:
+        gen = LoadGenerator(a.target, build_profile(a), duration=a.duration, max_requests=a.max_requests,
+                            max_tokens=a.max_tokens, seed=a.seed, allow_remote=a.allow_remote)
+        report = asyncio.run(gen.run())
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.summary(a.ttft_slo), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
