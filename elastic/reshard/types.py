@@ -75,7 +75,7 @@ class ReshardPlan:
     bytes_total_state: int  # bytes of one full copy of the state (every tensor, every kind, once)
     bytes_needed: int  # bytes all new ranks hold after the reshard (replicas counted per holder)
     bytes_lower_bound: int  # needed minus already local under the chosen rank map
-    bytes_lower_bound_without_remap: int  # the same under the identity map (sorted worker ids)
+    bytes_lower_bound_without_remap: int  # the same under the identity map (new ranks in new_workers order)
     bytes_planned: int  # bytes the messages carry
     send_bytes: dict[str, int] = field(default_factory=dict)
     recv_bytes: dict[str, int] = field(default_factory=dict)
