@@ -1,0 +1,117 @@
+"""Migrations: ``elastic db upgrade`` applies them once, and they match the ORM models."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from typer.testing import CliRunner
+
+from elastic.cli import app
+from elastic.store import Store, current_revision, head_revision, upgrade
+from elastic.store.models import Base
+
+EXPECTED_TABLES = {
+    "alembic_version", "pools", "inference_services", "training_jobs", "allocations", "decisions",
+    "reshard_events", "pending_actions", "audit_log", "leases",
+}
+
+
+def test_cli_upgrade_twice_is_a_noop(db_url: str) -> None:
+    runner = CliRunner()
+    first = runner.invoke(app, ["db", "upgrade", "--db", db_url])
+    assert first.exit_code == 0, first.output
+    assert f"upgraded <empty> -> {head_revision()}" in first.output
+    second = runner.invoke(app, ["db", "upgrade", "--db", db_url])
+    assert second.exit_code == 0, second.output
+    assert "up to date" in second.output and "nothing to do" in second.output
+    current = runner.invoke(app, ["db", "current", "--db", db_url])
+    assert f"revision {head_revision()}, head {head_revision()} (up to date)" in current.output
+
+    store = Store.from_url(db_url)
+    try:
+        assert set(sa.inspect(store.engine).get_table_names()) == EXPECTED_TABLES
+        assert current_revision(store) == head_revision()
+    finally:
+        store.dispose()
+
+
+def test_cli_reads_url_from_env(db_url: str, monkeypatch) -> None:
+    monkeypatch.setenv("ELASTIC_DB_URL", db_url)
+    result = CliRunner().invoke(app, ["db", "upgrade"])
+    assert result.exit_code == 0 and "upgraded" in result.output, result.output
+
+
+def test_upgrade_result_lists_applied_revisions(db_url: str) -> None:
+    r1 = upgrade(db_url)
+    assert (r1.before, r1.after, r1.applied) == (None, head_revision(), ("0001",))
+    r2 = upgrade(db_url)
+    assert (r2.before, r2.after, r2.applied) == (head_revision(), head_revision(), ())
+
+
+def test_models_and_migrations_are_in_sync(db_url: str) -> None:
+    """Autogenerate against the migrated database finds nothing to do: the migrations
+    create exactly what the models declare (types, nullability, indexes, constraints)."""
+    store = Store.from_url(db_url)
+    try:
+        upgrade(store)
+        with store.engine.connect() as conn:
+            ctx = MigrationContext.configure(conn, opts={"compare_type": True, "compare_server_default": True})
+            diff = compare_metadata(ctx, Base.metadata)
+        assert diff == [], f"models differ from migrations on {store.dialect}: {diff}"
+    finally:
+        store.dispose()
+
+
+def test_sync_check_detects_drift(db_url: str) -> None:
+    """The sync check above can fail: a model column the migrations lack shows up."""
+    store = Store.from_url(db_url)
+    try:
+        upgrade(store)
+        md = sa.MetaData()
+        for t in Base.metadata.tables.values():
+            t.to_metadata(md)
+        sa.Table("leases", md, sa.Column("note", sa.Text()), extend_existing=True)
+        with store.engine.connect() as conn:
+            diff = compare_metadata(MigrationContext.configure(conn), md)
+        assert any(d[0] == "add_column" and d[3].name == "note" for d in diff), diff
+    finally:
+        store.dispose()
+
+
+_UPGRADE = "import sys; from elastic.store import upgrade; print(','.join(upgrade(sys.argv[1]).applied) or '-')"
+
+
+def test_concurrent_upgrades_apply_once(db_url: str) -> None:
+    """Two controllers starting at once (two processes): the migration runs once, both succeed."""
+    procs = [subprocess.Popen([sys.executable, "-c", _UPGRADE, db_url], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        outs.append(out.strip())
+    assert sorted(outs) == ["-", "0001"], outs
+
+
+def test_concurrent_upgrades_in_one_process(db_url: str) -> None:
+    """Alembic's context is process-global: threads must take turns, not crash."""
+    results: list[object] = []
+
+    def run() -> None:
+        try:
+            results.append(upgrade(db_url).applied)
+        except Exception as e:  # recorded, asserted below
+            results.append(e)
+
+    threads = [threading.Thread(target=run, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert all(isinstance(r, tuple) for r in results), results
+    assert sorted(results, key=len) == [(), ("0001",)], results
