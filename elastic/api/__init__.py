@@ -1,0 +1,13 @@
+"""The admin REST API (FastAPI): ``create_app`` builds it, ``serve_api`` runs it in a thread.
+
+See ``app.py`` for the endpoints, ``auth.py`` for tokens, ``problems.py`` for the error
+shape and ``pagination.py`` for continue tokens.
+"""
+
+from __future__ import annotations
+
+from elastic.api.app import create_app
+from elastic.api.auth import Principal, TokenSet
+from elastic.api.server import ApiServer, serve_api
+
+__all__ = ["ApiServer", "Principal", "TokenSet", "create_app", "serve_api"]

@@ -1,0 +1,595 @@
+"""The admin REST API: see where every GPU is and why, and intervene without editing the DB.
+
+What it is for: ``create_app(store, controller, tokens=...)`` builds a FastAPI app with
+
+* reads under ``/api/v1``: pools, inference services, training jobs, the controller's state,
+  the decision log and a job's reshard history (``limit`` + opaque ``continue`` paging);
+* writes under ``/api/v1``: create/replace/delete services and jobs (refused with 409 in
+  operator mode, where Kubernetes custom resources own the specs), pin a job's layout
+  (validated by the planner), pin a service's replicas until a time, pause/resume;
+* ``/healthz`` (the process answers), ``/readyz`` (DB reachable and controller ready),
+  ``/metrics`` (Prometheus), ``/openapi.json``.
+
+Every error is ``application/problem+json`` naming the field and the fix. Writes need an
+``admin`` bearer token, reads optionally any token; every accepted write is recorded in the
+audit log in the same transaction as its effect, and a rejected request changes nothing.
+
+What it must not do: decide. The API records operator intent (store rows, controller
+overrides/pins/pause); the controller's next tick acts on it. It never calls a backend.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+
+from fastapi import Depends, FastAPI, Path, Query, Request, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import elastic
+from elastic import store as db
+from elastic.api import schemas as S
+from elastic.api.auth import Principal, TokenSet
+from elastic.api.pagination import ContinueCodec
+from elastic.api.problems import PROBLEM_JSON, Problem, ProblemDetail, install, invalid, problem_response
+from elastic.model import (
+    InferenceSpec,
+    Layout,
+    PoolSpec,
+    SpecError,
+    TrainingSpec,
+    check_layout,
+    load_hardware,
+    load_model,
+)
+
+log = logging.getLogger("elastic.api")
+
+API = "/api/v1"
+DEFAULT_LIMIT = 50
+MAX_LIMIT = 500
+WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$"
+
+Name = Annotated[str, Path(pattern=NAME_PATTERN, description="workload or pool name")]
+Limit = Annotated[int, Query(ge=1, le=MAX_LIMIT, description=f"page size, 1..{MAX_LIMIT}")]
+Continue = Annotated[str | None, Query(alias="continue", max_length=2048,
+                                       description="token from the previous page's metadata.continue")]
+Order = Annotated[Literal["asc", "desc"], Query(description="desc: newest first (default); asc: oldest first")]
+
+
+# ---- OpenAPI: the error responses each route can give -----------------------------------------------
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    text = {400: "Malformed request (e.g. invalid JSON or continue token)", 401: "Missing or unknown bearer token",
+            403: "The token is read-only", 404: "Not found", 409: "Conflict with the current state",
+            415: "The body is not JSON (send Content-Type: application/json)",
+            422: "Invalid input; 'field' names it", 503: "Database or controller unavailable"}
+    return {c: {"description": text[c], "model": ProblemDetail, "content": {PROBLEM_JSON: {}}} for c in codes}
+
+
+READ_ERR = (401, 422, 503)
+WRITE_ERR = (400, 401, 403, 409, 415, 422, 503)
+
+
+# ---- authentication gate ------------------------------------------------------------------------------
+
+def _unauthorized(detail: str, error: str | None = None) -> Problem:
+    challenge = 'Bearer realm="elastic"' + (f', error="{error}"' if error else "")
+    return Problem(401, "unauthorized", detail, headers={"WWW-Authenticate": challenge})
+
+
+class AuthGate:
+    """ASGI middleware: authenticates ``/api/v1`` requests before routing and body parsing.
+
+    Running first means an unauthenticated client learns nothing about bodies or routes (it
+    gets 401 whether its JSON is valid or not). Writes need an ``admin`` token; reads need a
+    token only when ``require_auth_for_reads``. The principal goes to ``scope['state']``.
+    """
+
+    def __init__(self, app: ASGIApp, tokens: TokenSet, require_auth_for_reads: bool) -> None:
+        self.app, self.tokens, self.reads = app, tokens, require_auth_for_reads
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(API + "/") and scope["path"] != API:
+            await self.app(scope, receive, send)
+            return
+        write = scope["method"] in WRITE_METHODS
+        principal = self.tokens.authenticate(_bearer(scope))
+        problem = self._check(write, principal, _bearer(scope) is not None)
+        if problem is not None:
+            await problem_response(problem)(scope, receive, send)
+            return
+        scope.setdefault("state", {})["principal"] = principal
+        await self.app(scope, receive, send)
+
+    def _check(self, write: bool, principal: Principal | None, presented: bool) -> Problem | None:
+        if not write and not self.reads:
+            return None
+        if principal is None:
+            if not presented:
+                hint = ("no API tokens are configured on the server; start it with --token-file or "
+                        "ELASTIC_API_TOKENS" if len(self.tokens) == 0 else
+                        "send 'Authorization: Bearer <token>'")
+                return _unauthorized(f"{'writes' if write else 'reads'} need a bearer token; {hint}")
+            return _unauthorized("unknown bearer token", error="invalid_token")
+        if write and not principal.can_write:
+            return Problem(403, "forbidden", f"token '{principal.name}' has role 'read'; writes need an "
+                                             "'admin' token")
+        return None
+
+
+def _bearer(scope: Scope) -> str | None:
+    for k, v in scope.get("headers", ()):
+        if k == b"authorization":
+            scheme, _, token = v.decode("latin-1").partition(" ")
+            return token.strip() or None if scheme.lower() == "bearer" else None
+    return None
+
+
+_bearer_doc = HTTPBearer(auto_error=False, description="token from --token-file / ELASTIC_API_TOKENS")
+
+
+def principal(request: Request, _: HTTPAuthorizationCredentials | None = Depends(_bearer_doc)) -> Principal:
+    """The authenticated writer (the gate already refused anyone else)."""
+    p = getattr(request.state, "principal", None)
+    if p is None:  # only reachable if the gate is bypassed: refuse rather than write anonymously
+        raise _unauthorized("writes need a bearer token")
+    return p
+
+
+def reader(_: HTTPAuthorizationCredentials | None = Depends(_bearer_doc)) -> None:
+    """Documents the optional bearer token on reads (the gate enforces it when configured)."""
+
+
+Writer = Annotated[Principal, Depends(principal)]
+
+
+# ---- record -> response ---------------------------------------------------------------------------------
+
+def _workload(r: db.WorkloadRecord) -> S.Workload:
+    return S.Workload(name=r.name, pool=r.pool, spec=r.spec, status=r.status, created_at=r.created_at,
+                      updated_at=r.updated_at)
+
+
+def _decision(r: db.DecisionRecord) -> S.Decision:
+    return S.Decision(id=r.id, tick_at=r.tick_at, pool=r.pool, reason=r.reason, message=r.message,
+                      inputs=r.inputs, plan=r.plan)
+
+
+def _reshard(r: db.ReshardRecord) -> S.Reshard:
+    return S.Reshard(**{f: getattr(r, f) for f in S.Reshard.model_fields})
+
+
+def _epoch(t: float) -> datetime:
+    return datetime.fromtimestamp(t, tz=UTC)
+
+
+class _Api:
+    """The route handlers' shared state: store, controller, clock, paging codec."""
+
+    def __init__(self, store: db.Store, controller: Any | None, operator_mode: bool,
+                 clock: Callable[[], float], codec: ContinueCodec) -> None:
+        self.store, self.ctl, self.operator_mode, self.codec = store, controller, operator_mode, codec
+        self.clock = clock
+
+    # ---- helpers -------------------------------------------------------------------------------------
+    def now(self) -> float:
+        """The controller's clock when there is one (overrides are compared against it)."""
+        return float(self.ctl.clock()) if self.ctl is not None else self.clock()
+
+    def controller(self) -> Any:
+        if self.ctl is None:
+            raise Problem(503, "no-controller", "no controller runs in this process; this request needs "
+                                                "'elastic serve' (or the operator) with the admin API enabled")
+        return self.ctl
+
+    def specs_writable(self, kind: str, name: str) -> None:
+        if self.operator_mode:
+            crd = "InferenceService" if kind == "service" else "TrainingJob"
+            raise Problem(409, "owned-by-kubernetes",
+                          f"{kind} specs are owned by Kubernetes custom resources in operator mode; use "
+                          f"'kubectl apply -f <{crd}.yaml>' or 'kubectl delete {crd.lower()} {name}' instead")
+
+    def pool_spec(self, name: str, field: str = "pool") -> PoolSpec:
+        rec = db.get_pool(self.store, name)
+        if rec is None:
+            known = ", ".join(p.name for p in db.list_pools(self.store)) or "none yet"
+            raise invalid(field, f"unknown pool '{name}'; known pools: {known}")
+        return PoolSpec.model_validate(rec.spec)
+
+    def page(self, rows: list[Any], limit: int, query: dict[str, Any]) -> S.ListMeta:
+        more = len(rows) > limit
+        token = self.codec.encode(rows[limit - 1].id, query) if more else None
+        return S.ListMeta(continue_=token)
+
+    @contextmanager
+    def audited(self, who: Principal, action: str, target: str, detail: Any) -> Iterator[Any]:
+        """One transaction holding the write and its audit entry: both or neither."""
+        with self.store.session() as s:
+            yield s
+            db.record_audit(s, actor=who.name, action=action, target=target, detail={"request": detail})
+
+
+def _check_service(api: _Api, body: S.ServiceWrite) -> None:
+    pool = api.pool_spec(body.pool)
+    s, gpn = body.spec, pool.gpus_per_node
+    if s.gpus_per_replica > gpn and s.gpus_per_replica % gpn:
+        raise invalid("spec.gpus_per_replica", f"{s.gpus_per_replica} GPUs per replica is more than a node ({gpn}) "
+                                               "and not a multiple of it; a larger replica takes whole nodes")
+    need = s.min_replicas * s.gpus_per_replica
+    if need > pool.total_gpus:
+        raise invalid("spec.min_replicas", f"{s.min_replicas} x {s.gpus_per_replica} = {need} GPUs exceeds pool "
+                                           f"'{pool.name}' ({pool.total_gpus} GPUs); lower min_replicas")
+
+
+def _check_job(api: _Api, body: S.JobWrite) -> None:
+    pool = api.pool_spec(body.pool)
+    try:
+        load_model(body.spec.model)
+    except SpecError as e:
+        raise invalid("spec.model", str(e)) from None
+    if body.spec.min_gpus > pool.total_gpus:
+        raise invalid("spec.min_gpus", f"{body.spec.min_gpus} exceeds pool '{pool.name}' ({pool.total_gpus} GPUs)")
+
+
+def _name_free(api: _Api, s: Any, name: str, kind: str) -> None:
+    other = db.get_job(s, name) if kind == "service" else db.get_service(s, name)
+    if other is not None:
+        raise Problem(409, "name-taken", f"'{name}' is already a {'training job' if kind == 'service' else 'service'}"
+                                         "; names are unique across services and jobs")
+
+
+# ---- routes ---------------------------------------------------------------------------------------------
+
+def _routes_reads(app: FastAPI, api: _Api, require_auth: bool) -> None:
+    deps = [Depends(reader)] if require_auth else []  # documents the bearer scheme only where it is needed
+
+    @app.get(f"{API}/pools", response_model=S.PoolList, responses=_errors(*READ_ERR), dependencies=deps,
+             tags=["pools"])
+    def list_pools() -> S.PoolList:
+        return S.PoolList(items=[_pool(api, p) for p in db.list_pools(api.store)])
+
+    @app.get(f"{API}/pools/{{name}}", response_model=S.Pool, responses=_errors(404, *READ_ERR), dependencies=deps,
+             tags=["pools"])
+    def get_pool(name: Name) -> S.Pool:
+        rec = db.get_pool(api.store, name)
+        if rec is None:
+            raise Problem(404, "not-found", f"pool '{name}' not found; GET {API}/pools lists them")
+        return _pool(api, rec)
+
+    for kind, lister, getter in (("services", db.list_services, db.get_service), ("jobs", db.list_jobs, db.get_job)):
+        _workload_reads(app, api, kind, lister, getter, deps)
+
+    @app.get(f"{API}/decisions", response_model=S.DecisionList, response_model_by_alias=True,
+             responses=_errors(400, *READ_ERR), dependencies=deps, tags=["history"])
+    def list_decisions(limit: Limit = DEFAULT_LIMIT, cont: Continue = None, pool: str | None = None,
+                       order: Order = "desc") -> S.DecisionList:
+        query = {"pool": pool, "order": order}
+        after = api.codec.decode(cont, query) if cont else None
+        rows = db.list_decisions(api.store, limit + 1, after, pool=pool, newest_first=order == "desc")
+        return S.DecisionList(items=[_decision(r) for r in rows[:limit]], metadata=api.page(rows, limit, query))
+
+    @app.get(f"{API}/jobs/{{name}}/reshards", response_model=S.ReshardList, response_model_by_alias=True,
+             responses=_errors(400, 404, *READ_ERR), dependencies=deps, tags=["history"])
+    def list_reshards(name: Name, limit: Limit = DEFAULT_LIMIT, cont: Continue = None,
+                      order: Order = "desc") -> S.ReshardList:
+        if db.get_job(api.store, name) is None:
+            raise Problem(404, "not-found", f"training job '{name}' not found")
+        query = {"job": name, "order": order}
+        after = api.codec.decode(cont, query) if cont else None
+        rows = db.list_reshards(api.store, name, limit + 1, after, newest_first=order == "desc")
+        return S.ReshardList(items=[_reshard(r) for r in rows[:limit]], metadata=api.page(rows, limit, query))
+
+    @app.get(f"{API}/controller", response_model=S.ControllerStatus, responses=_errors(*READ_ERR),
+             dependencies=deps, tags=["controller"])
+    def controller_status() -> S.ControllerStatus:
+        return _controller_status(api.controller())
+
+
+def _pool(api: _Api, rec: db.PoolRecord) -> S.Pool:
+    alloc = db.current_allocations(api.store, rec.name)
+    lease = db.lease_holder(api.store, rec.name, now=_epoch(api.now()))
+    try:
+        total: int | None = PoolSpec.model_validate(rec.spec).total_gpus
+    except ValueError:  # a spec written by a newer version: still list the pool
+        total = None
+    return S.Pool(name=rec.name, spec=rec.spec, total_gpus=total,
+                  allocated_gpus={w: len(a.gpus) for w, a in alloc.items()},
+                  leader=lease.owner if lease else None, created_at=rec.created_at, updated_at=rec.updated_at)
+
+
+def _workload_reads(app: FastAPI, api: _Api, kind: str, lister: Any, getter: Any, deps: list[Any]) -> None:
+    what = "inference service" if kind == "services" else "training job"
+
+    @app.get(f"{API}/{kind}", response_model=S.WorkloadList, responses=_errors(*READ_ERR), dependencies=deps,
+             tags=[kind], name=f"list_{kind}")
+    def list_all(pool: str | None = None) -> S.WorkloadList:
+        return S.WorkloadList(items=[_workload(r) for r in lister(api.store, pool)])
+
+    @app.get(f"{API}/{kind}/{{name}}", response_model=S.Workload, responses=_errors(404, *READ_ERR),
+             dependencies=deps, tags=[kind], name=f"get_{kind}")
+    def get_one(name: Name) -> S.Workload:
+        rec = getter(api.store, name)
+        if rec is None:
+            raise Problem(404, "not-found", f"{what} '{name}' not found; GET {API}/{kind} lists them")
+        return _workload(rec)
+
+
+def _controller_status(ctl: Any) -> S.ControllerStatus:
+    t = ctl.last_tick
+    last = None if t is None else S.LastTick(at=_epoch(t.at), acted=t.acted, reason=t.reason, message=t.message,
+                                              seconds=t.seconds, error=t.error)
+    overrides = {s: {"replicas": r, "until": _epoch(u).isoformat()} for s, (r, u) in dict(ctl.overrides).items()}
+    pinned = {j: next(iter(tbl.values()))[0] for j, tbl in dict(ctl.pinned).items() if tbl}
+    return S.ControllerStatus(pool=ctl.pool, owner=ctl.owner, leader=bool(ctl.is_leader), paused=bool(ctl.paused),
+                              ready=bool(ctl.ready), last_error=ctl.last_error, last_tick=last, overrides=overrides,
+                              pinned=pinned)
+
+
+def _routes_spec_writes(app: FastAPI, api: _Api) -> None:
+    """POST/PUT/DELETE of services and jobs: validate, then write + audit in one transaction."""
+    for kind, body_t, checker, upsert, getter, deleter in (
+        ("service", S.ServiceWrite, _check_service, db.upsert_service, db.get_service, db.delete_service),
+        ("job", S.JobWrite, _check_job, db.upsert_job, db.get_job, db.delete_job),
+    ):
+        _spec_writes(app, api, kind, body_t, checker, upsert, getter, deleter)
+
+
+def _spec_writes(app: FastAPI, api: _Api, kind: str, body_t: Any, checker: Any, upsert: Any, getter: Any,
+                 deleter: Any) -> None:
+    plural = kind + "s"
+    what = "inference service" if kind == "service" else "training job"
+
+    def _spec_doc(body: Any) -> dict[str, Any]:
+        return body.spec.model_dump(mode="json", by_alias=True)
+
+    def create(body: Any, who: Writer) -> S.Workload:
+        name = body.spec.name
+        api.specs_writable(kind, name)
+        checker(api, body)
+        with api.audited(who, f"{kind}.create", f"{kind}/{name}", body.model_dump(mode="json", by_alias=True)) as s:
+            if getter(s, name) is not None:
+                raise Problem(409, "exists", f"{what} '{name}' already exists; PUT {API}/{plural}/{name} replaces it")
+            _name_free(api, s, name, kind)
+            rec = upsert(s, name, body.pool, _spec_doc(body))
+        return _workload(rec)
+
+    def replace(name: Name, body: Any, who: Writer) -> S.Workload:
+        api.specs_writable(kind, name)
+        if body.spec.name != name:
+            raise invalid("spec.name", f"'{body.spec.name}' differs from the path's '{name}'; renaming is not "
+                                       "supported (create the new name, delete the old)")
+        checker(api, body)
+        with api.audited(who, f"{kind}.replace", f"{kind}/{name}", body.model_dump(mode="json", by_alias=True)) as s:
+            if getter(s, name) is None:
+                raise Problem(404, "not-found", f"{what} '{name}' not found; POST {API}/{plural} creates it")
+            rec = upsert(s, name, body.pool, _spec_doc(body))
+        return _workload(rec)
+
+    # FastAPI reads the body type from the annotation, which must be the concrete model here
+    create.__annotations__["body"] = replace.__annotations__["body"] = body_t
+    app.post(f"{API}/{plural}", status_code=201, response_model=S.Workload, responses=_errors(*WRITE_ERR),
+             tags=[plural], name=f"create_{kind}")(create)
+    app.put(f"{API}/{plural}/{{name}}", response_model=S.Workload, responses=_errors(404, *WRITE_ERR),
+            tags=[plural], name=f"replace_{kind}")(replace)
+
+    @app.delete(f"{API}/{plural}/{{name}}", status_code=204, responses=_errors(404, *WRITE_ERR), tags=[plural],
+                name=f"delete_{kind}")
+    def delete(name: Name, who: Writer) -> Response:
+        api.specs_writable(kind, name)
+        with api.audited(who, f"{kind}.delete", f"{kind}/{name}", {}) as s:
+            if not deleter(s, name):
+                raise Problem(404, "not-found", f"{what} '{name}' not found")
+        return Response(status_code=204)
+
+
+def _routes_interventions(app: FastAPI, api: _Api) -> None:
+    @app.post(f"{API}/jobs/{{name}}/rescale", status_code=202, response_model=S.RescaleResult,
+              responses=_errors(404, *WRITE_ERR), tags=["jobs"])
+    def rescale(name: Name, body: S.RescaleRequest, who: Writer) -> S.RescaleResult:
+        ctl = api.controller()
+        rec = db.get_job(api.store, name)
+        if rec is None:
+            raise Problem(404, "not-found", f"training job '{name}' not found")
+        planned = None if body.layout is None else _feasible(api, rec, body.layout)
+        layout = None if planned is None else planned.layout
+        with _restoring(ctl.pinned, name), api.audited(who, "job.rescale", f"job/{name}", body.model_dump()):
+            try:
+                ctl.pin_layout(name, layout)
+            except KeyError:
+                raise Problem(409, "not-managed", f"training job '{name}' is not managed by the running controller "
+                                                  "(it was added after the controller started); restart it") from None
+        if layout is None:
+            return S.RescaleResult(job=name, layout=None, world_size=None, tokens_per_second=None,
+                                   gpu_memory_bytes=None, message="unpinned; the co-scheduler chooses the layout")
+        return S.RescaleResult(job=name, layout=str(layout), world_size=layout.world_size,
+                               tokens_per_second=planned.tokens_per_second,
+                               gpu_memory_bytes=planned.memory.total,
+                               message=f"pinned to {layout}; the controller rescales at its next tick when "
+                                       f"{layout.world_size} GPUs are free for it")
+
+    @app.put(f"{API}/services/{{name}}/override", response_model=S.Override, responses=_errors(404, *WRITE_ERR),
+             tags=["services"])
+    def set_override(name: Name, body: S.OverrideRequest, who: Writer) -> S.Override:
+        ctl = api.controller()
+        spec = _managed_service(api, ctl, name)
+        until, now = body.until.timestamp(), api.now()
+        if until <= now:
+            raise invalid("until", f"{body.until.isoformat()} is not in the future (now {_epoch(now).isoformat()}); "
+                                   "give a later RFC 3339 time")
+        if not spec.min_replicas <= body.replicas <= spec.max_replicas:
+            raise invalid("replicas", f"{body.replicas} is outside [{spec.min_replicas}, {spec.max_replicas}] "
+                                      f"(min_replicas, max_replicas) of '{name}'")
+        with _restoring(ctl.overrides, name), api.audited(who, "service.override", f"service/{name}",
+                                                          body.model_dump(mode="json")):
+            try:
+                ctl.set_override(name, body.replicas, until)
+            except ValueError as e:
+                raise invalid("replicas", str(e)) from None
+        return S.Override(service=name, replicas=body.replicas, until=body.until,
+                          message=f"'{name}' pinned to {body.replicas} replicas until {body.until.isoformat()}")
+
+    @app.delete(f"{API}/services/{{name}}/override", response_model=S.Override, responses=_errors(404, *WRITE_ERR),
+                tags=["services"])
+    def clear_override(name: Name, who: Writer) -> S.Override:
+        ctl = api.controller()
+        _managed_service(api, ctl, name)
+        with _restoring(ctl.overrides, name), api.audited(who, "service.override.clear", f"service/{name}", {}):
+            ctl.clear_override(name)
+        return S.Override(service=name, replicas=None, until=None, message="override cleared; the policy decides")
+
+    for verb in ("pause", "resume"):
+        _pause_route(app, api, verb)
+
+
+def _pause_route(app: FastAPI, api: _Api, verb: str) -> None:
+    @app.post(f"{API}/controller/{verb}", response_model=S.ControllerStatus, responses=_errors(*WRITE_ERR),
+              tags=["controller"], name=f"controller_{verb}")
+    def act(who: Writer) -> S.ControllerStatus:
+        ctl = api.controller()
+        before = ctl.paused
+        try:
+            with api.audited(who, f"controller.{verb}", f"pool/{ctl.pool}", {}):
+                ctl.pause() if verb == "pause" else ctl.resume()
+        except BaseException:
+            ctl.paused = before  # the audit write failed: undo, so the DB and the controller agree
+            raise
+        return _controller_status(ctl)
+
+
+@contextmanager
+def _restoring(mapping: dict[str, Any], key: str) -> Iterator[None]:
+    """Put ``mapping[key]`` back as it was if the block fails (e.g. the audit commit)."""
+    had, old = key in mapping, mapping.get(key)
+    try:
+        yield
+    except BaseException:
+        if had:
+            mapping[key] = old
+        else:
+            mapping.pop(key, None)
+        raise
+
+
+def _managed_service(api: _Api, ctl: Any, name: str) -> InferenceSpec:
+    if db.get_service(api.store, name) is None:
+        raise Problem(404, "not-found", f"inference service '{name}' not found")
+    for s in ctl.cfg.services:
+        if s.name == name:
+            return s
+    raise Problem(409, "not-managed", f"inference service '{name}' is not managed by the running controller "
+                                      "(it was added after the controller started); restart it")
+
+
+def _feasible(api: _Api, rec: db.JobRecord, text: str) -> Any:
+    """Validate ``text`` for the job with the planner; 422 naming ``layout`` and the reason otherwise.
+
+    Steps: 1. parse; 2. the job's bounds and allowed degrees; 3. the pool's size; 4. the model's
+    structure (``check_layout``); 5. memory and batch (``evaluate``).
+    """
+    from elastic.parallel.planner import evaluate  # the planner is pure but heavy: import on use
+
+    try:
+        layout = Layout.parse(text)
+    except SpecError as e:
+        raise invalid("layout", str(e)) from None
+    job = TrainingSpec.model_validate(rec.spec)
+    pool = api.pool_spec(rec.pool, field="pool")
+    n = layout.world_size
+    if not job.min_gpus <= n <= job.max_gpus:
+        raise invalid("layout", f"{layout} uses {n} GPUs, outside the job's [{job.min_gpus}, {job.max_gpus}] "
+                                "(min_gpus, max_gpus)")
+    if n > pool.total_gpus:
+        raise invalid("layout", f"{layout} needs {n} GPUs; pool '{pool.name}' has {pool.total_gpus}")
+    for axis, allowed in (("tp", job.allowed_tp), ("pp", job.allowed_pp)):
+        if allowed and getattr(layout, axis) not in allowed:
+            raise invalid("layout", f"{axis}={getattr(layout, axis)} is not in the job's allowed_{axis} {allowed}")
+    try:
+        model = load_model(job.model)
+        check_layout(model, layout, pool.gpus_per_node)
+        planned = evaluate(model, layout, load_hardware(pool.hardware), gpus_per_node=pool.gpus_per_node,
+                           global_batch=job.global_batch)
+    except SpecError as e:
+        raise invalid("layout", str(e)) from None
+    if not planned.fits:
+        raise invalid("layout", f"{layout} is infeasible on {pool.hardware}: {planned.reason}")
+    return planned
+
+
+def _routes_ops(app: FastAPI, api: _Api, metrics: Callable[[], bytes]) -> None:
+    @app.get("/healthz", response_model=S.Health, tags=["ops"])
+    def healthz() -> S.Health:
+        return S.Health(status="ok")
+
+    @app.get("/readyz", response_model=S.Health, responses=_errors(503), tags=["ops"])
+    def readyz() -> S.Health:
+        checks, failed = {}, []
+        try:
+            api.store.ping()
+            checks["database"] = "ok"
+        except db.StoreError as e:
+            checks["database"] = str(e)
+            failed.append(f"database: {e}")
+        if api.ctl is not None:
+            ctl = api.ctl
+            ok = bool(ctl.ready) and not ctl.last_error
+            checks["controller"] = "ok" if ok else (ctl.last_error or "no successful tick yet")
+            if not ok:
+                failed.append(f"controller: {checks['controller']}")
+        if failed:
+            raise Problem(503, "not-ready", "not ready: " + "; ".join(failed), headers={"Retry-After": "5"})
+        return S.Health(status="ready", checks=checks)
+
+    @app.get("/metrics", tags=["ops"], response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})
+    def prometheus_metrics() -> Response:
+        return Response(metrics(), media_type=CONTENT_TYPE_LATEST)
+
+
+# ---- factory ----------------------------------------------------------------------------------------------
+
+def create_app(store: db.Store, controller: Any | None = None, *, tokens: TokenSet, operator_mode: bool = False,
+               registry: CollectorRegistry | None = None, require_auth_for_reads: bool = False,
+               clock: Callable[[], float] = time.time, continue_key: bytes | None = None) -> FastAPI:
+    """The admin API over ``store`` (and ``controller`` for interventions; None: read-only ops).
+
+    ``registry``: what ``/metrics`` serves (the serve loop's ``Exporter.registry``). None: an
+    ``Exporter`` of this app refreshed from the store and controller on every scrape.
+    ``continue_key``: key of the continue-token tag; API replicas over one DB should share it
+    (default: derived from the store URL, password masked).
+    """
+    codec = ContinueCodec(continue_key if continue_key is not None else hashlib.sha256(store.url.encode()).digest())
+    api = _Api(store, controller, operator_mode, clock, codec)
+    app = FastAPI(title="elastic admin API", version=elastic.__version__,
+                  description="Where every GPU is and why; pause the controller, pin a service, force a rescale.")
+    install(app)
+    app.add_middleware(AuthGate, tokens=tokens, require_auth_for_reads=require_auth_for_reads)
+    _routes_reads(app, api, require_auth_for_reads)
+    _routes_spec_writes(app, api)
+    _routes_interventions(app, api)
+    _routes_ops(app, api, _metrics_source(store, controller, registry))
+    app.state.api = api
+    return app
+
+
+def _metrics_source(store: db.Store, controller: Any | None, registry: CollectorRegistry | None
+                    ) -> Callable[[], bytes]:
+    if registry is not None:
+        return lambda: generate_latest(registry)
+    from elastic.metrics.exporter import Exporter
+
+    exporter = Exporter()
+
+    def render() -> bytes:
+        exporter.update_from(controller, store)
+        return generate_latest(exporter.registry)
+
+    return render

@@ -1,0 +1,167 @@
+"""Request and response bodies of the admin API (pydantic v2; they generate ``/openapi.json``).
+
+Request bodies forbid unknown fields (a typo such as ``min_replica`` is a 422 naming it,
+never silently ignored). Workload specs reuse the domain types ``InferenceSpec`` and
+``TrainingSpec``, so the API accepts exactly what the YAML config and the custom resources
+accept. Responses are plain documents; ``spec``/``status`` are the JSON the store holds.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
+
+from elastic.model import InferenceSpec, TrainingSpec
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---- requests ----------------------------------------------------------------------------------
+
+class ServiceWrite(_In):
+    """Create or replace an inference service."""
+
+    pool: str = Field(min_length=1, description="name of an existing pool (GET /api/v1/pools)")
+    spec: InferenceSpec
+
+
+class JobWrite(_In):
+    """Create or replace a training job."""
+
+    pool: str = Field(min_length=1, description="name of an existing pool (GET /api/v1/pools)")
+    spec: TrainingSpec
+
+
+class RescaleRequest(_In):
+    """Pin a training job to a layout (``null`` unpins and lets the co-scheduler choose again)."""
+
+    layout: str | None = Field(description="e.g. 'tp2.pp2.dp2'; validated by the planner against the pool's hardware",
+                               examples=["tp2.pp2.dp2"])
+
+
+class OverrideRequest(_In):
+    """Pin an inference service's replica count until a time."""
+
+    replicas: int = Field(ge=0, description="replica count to hold (within the service's min/max)")
+    until: AwareDatetime = Field(description="RFC 3339 time with offset, in the future, e.g. 2030-01-01T12:00:00Z")
+
+
+# ---- responses ---------------------------------------------------------------------------------
+
+class Pool(BaseModel):
+    name: str
+    spec: dict[str, Any]
+    total_gpus: int | None = Field(default=None, description="nodes x gpus_per_node from the spec")
+    allocated_gpus: dict[str, int] = Field(description="workload -> GPUs it holds now")
+    leader: str | None = Field(description="owner of the controller lease, or null when none holds it")
+    created_at: datetime
+    updated_at: datetime
+
+
+class Workload(BaseModel):
+    """An inference service or a training job."""
+
+    name: str
+    pool: str
+    spec: dict[str, Any]
+    status: dict[str, Any]
+    created_at: datetime
+    updated_at: datetime
+
+
+class ListMeta(BaseModel):
+    continue_: str | None = Field(default=None, alias="continue",
+                                  description="opaque token for the next page; absent on the last page")
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
+class PoolList(BaseModel):
+    items: list[Pool]
+
+
+class WorkloadList(BaseModel):
+    items: list[Workload]
+
+
+class Decision(BaseModel):
+    id: int
+    tick_at: datetime
+    pool: str
+    reason: str = Field(description="machine-readable reason code, e.g. InferenceDemand")
+    message: str
+    inputs: dict[str, Any]
+    plan: dict[str, Any]
+
+
+class DecisionList(BaseModel):
+    items: list[Decision]
+    metadata: ListMeta
+
+
+class Reshard(BaseModel):
+    id: int
+    job: str
+    pool: str
+    generation: int
+    from_layout: str
+    to_layout: str
+    bytes_planned: int
+    bytes_lower_bound: int
+    bytes_moved: int | None
+    started_at: datetime
+    finished_at: datetime | None
+    pause_seconds: float | None
+    status: str
+    error: str | None
+
+
+class ReshardList(BaseModel):
+    items: list[Reshard]
+    metadata: ListMeta
+
+
+class RescaleResult(BaseModel):
+    job: str
+    layout: str | None = Field(description="the pinned layout; null when unpinned")
+    world_size: int | None
+    tokens_per_second: float | None = Field(description="planner estimate for the pinned layout")
+    gpu_memory_bytes: int | None = Field(description="planner estimate of the busiest GPU's memory")
+    message: str
+
+
+class Override(BaseModel):
+    service: str
+    replicas: int | None
+    until: datetime | None
+    message: str
+
+
+class LastTick(BaseModel):
+    at: datetime
+    acted: bool
+    reason: str
+    message: str
+    seconds: float
+    error: str | None
+
+
+class ControllerStatus(BaseModel):
+    pool: str
+    owner: str
+    leader: bool
+    paused: bool
+    ready: bool
+    last_error: str | None
+    last_tick: LastTick | None
+    overrides: dict[str, Any] = Field(description="service -> {replicas, until}")
+    pinned: dict[str, str] = Field(description="job -> pinned layout")
+
+
+class Health(BaseModel):
+    status: str
+    checks: dict[str, str] = Field(default_factory=dict)

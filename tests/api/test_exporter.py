@@ -1,0 +1,85 @@
+"""The exporter's numbers against the truth: the fake backend's GPUs and the store's history."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from elastic import store as db
+
+from .conftest import Env
+
+
+def _samples(env: Env) -> dict[str, list[tuple[dict[str, str], float]]]:
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for fam in text_string_to_metric_families(env.get("/metrics").text):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def _one(m: dict, name: str, **labels: str) -> float:
+    hits = [v for lab, v in m.get(name, []) if all(lab.get(k) == x for k, x in labels.items())]
+    assert len(hits) == 1, (name, labels, m.get(name))
+    return hits[0]
+
+
+def test_gpu_split_and_utilisation_match_the_backend(env: Env) -> None:
+    for load in (10.0, 40.0, 25.0):
+        env.tick(load)
+    m = _samples(env)
+    chat = len(env.backend.service_gpus("chat"))
+    training = sum(len(rt.gpus) for rt in env.backend.jobs.values())
+    assert _one(m, "elastic_gpus", pool="p", state="inference") == chat
+    assert _one(m, "elastic_gpus", pool="p", state="training") == training
+    assert _one(m, "elastic_gpus", pool="p", state="idle") == 8 - chat - training
+    assert _one(m, "elastic_gpus", pool="p", state="draining") == 0
+    # load 25 on `chat` replicas at target 10 per replica: each replica busy min(1, 25/10) = 1
+    expected = (chat * min(1.0, 25.0 / 10.0) + training) / 8
+    assert abs(_one(m, "elastic_gpu_utilization", pool="p") - expected) < 1e-9
+    assert _one(m, "elastic_service_current_replicas", service="chat") == chat
+    assert _one(m, "elastic_service_load", service="chat") == 25.0
+    assert _one(m, "elastic_service_load_target", service="chat") == 10.0
+    assert _one(m, "elastic_controller_leader", pool="p", owner="ctl-a") == 1
+    assert _one(m, "elastic_controller_ready", pool="p") == 1
+
+
+def test_layout_info_follows_the_current_layout_only(env: Env) -> None:
+    env.tick(10.0)
+    env.tick(40.0)
+    m = _samples(env)
+    rows = [lab for lab, v in m["elastic_training_layout_info"] if lab["job"] == "pretrain"]
+    layout = env.backend.jobs["pretrain"].layout
+    assert len(rows) == 1 and f"tp{rows[0]['tp']}.pp{rows[0]['pp']}.dp{rows[0]['dp']}" in layout
+    assert _one(m, "elastic_job_world_size", job="pretrain") == len(env.backend.jobs["pretrain"].gpus)
+
+
+def test_reshards_decisions_and_ticks_are_counted_once(env: Env) -> None:
+    for load in (10.0, 40.0, 10.0, 40.0):
+        env.tick(load)
+    env.exporter.update_from(env.ctl, env.store)  # a second refresh must not count anything twice
+    m = _samples(env)
+    reshards = db.list_reshards(env.store, "pretrain", 100)
+    done = [r for r in reshards if r.status == "done"]
+    assert len(done) >= 3
+    assert _one(m, "elastic_job_reshards_total", job="pretrain", status="done") == len(done)
+    assert _one(m, "elastic_job_reshard_bytes_total", job="pretrain") == sum(r.bytes_moved for r in done)
+    assert _one(m, "elastic_job_reshard_pause_seconds_count", job="pretrain") == len(done)
+    decisions = db.list_decisions(env.store, 100)
+    assert sum(v for _, v in m["elastic_controller_decisions_total"]) == len(decisions) == 4
+    assert _one(m, "elastic_controller_tick_duration_seconds_count", pool="p") == 4
+    assert _one(m, "elastic_controller_ticks_total", pool="p", outcome="acted") == 4
+
+
+def test_missing_metrics_and_unavailable_backend_are_counted(env: Env) -> None:
+    env.tick(10.0)
+    env.source.clear("chat")
+    env.clock.t += 20
+    env.exporter.observe_tick(env.ctl.tick(), env.ctl)
+    env.backend.set_reachable(False)
+    env.clock.t += 20
+    env.exporter.observe_tick(env.ctl.tick(), env.ctl)
+    m = _samples(env)
+    assert _one(m, "elastic_metric_source_errors_total", service="chat", kind="missing") == 1
+    assert _one(m, "elastic_metric_source_errors_total", service="chat", kind="stale") == 0
+    assert _one(m, "elastic_controller_errors_total", pool="p", kind="unavailable") == 1
+    assert _one(m, "elastic_controller_ready", pool="p") == 0
