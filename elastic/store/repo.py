@@ -509,13 +509,21 @@ def mark_reshard_running(db: DB, reshard_id: int, now: datetime | None = None) -
 
 
 def finish_reshard(db: DB, reshard_id: int, *, bytes_moved: int | None, pause_seconds: float | None,
-                   error: str | None = None, now: datetime | None = None) -> ReshardRecord:
-    """Close an in-flight reshard: ``done``, or ``failed`` when ``error`` is given."""
+                   error: str | None = None, now: datetime | None = None, bytes_planned: int | None = None,
+                   bytes_lower_bound: int | None = None) -> ReshardRecord:
+    """Close an in-flight reshard: ``done``, or ``failed`` when ``error`` is given.
+
+    ``bytes_planned`` / ``bytes_lower_bound`` overwrite the figures given at start when the
+    plan was only made by the workers (the in-place reshard plans at the step boundary)."""
     t = _now(now)
     with _tx(db) as s:
         row = _in_flight_row(s, reshard_id)
         row.status = "failed" if error else "done"
         row.finished_at, row.bytes_moved, row.pause_seconds, row.error = t, bytes_moved, pause_seconds, error
+        if bytes_planned is not None:
+            row.bytes_planned = bytes_planned
+        if bytes_lower_bound is not None:
+            row.bytes_lower_bound = bytes_lower_bound
         s.flush()
         return _record(ReshardRecord, row)
 
