@@ -1,0 +1,289 @@
+"""The training engine of one rank: model shard + 1F1B pipeline + DP/ZeRO-1 + Adam.
+
+What it is for: ``TrainEngine(cfg, layout, rank, state=..., pg=...)`` is everything one worker
+needs to run optimizer steps of a 3D-parallel (TP x PP x DP) GPT under one layout
+generation, and to hand its complete training state to the resharder between steps:
+
+* ``state()`` returns the *live* tensors, keyed ``(tensor name, kind)`` exactly as
+  :func:`elastic.reshard.spec.sharding_spec` names and shapes this rank's pieces;
+* ``TrainEngine(..., state=new_state)`` adopts the tensors the resharder returns, without
+  copying them, and continues at the same step.
+
+The maths is layout-invariant: ``dp * micro_batch * grad_accum == global_batch`` at every
+layout, every layout reads the same samples at a step (:mod:`elastic.train.data`), and a
+fresh engine initialises each *global* tensor from a generator seeded by
+``(seed, tensor name)`` before slicing its box, so all layouts start from the same weights
+and follow the same loss curve up to floating-point reduction order.
+
+Must not: decide layouts, talk to the controller, or rendezvous (the worker agent does
+those); create or destroy the members' process group (it only builds subgroups of it).
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from elastic.model import Layout, ModelSpec, SpecError
+from elastic.reshard.spec import FP32_KINDS, MIXED_KINDS, Kind, ShardingSpec, box_shape, sharding_spec
+from elastic.train.data import SyntheticData, _mix
+from elastic.train.groups import DEFAULT_TIMEOUT, ParallelGroups, build_groups
+from elastic.train.model import GPTStage, check_supported
+from elastic.train.optim import AdamHyper, ShardedAdam
+from elastic.train.pipeline import P2PShape, one_f_one_b
+
+State = dict[tuple[str, str], torch.Tensor]
+"""``(tensor name, kind) -> local tensor`` with this rank's box shape (see elastic.reshard.spec)."""
+
+INIT_STD = 0.02
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What a training job computes; identical for every layout of the job."""
+
+    model: ModelSpec
+    global_batch: int
+    micro_batch: int = 1
+    seed: int = 0
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    data_noise: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1 or self.micro_batch < 1:
+            raise SpecError(f"global_batch={self.global_batch}, micro_batch={self.micro_batch}: both must be >= 1")
+        if self.dtype not in _DTYPES:
+            raise SpecError(f"dtype={self.dtype}: use torch.float32 (CPU default), torch.float64 or torch.bfloat16")
+        check_supported(self.model)
+
+    @property
+    def kinds(self) -> tuple[Kind, ...]:
+        """State kinds: bf16 weights carry an fp32 master copy; fp32/fp64 weights are their own."""
+        return MIXED_KINDS if self.dtype == torch.bfloat16 else FP32_KINDS
+
+    @property
+    def optimizer_dtype(self) -> torch.dtype:
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
+
+    def grad_accum(self, layout: Layout) -> int:
+        """Micro-batches per step and DP replica; raises if the global batch does not split."""
+        per_step = layout.dp * self.micro_batch
+        if self.global_batch % per_step:
+            raise SpecError(
+                f"global_batch={self.global_batch} is not divisible by dp*micro_batch={layout.dp}*{self.micro_batch}"
+                f"={per_step} under layout {layout}; choose dp and micro_batch so that "
+                "dp * micro_batch * grad_accum == global_batch"
+            )
+        return self.global_batch // per_step
+
+    def kind_dtype(self, kind: str) -> torch.dtype:
+        return self.dtype if kind == "param" else self.optimizer_dtype
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int
+    loss: float  # mean token loss over the global batch (the same on every rank)
+    tokens: int  # tokens in the global batch
+    seconds: float  # wall time of this rank's step
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def init_global_tensor(name: str, kind: str, shape: tuple[int, ...], cfg: TrainConfig) -> torch.Tensor:
+    """The full (unsharded) initial value of ``(name, kind)``: the same on every layout.
+
+    Weights ~ N(0, 0.02) (output projections scaled by 1/sqrt(2*layers), as GPT-2), norm
+    weights 1, biases 0, Adam moments 0; ``master`` equals the weight in fp32.
+    """
+    dtype = cfg.kind_dtype(kind)
+    if kind in ("exp_avg", "exp_avg_sq"):
+        return torch.zeros(shape, dtype=dtype)
+    leaf = name.rsplit(".", 2)
+    if name.endswith(".bias"):
+        return torch.zeros(shape, dtype=dtype)
+    if "norm" in name:
+        return torch.ones(shape, dtype=dtype)
+    g = torch.Generator().manual_seed(_mix(cfg.seed, zlib.crc32(name.encode())))
+    std = INIT_STD
+    if leaf[-2] in ("o", "down", "fc2"):
+        std /= (2 * cfg.model.layers) ** 0.5
+    w = torch.randn(shape, generator=g, dtype=torch.float32) * std
+    return w.to(dtype)
+
+
+def _slice(t: torch.Tensor, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    return t[tuple(slice(a, b) for a, b in box)].contiguous()
+
+
+class TrainEngine:
+    """One rank of a 3D-parallel training job under one layout generation."""
+
+    def __init__(self, cfg: TrainConfig, layout: Layout, rank: int, *, state: State | None = None,
+                 pg: dist.ProcessGroup | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+        # 1. validate everything before touching the network
+        if layout.vpp != 1 or layout.ep != 1:
+            raise SpecError(f"layout {layout}: the reference trainer runs vpp=1 and ep=1 only "
+                            "(no interleaved schedule, no experts)")
+        self.cfg, self.layout, self.rank = cfg, layout, rank
+        self.spec: ShardingSpec = sharding_spec(cfg.model, layout, cfg.kinds)
+        self.grad_accum = cfg.grad_accum(layout)
+        self.tp_rank, self.dp_rank, self.pp_rank = layout.coords(rank)
+        self.pieces = self.spec.rank_pieces(rank)
+        if state is not None:
+            _check_state(state, self.pieces, cfg, rank, layout)
+        # 2. communicators of this generation
+        self.groups: ParallelGroups = build_groups(
+            layout, rank, pg, tied_embeddings=cfg.model.tie_embeddings, timeout=timeout, device=cfg.device)
+        # 3. the model shard, holding exactly the state's tensors
+        self._state: State = dict(state) if state is not None else self._initial_state()
+        self.stage = GPTStage(self.spec, rank, self.groups.tp, cfg.dtype, cfg.device)
+        self.params: dict[str, nn.Parameter] = {}
+        for (name, kind) in self.pieces:  # spec order: DP and ZeRO buffers pack in the same order everywhere
+            if kind == "param":
+                self.params[name] = _install(self.stage, name, self._state[(name, kind)])
+        self.stage._check_against(self.spec, rank)
+        # 4. optimizer over the state's optimizer tensors
+        hp = AdamHyper(cfg.lr, tuple(cfg.betas), cfg.eps, cfg.weight_decay)
+        self.optimizer = ShardedAdam(self.spec, rank, self.params, self._state, self.groups.dp, hp)
+        self.data = SyntheticData(cfg.model.vocab, cfg.model.seq_len, cfg.seed, cfg.data_noise)
+        self.act = P2PShape((cfg.micro_batch, cfg.model.seq_len, cfg.model.hidden), cfg.dtype, cfg.device)
+
+    # ---- state ------------------------------------------------------------------------------
+    def _initial_state(self) -> State:
+        out: State = {}
+        full: dict[str, torch.Tensor] = {}  # one global weight per tensor, shared by param and master
+        for (name, kind), box in self.pieces.items():
+            if kind in ("exp_avg", "exp_avg_sq"):
+                out[(name, kind)] = torch.zeros(box_shape(box), dtype=self.cfg.kind_dtype(kind), device=self.cfg.device)
+                continue
+            if name not in full:
+                full[name] = init_global_tensor(name, "master", self.spec.tensor(name).shape, self.cfg)
+            out[(name, kind)] = _slice(full[name], box).to(self.cfg.kind_dtype(kind)).to(self.cfg.device)
+        return out
+
+    def state(self) -> State:
+        """The live tensors (no copies): params (their ``.data``) and optimizer state."""
+        out: State = {}
+        for (name, kind) in self.pieces:
+            out[(name, kind)] = self.params[name].data if kind == "param" else self._state[(name, kind)]
+        return out
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state().values())
+
+    # ---- one optimizer step -----------------------------------------------------------------
+    def train_step(self, step: int) -> StepResult:
+        """One optimizer step over the global batch of ``step``."""
+        t0 = time.perf_counter()
+        # 1. forget the previous step's gradients
+        for p in self.params.values():
+            p.grad = None
+        # 2. forward/backward of this replica's micro-batches through the pipeline
+        losses: list[torch.Tensor] = []
+        one_f_one_b(lambda m, x: self._forward_step(step, m, x, losses), self.grad_accum, self.groups.pp, self.act)
+        # 3. gradients: tied-embedding copies, then the DP mean
+        self._reduce_grads()
+        # 4. Adam on this rank's (ZeRO) slices, bias correction at t = step + 1
+        self.optimizer.step(step)
+        # 5. the global-batch mean loss, on every rank
+        loss = self._global_loss(losses)
+        tokens = self.cfg.global_batch * self.cfg.model.seq_len
+        return StepResult(step, loss, tokens, time.perf_counter() - t0)
+
+    def _forward_step(self, step: int, micro: int, x: torch.Tensor | None, losses: list[torch.Tensor]) -> torch.Tensor:
+        mb = self.cfg.micro_batch
+        # global sample index of this micro-batch: replica-major, so every layout reads the same set
+        start = (self.dp_rank * self.grad_accum + micro) * mb
+        stage = self.stage
+        if stage.is_first or stage.is_last:
+            inputs, targets = self.data.batch(step, start, mb, self.cfg.device)
+        out = stage(inputs if stage.is_first else x)
+        if not stage.is_last:
+            return out
+        loss = stage.loss(out, targets)
+        losses.append(loss.detach())
+        return loss / self.grad_accum
+
+    def _reduce_grads(self) -> None:
+        # Megatron keeps the first and last stage's copies of a tied embedding equal by
+        # summing their gradients (each copy saw one use of the weight).
+        if self.groups.embed is not None:
+            g = self.params["embed.weight"].grad
+            assert g is not None
+            self.groups.embed.all_reduce(g)
+        dp = self.groups.dp
+        if dp.size == 1:
+            return
+        # one flat all-reduce of every gradient (sum over replicas, then / dp = mean)
+        grads = [p.grad for p in self.params.values()]
+        if any(g is None for g in grads):
+            missing = [n for n, p in self.params.items() if p.grad is None]
+            raise RuntimeError(f"no gradient for {missing[:4]} on rank {self.rank}")
+        wire = torch.float32 if self.cfg.dtype == torch.bfloat16 else self.cfg.dtype
+        flat = torch.cat([g.reshape(-1).to(wire) for g in grads])  # type: ignore[union-attr]
+        dp.all_reduce(flat)
+        flat.div_(dp.size)
+        off = 0
+        for g in grads:
+            n = g.numel()  # type: ignore[union-attr]
+            g.copy_(flat[off:off + n].view_as(g))  # type: ignore[union-attr]
+            off += n
+
+    def _global_loss(self, losses: list[torch.Tensor]) -> float:
+        t = torch.zeros(1, dtype=torch.float64, device=self.cfg.device)
+        if self.stage.is_last:
+            t += torch.stack([v.double() for v in losses]).sum() / self.grad_accum
+            self.groups.dp.all_reduce(t)
+            t /= self.layout.dp
+        # every stage reports it: broadcast from the last stage along the pipeline
+        self.groups.pp.broadcast(t, self.layout.pp - 1)
+        return float(t.item())
+
+    def close(self) -> None:
+        """Destroy this generation's communicators and drop gradients (the state tensors stay valid)."""
+        for p in self.params.values():
+            p.grad = None
+        self.groups.close()
+
+
+def _install(root: nn.Module, name: str, tensor: torch.Tensor) -> nn.Parameter:
+    """Make ``tensor`` (not a copy) the parameter ``name`` of ``root``."""
+    *path, leaf = name.split(".")
+    mod = root
+    for part in path:
+        mod = getattr(mod, part)
+    p = nn.Parameter(tensor, requires_grad=True)
+    setattr(mod, leaf, p)
+    return p
+
+
+def _check_state(state: State, pieces: dict[tuple[str, Kind], tuple[tuple[int, int], ...]], cfg: TrainConfig,
+                 rank: int, layout: Layout) -> None:
+    want, have = set(pieces), set(state)
+    if want != have:
+        missing, extra = sorted(want - have), sorted(have - want)
+        raise SpecError(
+            f"state for rank {rank} of {layout} does not match the sharding spec: missing {missing[:4]}"
+            f"{'...' if len(missing) > 4 else ''}, unexpected {extra[:4]}{'...' if len(extra) > 4 else ''}"
+        )
+    for key, box in pieces.items():
+        t = state[key]
+        if tuple(t.shape) != box_shape(box):
+            raise SpecError(f"state {key} on rank {rank} of {layout}: shape {tuple(t.shape)}, spec box {box} "
+                            f"needs {box_shape(box)}")
+        if t.dtype != cfg.kind_dtype(key[1]):
+            raise SpecError(f"state {key}: dtype {t.dtype}, expected {cfg.kind_dtype(key[1])} for dtype={cfg.dtype}")
+        if not t.is_contiguous():
+            raise SpecError(f"state {key}: tensor must be contiguous (row-major)")
