@@ -1,0 +1,602 @@
+"""Kubernetes backend: inference through a Deployment's ``/scale``, training workers as Pods.
+
+What it is for: the operator drives the controller's ``Backend`` protocol against a cluster.
+
+* **Inventory**: nodes matching the pool's node selector, each giving
+  ``min(allocatable nvidia.com/gpu, gpus_per_node)`` GPUs (cordoned nodes give none).
+* **Inference**: ``set_service_gpus`` sets the target Deployment's replicas through its
+  ``/scale`` subresource (``len(gpus) // gpus_per_replica``) and, on a scale-down, waits
+  (bounded) until the Deployment reports no more replicas than that. GPU identities of
+  replicas are bookkeeping: the kube-scheduler places vLLM pods on free ``nvidia.com/gpu``;
+  the order (training shrinks first) makes the counts work out.
+* **Training**: one Pod per worker (``<job>-w<id>``, labels ``elastic.dev/job`` and
+  ``elastic.dev/worker``, annotations with the layout generation, layout and GPU), pinned by
+  required node affinity to the node the allocation chose and asking ``nvidia.com/gpu: 1``,
+  running ``python -m elastic.train.worker`` (or the template's command); plus a headless
+  Service ``<job>-workers`` for peer DNS. Everything the operator owns is written with
+  server-side apply under one field manager.
+
+Two job runtimes:
+
+``coordinator`` (production): :class:`KubernetesJobHandle`, a ``JobHandle`` whose workers are
+pods, hosts the job's rendezvous coordinator inside the operator (bound on all interfaces,
+advertised at the operator pod's IP); start/rescale/stop go through it, so a rescale is the
+trainer's in-place, checkpoint-free reshard and returns after the new layout's first step.
+
+``pods`` (an API server without kubelets: the test emulator, dry runs): the job "runs" once
+its pods exist; a rescale deletes the leavers' pods, creates the joiners' and re-annotates the
+generation. No reshard happens and no step is ever reported: it exercises exactly the
+Kubernetes calls and their order, nothing of the trainer.
+
+What it must not do: decide anything (the controller does) or edit what it does not own
+(the user's Deployment is touched only through ``/scale``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from elastic.backends.base import BackendError, BackendUnavailable, JobRuntime, RescaleOutcome
+from elastic.model import GPU, InferenceSpec, Layout, TrainingSpec, load_model
+from elastic.train.launch import JobHandle
+
+log = logging.getLogger("elastic.backends.kubernetes")
+
+GPU_RESOURCE = "nvidia.com/gpu"
+FIELD_MANAGER = "elastic-operator"
+LABEL_JOB = "elastic.dev/job"
+LABEL_WORKER = "elastic.dev/worker"
+LABEL_MANAGED = "app.kubernetes.io/managed-by"
+ANN_GENERATION = "elastic.dev/generation"
+ANN_LAYOUT = "elastic.dev/layout"
+ANN_GPU = "elastic.dev/gpu"
+APPLY = "application/apply-patch+yaml"
+MERGE = "application/merge-patch+json"
+
+
+@dataclass(frozen=True)
+class ServiceTarget:
+    """Where an inference service's replicas live: ``namespace/deployment``."""
+
+    namespace: str
+    deployment: str
+
+
+@dataclass(frozen=True)
+class JobTarget:
+    """Where a training job's pods go and how they run (from the ElasticTrainingJob CR)."""
+
+    namespace: str
+    name: str
+    template: dict[str, Any]  # WorkerTemplate fields in camelCase (image, command, args, env, resources, ...)
+    uid: str | None = None  # the CR's uid: pods get an ownerReference, so deleting the CR collects them
+    api_version: str = "elastic.dev/v1alpha1"
+    kind: str = "ElasticTrainingJob"
+
+
+@dataclass
+class _Job:
+    handle: Any = None  # KubernetesJobHandle in coordinator mode
+    workers: dict[GPU, str] = field(default_factory=dict)
+    next_id: int = 0
+    last: RescaleOutcome | None = None
+
+
+def _now() -> str:
+    return datetime.now(tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_gpu(text: str) -> GPU:
+    node, _, index = text.rpartition("/")
+    return GPU(node, int(index))
+
+
+class KubernetesBackend:
+    """``Backend`` over the Kubernetes API (see module docstring)."""
+
+    name = "kubernetes"
+
+    def __init__(self, *, node_selector: dict[str, str] | None = None, gpus_per_node: int = 8,
+                 api_client: Any = None, field_manager: str = FIELD_MANAGER, job_runtime: str = "coordinator",
+                 coordinator_host: str = "0.0.0.0", advertise_host: str | None = None,
+                 hardware: str | None = None, launch_options: Any = None,
+                 trainer_config: Callable[[TrainingSpec], Any] | None = None,
+                 scale_down_wait_seconds: float = 120.0, pod_gone_wait_seconds: float = 120.0,
+                 poll_seconds: float = 0.5) -> None:
+        from kubernetes import client
+
+        if job_runtime not in ("coordinator", "pods"):
+            raise ValueError(f"job_runtime={job_runtime!r}: use 'coordinator' or 'pods'")
+        self.api = api_client or client.ApiClient()
+        self.core = client.CoreV1Api(self.api)
+        self.apps = client.AppsV1Api(self.api)
+        self.node_selector = dict(node_selector or {})
+        self.gpus_per_node = gpus_per_node
+        self.field_manager = field_manager
+        self.job_runtime_mode = job_runtime
+        self.coordinator_host = coordinator_host
+        self.advertise_host = advertise_host
+        self.hardware = hardware
+        self.launch_options = launch_options
+        self.trainer_config = trainer_config
+        self.scale_down_wait_seconds = scale_down_wait_seconds
+        self.pod_gone_wait_seconds = pod_gone_wait_seconds
+        self.poll_seconds = poll_seconds
+        self.services: dict[str, ServiceTarget] = {}
+        self.jobs: dict[str, JobTarget] = {}
+        self.booked: dict[str, tuple[GPU, ...]] = {}  # service -> GPUs the controller gave its replicas
+        self._jobs: dict[str, _Job] = {}
+        self._lock = threading.RLock()
+
+    # ---- targets (the operator keeps these in step with the CRs) -----------------------------
+    def set_service(self, workload: str, target: ServiceTarget, booked: Sequence[GPU] = ()) -> None:
+        with self._lock:
+            self.services[workload] = target
+            if booked and workload not in self.booked:
+                self.booked[workload] = tuple(booked)
+
+    def set_job(self, workload: str, target: JobTarget) -> None:
+        with self._lock:
+            self.jobs[workload] = target
+
+    def forget(self, workload: str) -> None:
+        with self._lock:
+            self.services.pop(workload, None)
+            self.jobs.pop(workload, None)
+            self.booked.pop(workload, None)
+            self._jobs.pop(workload, None)
+
+    # ---- errors ---------------------------------------------------------------------------------
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """Run one API call; unreachable -> BackendUnavailable, refused -> BackendError naming ``what``."""
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        try:
+            return fn(*args, **kw)
+        except ApiException as e:
+            hint = " (check the operator's RBAC: manifests/rbac.yaml)" if e.status in (401, 403) else ""
+            raise BackendError(f"{what}: HTTP {e.status} {e.reason}{hint}") from e
+        except (HTTPError, OSError) as e:
+            raise BackendUnavailable(f"Kubernetes API unreachable during {what}: {e}") from e
+
+    # ---- protocol: cluster ----------------------------------------------------------------------
+    def ping(self) -> None:
+        from kubernetes import client
+
+        try:
+            self._call("GET /version", client.VersionApi(self.api).get_code)
+        except BackendError as e:
+            if isinstance(e, BackendUnavailable):
+                raise
+            raise BackendUnavailable(str(e)) from e
+
+    def inventory(self) -> dict[str, int]:
+        selector = ",".join(f"{k}={v}" for k, v in sorted(self.node_selector.items())) or None
+        nodes = self._call("list nodes", self.core.list_node, label_selector=selector)
+        out: dict[str, int] = {}
+        for n in nodes.items:
+            if n.spec is not None and n.spec.unschedulable:
+                continue  # cordoned: lend nothing new there
+            labels = n.metadata.labels or {}
+            if any(labels.get(k) != v for k, v in self.node_selector.items()):
+                continue  # the API filtered already; an API without selector support must not widen the pool
+            alloc = (n.status.allocatable or {}) if n.status else {}
+            gpus = min(int(alloc.get(GPU_RESOURCE, 0) or 0), self.gpus_per_node)
+            if gpus > 0:
+                out[n.metadata.name] = gpus
+        return dict(sorted(out.items()))
+
+    # ---- protocol: inference --------------------------------------------------------------------
+    def _target(self, service: str) -> ServiceTarget:
+        try:
+            return self.services[service]
+        except KeyError:
+            raise BackendError(f"{service}: no InferenceService registered under this name") from None
+
+    def service_gpus(self, service: str) -> tuple[GPU, ...]:
+        with self._lock:
+            return self.booked.get(service, ())
+
+    def _deployment(self, service: str) -> Any:
+        t = self._target(service)
+        return self._call(f"get Deployment {t.namespace}/{t.deployment}", self.apps.read_namespaced_deployment,
+                          t.deployment, t.namespace)
+
+    def ready_replicas(self, service: str) -> int:
+        dep = self._deployment(service)
+        return int((dep.status.ready_replicas if dep.status else 0) or 0)
+
+    def service_targets(self, service: str) -> list[str]:
+        """``http://<podIP>:<first container port>`` of the Deployment's ready pods (direct scrape)."""
+        t = self._target(service)
+        dep = self._deployment(service)
+        labels = (dep.spec.selector.match_labels or {}) if dep.spec and dep.spec.selector else {}
+        if not labels:
+            return []
+        pods = self._call(f"list pods of {t.namespace}/{t.deployment}", self.core.list_namespaced_pod, t.namespace,
+                          label_selector=",".join(f"{k}={v}" for k, v in sorted(labels.items())))
+        urls = []
+        for p in pods.items:
+            ready = any(c.type == "Ready" and c.status == "True" for c in (p.status.conditions or [])) if p.status else False
+            ports = [port.container_port for c in p.spec.containers for port in (c.ports or [])]
+            if ready and p.status.pod_ip and ports:
+                urls.append(f"http://{p.status.pod_ip}:{ports[0]}")
+        return sorted(urls)
+
+    def set_service_gpus(self, spec: InferenceSpec, gpus: tuple[GPU, ...]) -> None:
+        t = self._target(spec.name)
+        replicas = len(gpus) // spec.gpus_per_replica
+        what = f"scale Deployment {t.namespace}/{t.deployment} to {replicas}"
+        self._call(what, self.apps.patch_namespaced_deployment_scale, t.deployment, t.namespace,
+                   {"spec": {"replicas": replicas}}, _content_type=MERGE)
+        with self._lock:
+            self.booked[spec.name] = tuple(gpus)
+        self._wait_scaled_down(spec.name, t, replicas)
+
+    def _wait_scaled_down(self, service: str, t: ServiceTarget, replicas: int) -> None:
+        """Removed replicas must have released their GPUs before training may take them: wait until the
+        Deployment counts no more pods than asked (bounded; a Deployment without status counts as done)."""
+        deadline = time.monotonic() + self.scale_down_wait_seconds
+        while True:
+            dep = self._deployment(service)
+            have = dep.status.replicas if dep.status and dep.status.replicas is not None else None
+            if have is None or have <= replicas:
+                return
+            if time.monotonic() > deadline:
+                raise BackendError(f"{service}: Deployment {t.namespace}/{t.deployment} still has {have} replicas "
+                                   f"{self.scale_down_wait_seconds:g} s after scaling to {replicas}")
+            time.sleep(self.poll_seconds)
+
+    # ---- protocol: training ---------------------------------------------------------------------
+    def _job_target(self, job: str) -> JobTarget:
+        try:
+            return self.jobs[job]
+        except KeyError:
+            raise BackendError(f"{job}: no ElasticTrainingJob registered under this name") from None
+
+    def worker_pods(self, job: str) -> list[Any]:
+        """The job's live worker pods (not being deleted), sorted by name."""
+        t = self._job_target(job)
+        pods = self._call(f"list pods of job {job}", self.core.list_namespaced_pod, t.namespace,
+                          label_selector=f"{LABEL_JOB}={t.name}")
+        live = [p for p in pods.items if not p.metadata.deletion_timestamp
+                and (p.metadata.labels or {}).get(LABEL_JOB) == t.name]
+        return sorted(live, key=lambda p: p.metadata.name)
+
+    def job_runtime(self, job: str) -> JobRuntime | None:
+        if job not in self.jobs:
+            return None
+        if self.job_runtime_mode == "coordinator":
+            return self._coordinator_runtime(job)
+        return self._pods_runtime(job)
+
+    def _pods_runtime(self, job: str) -> JobRuntime | None:
+        pods = self.worker_pods(job)
+        if not pods:
+            return None
+        ann = [p.metadata.annotations or {} for p in pods]
+        gens = [int(a.get(ANN_GENERATION, 0)) for a in ann]
+        gen = max(gens)
+        layouts = {a.get(ANN_LAYOUT) for a, g in zip(ann, gens, strict=True) if g == gen}
+        gpus = tuple(sorted((parse_gpu(a[ANN_GPU]) for a in ann if ANN_GPU in a), key=lambda g: (g.node, g.index)))
+        failed = [p.metadata.name for p in pods if p.status is not None and p.status.phase == "Failed"]
+        phase = "Failed" if failed else ("Rescaling" if len(layouts) > 1 or len(set(gens)) > 1 else "Running")
+        with self._lock:
+            last = self._jobs.get(job, _Job()).last
+        return JobRuntime(job, phase, layouts.pop() if len(layouts) == 1 else None, gpus, gen,
+                          error=f"worker pod(s) failed: {', '.join(failed)}" if failed else None,
+                          last_pause_seconds=last.pause_seconds if last else None,
+                          last_bytes_moved=last.bytes_moved if last else None)
+
+    def _coordinator_runtime(self, job: str) -> JobRuntime | None:
+        with self._lock:
+            j = self._jobs.get(job)
+        if j is None or j.handle is None:
+            return None
+        st = j.handle.status()
+        phase = {"running": "Running", "rescaling": "Rescaling", "failed": "Failed", "starting": "Pending",
+                 "stopping": "Stopping", "stopped": "Stopped", "finished": "Finished"}.get(st.phase, st.phase)
+        last = j.last
+        return JobRuntime(job, phase, st.layout, tuple(sorted(j.workers, key=lambda g: (g.node, g.index))),
+                          st.generation, max(st.step, 0), st.loss, st.tokens_per_second or 0.0, st.error,
+                          last.pause_seconds if last else None, last.bytes_moved if last else None)
+
+    def set_job_gpus(self, spec: TrainingSpec, gpus: tuple[GPU, ...], layout: Layout | None) -> RescaleOutcome:
+        if gpus and (layout is None or layout.world_size != len(gpus)):
+            raise BackendError(f"{spec.name}: layout {layout} does not match {len(gpus)} GPUs")
+        if self.job_runtime_mode == "coordinator":
+            return self._set_job_coordinator(spec, gpus, layout)
+        return self._set_job_pods(spec, gpus, layout)
+
+    # ---- pods runtime ---------------------------------------------------------------------------
+    def _set_job_pods(self, spec: TrainingSpec, gpus: tuple[GPU, ...], layout: Layout | None) -> RescaleOutcome:
+        """1. delete the leavers and wait until they are gone, 2. apply the headless Service,
+        3. create the joiners, 4. stamp the new generation on every worker."""
+        before = self._pods_runtime(spec.name)
+        pods = self.worker_pods(spec.name)
+        by_gpu = {parse_gpu(p.metadata.annotations[ANN_GPU]): p.metadata.name
+                  for p in pods if ANN_GPU in (p.metadata.annotations or {})}
+        t0 = time.perf_counter()
+        # 1. leavers first: their GPUs must be free before anyone else is handed them
+        leavers = [name for g, name in by_gpu.items() if g not in gpus]
+        leavers += [p.metadata.name for p in pods if ANN_GPU not in (p.metadata.annotations or {})]
+        self.delete_pods(spec.name, leavers)
+        if not gpus:
+            self.delete_worker_service(spec.name)
+            with self._lock:
+                self._jobs.pop(spec.name, None)
+            return RescaleOutcome(spec.name, before.layout if before else None, None,
+                                  before.generation if before else 0, total_seconds=time.perf_counter() - t0)
+        assert layout is not None
+        gen = (before.generation + 1) if before else 1
+        # 2. peer DNS
+        self.apply_worker_service(spec.name)
+        # 3 + 4. joiners get fresh ids; everyone carries the new generation
+        next_id = 1 + max([_worker_index(n) for n in by_gpu.values()] + [-1])
+        for g in gpus:
+            name = by_gpu.get(g)
+            if name is None:
+                name = f"{self._job_target(spec.name).name}-w{next_id}"
+                next_id += 1
+            self.apply_worker_pod(spec, name, g, layout, gen, env={})
+        out = RescaleOutcome(spec.name, before.layout if before else None, str(layout), gen,
+                             total_seconds=time.perf_counter() - t0)
+        with self._lock:
+            self._jobs.setdefault(spec.name, _Job()).last = out
+        return out
+
+    # ---- coordinator runtime --------------------------------------------------------------------
+    def _set_job_coordinator(self, spec: TrainingSpec, gpus: tuple[GPU, ...], layout: Layout | None
+                             ) -> RescaleOutcome:
+        with self._lock:
+            j = self._jobs.get(spec.name)
+        if not gpus:
+            return self._stop_coordinated(spec, j)
+        assert layout is not None
+        if j is None or j.handle is None:
+            j = _Job(handle=self._new_handle(spec))
+            with self._lock:
+                self._jobs[spec.name] = j
+        new_workers: dict[GPU, str] = {}
+        nxt = j.next_id
+        base = self._job_target(spec.name).name
+        for g in gpus:
+            if g in j.workers:
+                new_workers[g] = j.workers[g]
+            else:
+                new_workers[g] = f"{base}-w{nxt}"
+                nxt += 1
+        j.handle.placement = {w: (g, layout) for g, w in new_workers.items()}
+        st = j.handle.status()
+        starting = st.phase == "starting" and st.generation == 0
+        self.apply_worker_service(spec.name)
+        try:
+            if starting:
+                res = j.handle.start(layout, [new_workers[g] for g in gpus])
+            else:
+                res = j.handle.rescale(layout, [new_workers[g] for g in gpus])
+        except Exception as e:  # noqa: BLE001 - refused/abandoned: surfaced as a failed step
+            if starting:
+                self._stop_coordinated(spec, j)
+            raise BackendError(f"{spec.name}: {'start' if starting else 'rescale'} on {layout} failed: {e}") from e
+        with self._lock:
+            j.workers, j.next_id = new_workers, nxt
+        out = RescaleOutcome(spec.name, st.layout, str(layout), res.generation, pause_seconds=res.pause_seconds or 0.0,
+                             total_seconds=res.wall_seconds, bytes_moved=res.bytes_moved,
+                             bytes_planned=res.planned_bytes, bytes_lower_bound=res.lower_bound_bytes,
+                             step=res.switch_step)
+        j.last = out
+        return out
+
+    def _new_handle(self, spec: TrainingSpec) -> KubernetesJobHandle:
+        from elastic.train.engine import TrainConfig
+
+        cfg = (self.trainer_config(spec) if self.trainer_config else
+               TrainConfig(model=load_model(spec.model), global_batch=spec.global_batch, micro_batch=spec.micro_batch))
+        return KubernetesJobHandle(self, spec, cfg, options=self.launch_options, hardware=self.hardware,
+                                   gpus_per_node=self.gpus_per_node, host=self.coordinator_host,
+                                   advertise_host=self.advertise_host)
+
+    def _stop_coordinated(self, spec: TrainingSpec, j: _Job | None) -> RescaleOutcome:
+        st = j.handle.status() if j and j.handle else None
+        if j is not None and j.handle is not None:
+            try:
+                j.handle.stop()
+            except Exception as e:  # noqa: BLE001 - pods are deleted below regardless
+                log.warning("%s: coordinator stop failed: %s", spec.name, e)
+        # whatever the coordinator did, no pod of the job may keep its GPU
+        self.delete_pods(spec.name, [p.metadata.name for p in self.worker_pods(spec.name)])
+        self.delete_worker_service(spec.name)
+        with self._lock:
+            self._jobs.pop(spec.name, None)
+        return RescaleOutcome(spec.name, st.layout if st else None, None, st.generation if st else 0,
+                              step=max(st.step, 0) if st else 0)
+
+    # ---- objects we own -------------------------------------------------------------------------
+    def worker_pod_manifest(self, spec: TrainingSpec, pod: str, gpu: GPU, layout: Layout, generation: int,
+                            env: dict[str, str]) -> dict[str, Any]:
+        t = self._job_target(spec.name)
+        tpl = t.template
+        worker_env = {"ELASTIC_JOB": spec.name, "ELASTIC_WORKER_ID": pod, "ELASTIC_MODEL": spec.model
+                      if "/" not in spec.model else "", "ELASTIC_GLOBAL_BATCH": str(spec.global_batch),
+                      "ELASTIC_MICRO_BATCH": str(spec.micro_batch), **env}
+        env_list = [{"name": e["name"], "value": e.get("value", "")} for e in tpl.get("env", [])]
+        env_list += [{"name": k, "value": v} for k, v in worker_env.items() if v]
+        resources = {k: dict(v) for k, v in (tpl.get("resources") or {}).items()}
+        for kind in ("requests", "limits"):
+            resources.setdefault(kind, {})[GPU_RESOURCE] = "1"
+        container: dict[str, Any] = {
+            "name": "worker", "image": tpl["image"], "imagePullPolicy": tpl.get("imagePullPolicy", "IfNotPresent"),
+            "command": list(tpl.get("command") or ["python", "-m", "elastic.train.worker"]),
+            "args": list(tpl.get("args") or []), "env": env_list, "resources": resources,
+        }
+        pod_spec: dict[str, Any] = {
+            "restartPolicy": "Never",  # a dead worker is the coordinator's business, not the kubelet's
+            "subdomain": f"{t.name}-workers", "hostname": pod,
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [gpu.node]}]}]}}},
+            "containers": [container],
+        }
+        if tpl.get("serviceAccountName"):
+            pod_spec["serviceAccountName"] = tpl["serviceAccountName"]
+        meta: dict[str, Any] = {
+            "name": pod, "namespace": t.namespace,
+            "labels": {LABEL_JOB: t.name, LABEL_WORKER: pod, LABEL_MANAGED: self.field_manager},
+            "annotations": {ANN_GENERATION: str(generation), ANN_LAYOUT: str(layout), ANN_GPU: str(gpu)},
+        }
+        if t.uid:
+            meta["ownerReferences"] = [{"apiVersion": t.api_version, "kind": t.kind, "name": t.name, "uid": t.uid,
+                                        "controller": True, "blockOwnerDeletion": False}]
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+    def apply_worker_pod(self, spec: TrainingSpec, pod: str, gpu: GPU, layout: Layout, generation: int,
+                         env: dict[str, str]) -> None:
+        body = self.worker_pod_manifest(spec, pod, gpu, layout, generation, env)
+        self._call(f"apply pod {body['metadata']['namespace']}/{pod}", self.core.patch_namespaced_pod, pod,
+                   body["metadata"]["namespace"], body, field_manager=self.field_manager, force=True,
+                   _content_type=APPLY)
+
+    def delete_pods(self, job: str, names: Sequence[str]) -> None:
+        """Delete ``names`` and wait (bounded) until the API no longer lists them: their GPUs are free."""
+        from kubernetes.client.exceptions import ApiException
+
+        if not names:
+            return
+        ns = self._job_target(job).namespace
+        for n in names:
+            try:
+                self.core.delete_namespaced_pod(n, ns, grace_period_seconds=30)
+            except ApiException as e:
+                if e.status != 404:
+                    raise BackendError(f"{job}: delete pod {ns}/{n}: HTTP {e.status} {e.reason}") from e
+            except OSError as e:
+                raise BackendUnavailable(f"Kubernetes API unreachable deleting pod {ns}/{n}: {e}") from e
+        deadline = time.monotonic() + self.pod_gone_wait_seconds
+        pending = set(names)
+        while pending:
+            pending &= {p.metadata.name for p in self.worker_pods_including_deleting(job)}
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise BackendError(f"{job}: pods {sorted(pending)} still exist {self.pod_gone_wait_seconds:g} s "
+                                   "after deletion; their GPUs are not free yet")
+            time.sleep(self.poll_seconds)
+
+    def worker_pods_including_deleting(self, job: str) -> list[Any]:
+        t = self._job_target(job)
+        pods = self._call(f"list pods of job {job}", self.core.list_namespaced_pod, t.namespace,
+                          label_selector=f"{LABEL_JOB}={t.name}")
+        return [p for p in pods.items if (p.metadata.labels or {}).get(LABEL_JOB) == t.name]
+
+    def worker_service_manifest(self, job: str) -> dict[str, Any]:
+        t = self._job_target(job)
+        meta: dict[str, Any] = {"name": f"{t.name}-workers", "namespace": t.namespace,
+                                "labels": {LABEL_JOB: t.name, LABEL_MANAGED: self.field_manager}}
+        if t.uid:
+            meta["ownerReferences"] = [{"apiVersion": t.api_version, "kind": t.kind, "name": t.name, "uid": t.uid,
+                                        "controller": True, "blockOwnerDeletion": False}]
+        return {"apiVersion": "v1", "kind": "Service", "metadata": meta,
+                "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": {LABEL_JOB: t.name},
+                         "ports": [{"name": "rendezvous", "port": 29500, "targetPort": 29500}]}}
+
+    def apply_worker_service(self, job: str) -> None:
+        body = self.worker_service_manifest(job)
+        m = body["metadata"]
+        self._call(f"apply service {m['namespace']}/{m['name']}", self.core.patch_namespaced_service, m["name"],
+                   m["namespace"], body, field_manager=self.field_manager, force=True, _content_type=APPLY)
+
+    def delete_worker_service(self, job: str) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        t = self._job_target(job)
+        try:
+            self.core.delete_namespaced_service(f"{t.name}-workers", t.namespace)
+        except ApiException as e:
+            if e.status != 404:
+                raise BackendError(f"{job}: delete service {t.namespace}/{t.name}-workers: HTTP {e.status}") from e
+
+    def release_job(self, job: str) -> int:
+        """Finalizer path: stop the job and delete every worker pod and its Service. Returns pods deleted."""
+        if job not in self.jobs:
+            return 0
+        pods = [p.metadata.name for p in self.worker_pods(job)]
+        with self._lock:
+            j = self._jobs.get(job)
+        if j is not None and j.handle is not None:
+            try:
+                j.handle.stop()
+            except Exception as e:  # noqa: BLE001 - the pods go regardless
+                log.warning("%s: coordinator stop failed: %s", job, e)
+        self.delete_pods(job, pods)
+        self.delete_worker_service(job)
+        with self._lock:
+            self._jobs.pop(job, None)
+        return len(pods)
+
+
+def _worker_index(pod: str) -> int:
+    tail = pod.rsplit("-w", 1)[-1]
+    return int(tail) if tail.isdigit() else -1
+
+
+# --------------------------------------------------------------------------------------------
+# In-place rescale through the trainer's coordinator, workers as pods
+# --------------------------------------------------------------------------------------------
+
+
+class KubernetesJobHandle(JobHandle):
+    """A ``JobHandle`` whose workers are pods: ``_spawn`` applies the pod (on the node the allocation
+    chose, with the worker's env pointing at this process's coordinator), ``_exit_reason`` reads the
+    pod's phase, ``_kill`` deletes it. ``placement`` (worker -> (GPU, layout)) is set by the backend
+    before each start/rescale."""
+
+    def __init__(self, backend: KubernetesBackend, spec: TrainingSpec, cfg: Any, *, host: str = "0.0.0.0",
+                 advertise_host: str | None = None, **kw: Any) -> None:
+        super().__init__(spec.name, cfg, host=host, **kw)
+        if advertise_host:
+            self.coordinator.advertise_host = advertise_host
+        self.backend = backend
+        self.spec = spec
+        self.placement: dict[str, tuple[GPU, Layout]] = {}
+
+    def _spawn(self, worker: str, env: dict[str, str]) -> None:
+        gpu, layout = self.placement[worker]
+        env = {k: v for k, v in env.items() if k not in ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")}
+        self.backend.apply_worker_pod(self.spec, worker, gpu, layout, self.coordinator.status().generation + 1, env)
+
+    def _exit_reason(self, worker: str) -> str | None:
+        from kubernetes.client.exceptions import ApiException
+
+        t = self.backend._job_target(self.spec.name)
+        try:
+            pod = self.backend.core.read_namespaced_pod(worker, t.namespace)
+        except ApiException as e:
+            if e.status == 404:
+                return "pod was deleted"
+            return None  # cannot tell now: treat as running, the heartbeat timeout catches a real loss
+        except OSError:
+            return None
+        phase = pod.status.phase if pod.status else None
+        if phase not in ("Succeeded", "Failed"):
+            return None
+        for cs in (pod.status.container_statuses or []):
+            term = cs.state.terminated if cs.state else None
+            if term is not None:
+                return f"pod {phase.lower()} (exit code {term.exit_code}{', ' + term.reason if term.reason else ''})"
+        return f"pod {phase.lower()}"
+
+    def _kill(self, worker: str) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        t = self.backend._job_target(self.spec.name)
+        try:
+            self.backend.core.delete_namespaced_pod(worker, t.namespace, grace_period_seconds=0)
+        except (ApiException, OSError):
+            pass

@@ -1,0 +1,656 @@
+"""Custom resources of the ``elastic.dev`` API group: declared once, CRDs generated from them.
+
+What it is for: the three kinds users apply with kubectl (``GPUPool``, ``InferenceService``,
+``ElasticTrainingJob``) are pydantic models here, one docstring per field; ``crd_manifests()``
+turns them into ``apiextensions.k8s.io/v1`` CRDs whose ``openAPIV3Schema`` is the models' JSON
+schema converted to a *structural* OpenAPI v3 schema (``$ref`` inlined, ``anyOf [X, null]`` ->
+``nullable``, free-form maps -> ``x-kubernetes-preserve-unknown-fields``), plus status schemas,
+``/status`` and ``/scale`` subresources, printer columns and CEL cross-field rules.
+``elastic crds`` writes them to ``manifests/crds/``; a test fails when the committed YAML drifts.
+
+It also maps a CR's spec to the controller's ``PoolSpec`` / ``InferenceSpec`` / ``TrainingSpec``
+(``to_pool_spec`` ...), raising ``CRError`` whose ``field`` and ``reason`` name what to fix: the
+operator turns it into a ``Ready=False`` condition. CEL rules and these checks say the same
+thing twice on purpose: the API server refuses bad input at ``kubectl apply`` time, and the
+operator still refuses it when a cluster runs without CRD validation (or an emulator).
+
+What it must not do: talk to a cluster. Pure data and conversions only.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.alias_generators import to_camel
+
+from elastic.model import (
+    HARDWARE_PRESETS,
+    MODEL_PRESETS,
+    Behavior,
+    InferenceSpec,
+    MetricTarget,
+    ModelSpec,
+    PoolSpec,
+    SpecError,
+    TrainingSpec,
+)
+
+GROUP = "elastic.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+WORKER_COMMAND = ["python", "-m", "elastic.train.worker"]
+
+
+class CRError(SpecError):
+    """A custom resource the operator refuses: ``field`` (e.g. ``spec.minGPUs``) and a ``reason`` code."""
+
+    def __init__(self, field: str, reason: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.reason = reason
+
+
+class _CR(BaseModel):
+    model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True,
+                              use_attribute_docstrings=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Shared status types
+# --------------------------------------------------------------------------------------------
+
+
+class Condition(_CR):
+    """One observation of the resource's state (Kubernetes API conventions)."""
+
+    type: str
+    """Condition type in CamelCase, e.g. ``Ready``."""
+    status: Literal["True", "False", "Unknown"]
+    """``True``, ``False`` or ``Unknown``."""
+    reason: str
+    """Machine-readable reason code in CamelCase (the controller's decision reason)."""
+    message: str = ""
+    """Human-readable explanation; names the field to fix when the spec is refused."""
+    observed_generation: int = 0
+    """``metadata.generation`` of the spec this condition was computed from."""
+    last_transition_time: str = Field(json_schema_extra={"format": "date-time"})
+    """When ``status`` last changed (RFC 3339)."""
+
+
+# --------------------------------------------------------------------------------------------
+# GPUPool (cluster-scoped)
+# --------------------------------------------------------------------------------------------
+
+
+class GPUPoolSpec(_CR):
+    """A set of GPU nodes shared by inference services and elastic training jobs."""
+
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Labels a node must carry to belong to the pool (all must match; empty = every node with GPUs)."""
+    gpus_per_node: int = Field(default=8, ge=1, le=64, alias="gpusPerNode")
+    """GPUs per node the pool may use; a node offering fewer allocatable ``nvidia.com/gpu`` gives what it has."""
+    hardware: str = "h100-80g"
+    """Hardware preset for the layout planner's memory and throughput model (e.g. ``h100-80g``, ``cpu``)."""
+    rescale_interval_seconds: float = Field(default=60.0, ge=0)
+    """Minimum seconds between two rescales of one training job (damps flapping)."""
+    gain_threshold: float = Field(default=0.1, ge=0)
+    """Minimum relative throughput gain that justifies growing a training job (0.1 = 10%)."""
+    headroom_gpus: int = Field(default=0, ge=0, alias="headroomGPUs")
+    """GPUs kept free for inference bursts (never lent to training)."""
+    tick_seconds: float = Field(default=5.0, gt=0, le=3600)
+    """Seconds between two reconcile cycles of this pool."""
+
+
+class GPUPoolStatus(_CR):
+    nodes: int = 0
+    """Nodes matching the selector with allocatable GPUs."""
+    gpus: int = 0
+    """GPUs in the pool."""
+    inference_gpus: int = Field(default=0, alias="inferenceGPUs")
+    """GPUs held by inference replicas."""
+    training_gpus: int = Field(default=0, alias="trainingGPUs")
+    """GPUs held by training workers."""
+    leader: str = ""
+    """Operator replica holding the pool's lease (the only one that acts)."""
+    last_decision: str = ""
+    """Reason of the last reconcile cycle's plan."""
+    last_tick_time: str | None = None
+    """When the last reconcile cycle ran (RFC 3339)."""
+    observed_generation: int = 0
+    """``metadata.generation`` last reconciled."""
+    conditions: list[Condition] = Field(default_factory=list)
+    """``Ready``: the pool is reconciled; ``False`` with the reason when it cannot act."""
+
+
+# --------------------------------------------------------------------------------------------
+# InferenceService
+# --------------------------------------------------------------------------------------------
+
+
+class ScaleTargetRef(_CR):
+    """The workload whose replicas this service scales (through its ``/scale`` subresource)."""
+
+    api_version: str = "apps/v1"
+    """API version of the target; only ``apps/v1`` is supported."""
+    kind: Literal["Deployment"] = "Deployment"
+    """Kind of the target; only ``Deployment`` is supported."""
+    name: str = Field(min_length=1)
+    """Name of the Deployment in the service's namespace."""
+
+
+class Metric(_CR):
+    """What to measure and the value to hold it at (one of ``preset`` or ``query``)."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": "has(self.preset) != has(self.query)", "message": "give exactly one of preset or query"},
+    ]})
+
+    preset: str | None = None
+    """Named query for common servers, e.g. ``vllm-requests``, ``vllm-running``, ``sglang-queue``."""
+    query: str | None = None
+    """PromQL returning one series (instead of ``preset``); needs ``prometheus``."""
+    prometheus: str | None = None
+    """Prometheus base URL, e.g. ``http://prometheus.monitoring:9090``."""
+    type: Literal["AverageValue", "Value", "Utilization"] = "AverageValue"
+    """``AverageValue``: target per replica (HPA v2 semantics); ``Value``/``Utilization``: per-replica average."""
+    target: float = Field(gt=0)
+    """Target value (per replica for ``AverageValue``)."""
+    activation_threshold: float = Field(default=0.0, ge=0)
+    """With ``minReplicas: 0``: leave zero only when the metric is above this value (KEDA semantics)."""
+
+
+class ScalingPolicyCR(_CR):
+    """One HPA v2 rate policy."""
+
+    type: Literal["Pods", "Percent"]
+    """``Pods``: absolute replicas per period; ``Percent``: percent of current replicas per period."""
+    value: int = Field(gt=0)
+    """Replicas or percent allowed per period."""
+    period_seconds: int = Field(gt=0, le=1800)
+    """Length of the window the policy holds over."""
+
+
+class ScalingRulesCR(_CR):
+    """HPA v2 ``behavior.scaleUp`` / ``behavior.scaleDown``."""
+
+    stabilization_window_seconds: int | None = Field(default=None, ge=0, le=3600)
+    """Look-back window: scale down to the highest (up: lowest) recommendation in it."""
+    select_policy: Literal["Max", "Min", "Disabled"] = "Max"
+    """Which policy wins when several apply; ``Disabled`` forbids scaling in this direction."""
+    policies: list[ScalingPolicyCR] | None = None
+    """Rate limits."""
+    tolerance: float | None = Field(default=None, ge=0, lt=1)
+    """Ratio band around 1.0 inside which nothing changes (default 0.1)."""
+
+
+class BehaviorCR(_CR):
+    """HPA v2 scaling behaviour."""
+
+    scale_up: ScalingRulesCR | None = None
+    """Rules for scaling up."""
+    scale_down: ScalingRulesCR | None = None
+    """Rules for scaling down."""
+
+
+class InferenceServiceSpec(_CR):
+    """An inference server (e.g. a vLLM Deployment) whose replicas follow its load."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": "self.minReplicas <= self.maxReplicas", "message": "minReplicas must be <= maxReplicas",
+         "fieldPath": ".minReplicas"},
+        {"rule": "!has(self.replicas) || (self.replicas >= self.minReplicas && self.replicas <= self.maxReplicas)",
+         "message": "replicas must lie within [minReplicas, maxReplicas]", "fieldPath": ".replicas"},
+    ]})
+
+    pool: str = Field(min_length=1)
+    """Name of the ``GPUPool`` this service runs in."""
+    scale_target_ref: ScaleTargetRef
+    """The Deployment to scale; it must exist in this namespace."""
+    metric: Metric
+    """The load signal and its target."""
+    min_replicas: int = Field(default=1, ge=0)
+    """Fewest replicas (0 allows scale to zero)."""
+    max_replicas: int = Field(default=8, ge=1)
+    """Most replicas."""
+    replicas: int | None = Field(default=None, ge=0)
+    """Pinned replica count (``kubectl scale`` writes it through ``/scale``); unset = follow the metric."""
+    behavior: BehaviorCR | None = None
+    """HPA v2 scaling behaviour (stabilisation windows, rate policies, tolerance)."""
+    gpus_per_replica: int = Field(default=1, ge=1, alias="gpusPerReplica")
+    """GPUs each replica needs (e.g. vLLM ``--tensor-parallel-size``)."""
+    priority: int = 100
+    """Higher wins GPUs first; inference above training by default."""
+    startup_seconds: float = Field(default=30.0, ge=0)
+    """Typical seconds from scale-up to a ready replica (the forecast looks this far ahead)."""
+    forecast: Literal["off", "trend", "holt-winters"] = "off"
+    """Short-horizon load forecast used to scale up ahead of a ramp."""
+
+
+class InferenceServiceStatus(_CR):
+    replicas: int = 0
+    """Replicas the controller has set on the Deployment (``/scale`` status)."""
+    ready_replicas: int = 0
+    """Replicas the Deployment reports ready."""
+    desired_replicas: int = 0
+    """Replicas the policy wants (before the pool's limits)."""
+    observed_value: float | None = None
+    """Last metric value read (none when missing)."""
+    selector: str = ""
+    """Label selector of the target's pods (for the ``/scale`` subresource)."""
+    gpus: list[str] = Field(default_factory=list)
+    """GPUs (``node/index``) the controller books for the replicas."""
+    observed_generation: int = 0
+    """``metadata.generation`` last reconciled."""
+    conditions: list[Condition] = Field(default_factory=list)
+    """``Ready`` (spec accepted and scaled) and ``ScalingLimited`` (policy held back, with reason)."""
+
+
+# --------------------------------------------------------------------------------------------
+# ElasticTrainingJob
+# --------------------------------------------------------------------------------------------
+
+
+class EnvVar(_CR):
+    """One environment variable of the worker container."""
+
+    name: str = Field(min_length=1)
+    """Variable name."""
+    value: str = ""
+    """Variable value."""
+
+
+class WorkerTemplate(_CR):
+    """How each worker pod runs (one GPU per worker)."""
+
+    image: str = Field(min_length=1)
+    """Container image with elastic (or a trainer implementing the worker agent protocol)."""
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    """Kubernetes image pull policy."""
+    command: list[str] = Field(default_factory=lambda: list(WORKER_COMMAND))
+    """Entry point; the default runs the reference trainer's worker agent."""
+    args: list[str] = Field(default_factory=list)
+    """Arguments to ``command``."""
+    env: list[EnvVar] = Field(default_factory=list)
+    """Extra environment (the operator sets ``ELASTIC_JOB``, ``ELASTIC_WORKER_ID``, ``ELASTIC_RENDEZVOUS_URL``)."""
+    resources: dict[str, Any] = Field(default_factory=dict)
+    """Container resources (``requests``/``limits``); ``nvidia.com/gpu: 1`` is always added."""
+    service_account_name: str | None = None
+    """Service account of the worker pods."""
+
+
+class ElasticTrainingJobSpec(_CR):
+    """A 3D-parallel training job that grows and shrinks in place on the pool's idle GPUs."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": "self.minGPUs <= self.maxGPUs", "message": "minGPUs must be <= maxGPUs", "fieldPath": ".minGPUs"},
+        {"rule": "has(self.model) != has(self.modelSpec)", "message": "give exactly one of model or modelSpec"},
+        {"rule": "self.microBatch <= self.globalBatch", "message": "microBatch must be <= globalBatch",
+         "fieldPath": ".microBatch"},
+    ]})
+
+    pool: str = Field(min_length=1)
+    """Name of the ``GPUPool`` this job runs in."""
+    model: str | None = None
+    """Model preset name (e.g. ``gpt-100m``, ``llama3-8b``); or give ``modelSpec``."""
+    model_spec: dict[str, Any] | None = None
+    """Inline model architecture (the ModelSpec keys: layers, hidden, heads, ...) instead of a preset."""
+    allowed_tp: list[int] | None = Field(default=None, alias="allowedTP")
+    """Tensor-parallel degrees the planner may use (default: any that divides the heads)."""
+    allowed_pp: list[int] | None = Field(default=None, alias="allowedPP")
+    """Pipeline-parallel degrees the planner may use (default: any)."""
+    min_gpus: int = Field(default=1, ge=1, alias="minGPUs")
+    """Fewest GPUs the job runs on; below it the job pauses."""
+    max_gpus: int = Field(default=8, ge=1, alias="maxGPUs")
+    """Most GPUs the job takes."""
+    global_batch: int = Field(default=16, ge=1)
+    """Sequences per optimizer step; invariant across rescales (``dp * microBatch * gradAccum``)."""
+    micro_batch: int = Field(default=1, ge=1)
+    """Sequences per micro-batch."""
+    zero: int = Field(default=0, ge=0, le=1)
+    """1 = ZeRO-1 (optimizer state sharded across data-parallel ranks)."""
+    priority: int = 0
+    """Higher wins GPUs first among training jobs; inference defaults to 100."""
+    template: WorkerTemplate
+    """Worker pod template."""
+
+
+class LastReshard(_CR):
+    """The most recent in-place rescale."""
+
+    from_layout: str = ""
+    """Layout before."""
+    to_layout: str = ""
+    """Layout after."""
+    seconds: float = 0.0
+    """Training pause (last old step done -> first new step begun)."""
+    bytes: int = 0
+    """Bytes moved between workers."""
+    time: str | None = None
+    """When it finished (RFC 3339)."""
+
+
+class ElasticTrainingJobStatus(_CR):
+    phase: str = "Pending"
+    """Pending, Running, Rescaling, Paused, Failed or Stopped."""
+    layout: str = ""
+    """Current layout, e.g. ``tp2.pp2.dp2``."""
+    generation: int = 0
+    """Layout generation (grows by one per rescale)."""
+    world_size: int = 0
+    """Workers (= GPUs) in the current layout."""
+    step: int = 0
+    """Last optimizer step."""
+    tokens_per_second: float = 0.0
+    """Training throughput."""
+    loss: float | None = None
+    """Last training loss."""
+    last_reshard: LastReshard | None = None
+    """The most recent in-place rescale."""
+    workers: list[str] = Field(default_factory=list)
+    """Worker pods of the current generation."""
+    observed_generation: int = 0
+    """``metadata.generation`` last reconciled."""
+    conditions: list[Condition] = Field(default_factory=list)
+    """``Ready`` (spec accepted) and ``Scheduled`` (GPUs granted, with the scheduler's reason)."""
+
+
+# --------------------------------------------------------------------------------------------
+# CRD generation
+# --------------------------------------------------------------------------------------------
+
+_DROP = {"title", "additionalProperties"}
+
+
+def structural(schema: dict[str, Any]) -> dict[str, Any]:
+    """Convert a pydantic (JSON Schema 2020-12) schema to a structural OpenAPI v3 schema."""
+    defs = schema.get("$defs", {})
+
+    def conv(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        node = dict(node)
+        if "$ref" in node:  # inline; keep the referencing field's description
+            target = copy.deepcopy(defs[node.pop("$ref").split("/")[-1]])
+            node = {**target, **{k: v for k, v in node.items() if k in ("description", "default")}}
+        if "anyOf" in node:
+            options = node.pop("anyOf")
+            non_null = [o for o in options if o.get("type") != "null"]
+            if len(non_null) != 1:
+                raise ValueError(f"cannot express anyOf {options} structurally")
+            node = conv({**non_null[0], **node})
+            if len(non_null) < len(options):
+                node["nullable"] = True
+            return node
+        if node.get("default", 0) is None:
+            node.pop("default")
+        if "const" in node:
+            node["enum"] = [node.pop("const")]
+        for bound in ("exclusiveMinimum", "exclusiveMaximum"):
+            if bound in node and not isinstance(node[bound], bool):
+                node["minimum" if bound == "exclusiveMinimum" else "maximum"] = node[bound]
+                node[bound] = True
+        free_map = node.get("type") == "object" and "properties" not in node and (
+            node.get("additionalProperties") in (True, None) or node.get("additionalProperties") == {})
+        if free_map:
+            node["x-kubernetes-preserve-unknown-fields"] = True
+        elif isinstance(node.get("additionalProperties"), dict):
+            node["additionalProperties"] = conv(node["additionalProperties"])
+            return {k: v for k, v in node.items() if k != "title"}
+        node = {k: v for k, v in node.items() if k not in _DROP and k != "$defs"}
+        if "properties" in node:
+            node["properties"] = {k: conv(v) for k, v in node["properties"].items()}
+        if "items" in node:
+            node["items"] = conv(node["items"])
+        return node
+
+    return conv(schema)
+
+
+def _schema(model: type[BaseModel], *, defaults: bool = True) -> dict[str, Any]:
+    text = json.dumps(model.model_json_schema(by_alias=True, mode="validation")).replace("``", "`")
+    schema = structural(json.loads(text))
+    return schema if defaults else _without_defaults(schema)
+
+
+def _without_defaults(node: Any) -> Any:
+    """Status is written by the operator only: no defaulting there."""
+    if isinstance(node, dict):
+        return {k: _without_defaults(v) for k, v in node.items() if k != "default"}
+    if isinstance(node, list):
+        return [_without_defaults(v) for v in node]
+    return node
+
+
+def _conditions_map_list(status: dict[str, Any]) -> dict[str, Any]:
+    cond = status["properties"]["conditions"]
+    cond["x-kubernetes-list-type"] = "map"
+    cond["x-kubernetes-list-map-keys"] = ["type"]
+    return status
+
+
+def _ready(column: str = "READY") -> dict[str, Any]:
+    return {"name": column, "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'}
+
+
+_AGE = {"name": "AGE", "type": "date", "jsonPath": ".metadata.creationTimestamp"}
+
+KINDS: dict[str, dict[str, Any]] = {
+    "GPUPool": {
+        "plural": "gpupools", "singular": "gpupool", "short": ["gpool"], "scope": "Cluster",
+        "spec": GPUPoolSpec, "status": GPUPoolStatus,
+        "columns": [
+            {"name": "NODES", "type": "integer", "jsonPath": ".status.nodes"},
+            {"name": "GPUS", "type": "integer", "jsonPath": ".status.gpus"},
+            {"name": "INFERENCE", "type": "integer", "jsonPath": ".status.inferenceGPUs"},
+            {"name": "TRAINING", "type": "integer", "jsonPath": ".status.trainingGPUs"},
+            {"name": "DECISION", "type": "string", "jsonPath": ".status.lastDecision"},
+            _ready(), _AGE],
+    },
+    "InferenceService": {
+        "plural": "inferenceservices", "singular": "inferenceservice", "short": ["isvc", "esvc"],
+        "scope": "Namespaced", "spec": InferenceServiceSpec, "status": InferenceServiceStatus,
+        "scale": {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+                  "labelSelectorPath": ".status.selector"},
+        "columns": [
+            {"name": "POOL", "type": "string", "jsonPath": ".spec.pool"},
+            {"name": "REPLICAS", "type": "integer", "jsonPath": ".status.replicas"},
+            {"name": "DESIRED", "type": "integer", "jsonPath": ".status.desiredReplicas"},
+            {"name": "LOAD", "type": "number", "jsonPath": ".status.observedValue"},
+            {"name": "TARGET", "type": "number", "jsonPath": ".spec.metric.target"},
+            _ready(), _AGE],
+    },
+    "ElasticTrainingJob": {
+        "plural": "elastictrainingjobs", "singular": "elastictrainingjob", "short": ["etj"],
+        "scope": "Namespaced", "spec": ElasticTrainingJobSpec, "status": ElasticTrainingJobStatus,
+        "columns": [
+            {"name": "POOL", "type": "string", "jsonPath": ".spec.pool"},
+            {"name": "LAYOUT", "type": "string", "jsonPath": ".status.layout"},
+            {"name": "GPUS", "type": "integer", "jsonPath": ".status.worldSize"},
+            {"name": "STEP", "type": "integer", "jsonPath": ".status.step"},
+            {"name": "TOKENS/S", "type": "number", "jsonPath": ".status.tokensPerSecond"},
+            {"name": "PHASE", "type": "string", "jsonPath": ".status.phase"},
+            _AGE],
+    },
+}
+
+
+def crd_manifest(kind: str) -> dict[str, Any]:
+    """The CRD of one kind (``apiextensions.k8s.io/v1``)."""
+    k = KINDS[kind]
+    spec_schema = _schema(k["spec"])
+    spec_schema["description"] = (k["spec"].__doc__ or "").strip()
+    status_schema = _conditions_map_list(_schema(k["status"], defaults=False))
+    status_schema["description"] = f"Observed state of the {kind}, written by the operator."
+    subresources: dict[str, Any] = {"status": {}}
+    if "scale" in k:
+        subresources["scale"] = dict(k["scale"])
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{k['plural']}.{GROUP}", "labels": {"app.kubernetes.io/part-of": "elastic"}},
+        "spec": {
+            "group": GROUP,
+            "scope": k["scope"],
+            "names": {"kind": kind, "plural": k["plural"], "singular": k["singular"], "shortNames": k["short"],
+                      "categories": ["elastic"]},
+            "versions": [{
+                "name": VERSION, "served": True, "storage": True,
+                "subresources": subresources,
+                "additionalPrinterColumns": k["columns"],
+                "schema": {"openAPIV3Schema": {
+                    "type": "object",
+                    "description": f"{kind}: {(k['spec'].__doc__ or '').strip()}",
+                    "required": ["spec"],
+                    "properties": {
+                        "apiVersion": {"type": "string"}, "kind": {"type": "string"},
+                        "metadata": {"type": "object"},
+                        "spec": spec_schema, "status": status_schema,
+                    },
+                }},
+            }],
+        },
+    }
+
+
+def crd_manifests() -> list[dict[str, Any]]:
+    return [crd_manifest(kind) for kind in KINDS]
+
+
+def crd_yaml(kind: str) -> str:
+    import yaml
+
+    header = "# Generated by `elastic crds` from elastic/crds.py; do not edit by hand.\n"
+    return header + yaml.safe_dump(crd_manifest(kind), sort_keys=False, width=120)
+
+
+def crd_filename(kind: str) -> str:
+    return f"{GROUP}_{KINDS[kind]['plural']}.yaml"
+
+
+def write_crds(out: str | Path) -> list[Path]:
+    """Write one YAML file per CRD into ``out``; returns the paths written."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for kind in KINDS:
+        p = out / crd_filename(kind)
+        p.write_text(crd_yaml(kind))
+        paths.append(p)
+    return paths
+
+
+def drifted(out: str | Path) -> list[str]:
+    """Files under ``out`` that differ from what ``write_crds`` would write (missing counts)."""
+    out = Path(out)
+    return [crd_filename(k) for k in KINDS
+            if not (out / crd_filename(k)).exists() or (out / crd_filename(k)).read_text() != crd_yaml(k)]
+
+
+# --------------------------------------------------------------------------------------------
+# CR spec -> controller spec
+# --------------------------------------------------------------------------------------------
+
+
+def _reason_for(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc if not isinstance(p, int)]
+    return "Invalid" + "".join(p[:1].upper() + p[1:] for p in parts[-2:]) if parts else "InvalidSpec"
+
+
+def parse_spec(model: type[BaseModel], spec: dict[str, Any] | None) -> Any:
+    """Validate a CR's spec; the first error becomes a CRError naming the field (camelCase)."""
+    try:
+        return model.model_validate(spec or {})
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = tuple(err["loc"])
+        field = "spec" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
+        raise CRError(field, _reason_for(loc), err["msg"]) from None
+
+
+def to_pool_spec(name: str, spec: GPUPoolSpec, nodes: int) -> PoolSpec:
+    """The controller's pool (``nodes`` comes from the inventory: matching nodes with GPUs)."""
+    if spec.hardware not in HARDWARE_PRESETS:
+        raise CRError("spec.hardware", "InvalidHardware",
+                      f"unknown hardware preset '{spec.hardware}'; use one of {', '.join(HARDWARE_PRESETS)}")
+    return PoolSpec(name=name, nodes=max(nodes, 1), gpus_per_node=spec.gpus_per_node, hardware=spec.hardware,
+                    rescale_interval_seconds=spec.rescale_interval_seconds, gain_threshold=spec.gain_threshold,
+                    headroom_gpus=spec.headroom_gpus)
+
+
+def to_inference_spec(workload: str, spec: InferenceServiceSpec) -> InferenceSpec:
+    """The controller's service spec; the metric preset is checked here (unknown -> CRError)."""
+    from elastic.metrics.presets import PRESETS, check_metric
+    from elastic.metrics.sample import MetricQueryError
+
+    if spec.min_replicas > spec.max_replicas:
+        raise CRError("spec.minReplicas", "InvalidMinReplicas",
+                      f"minReplicas={spec.min_replicas} > maxReplicas={spec.max_replicas}; "
+                      "raise maxReplicas or lower minReplicas")
+    m = spec.metric
+    if (m.preset is None) == (m.query is None):
+        raise CRError("spec.metric", "InvalidMetric", "give exactly one of metric.preset or metric.query")
+    if m.preset is not None and m.preset not in PRESETS:
+        raise CRError("spec.metric.preset", "InvalidMetricPreset",
+                      f"unknown preset '{m.preset}'; known presets: {', '.join(PRESETS)}")
+    if m.query is not None and not m.prometheus:
+        raise CRError("spec.metric.prometheus", "InvalidMetricPrometheus",
+                      "a PromQL query needs metric.prometheus (the Prometheus base URL)")
+    metric = MetricTarget(preset=m.preset, query=m.query, prometheus=m.prometheus, type=m.type, target=m.target,
+                          activation_threshold=m.activation_threshold)
+    try:
+        check_metric(metric)
+    except MetricQueryError as e:
+        raise CRError("spec.metric.type", "InvalidMetricType", str(e).split(": ", 1)[-1]) from None
+    behavior = None
+    if spec.behavior is not None:
+        behavior = Behavior.model_validate(spec.behavior.model_dump(by_alias=True, exclude_none=True))
+    return InferenceSpec(name=workload, gpus_per_replica=spec.gpus_per_replica, min_replicas=spec.min_replicas,
+                         max_replicas=spec.max_replicas, priority=spec.priority, metric=metric, behavior=behavior,
+                         startup_seconds=spec.startup_seconds, forecast=spec.forecast)
+
+
+def to_training_spec(workload: str, spec: ElasticTrainingJobSpec, model_dir: str | Path | None = None) -> TrainingSpec:
+    """The controller's job spec. An inline ``modelSpec`` is validated and written to ``model_dir``
+    (``load_model`` reads models by preset name or file)."""
+    if spec.min_gpus > spec.max_gpus:
+        raise CRError("spec.minGPUs", "InvalidMinGPUs",
+                      f"minGPUs={spec.min_gpus} > maxGPUs={spec.max_gpus}; raise maxGPUs or lower minGPUs")
+    if (spec.model is None) == (spec.model_spec is None):
+        raise CRError("spec.model", "InvalidModel", "give exactly one of model (a preset) or modelSpec (inline)")
+    if spec.micro_batch > spec.global_batch:
+        raise CRError("spec.microBatch", "InvalidMicroBatch",
+                      f"microBatch={spec.micro_batch} > globalBatch={spec.global_batch}")
+    model_ref = spec.model
+    if model_ref is not None and model_ref not in MODEL_PRESETS:
+        raise CRError("spec.model", "InvalidModel",
+                      f"unknown model preset '{model_ref}'; use one of {', '.join(MODEL_PRESETS)} or give modelSpec")
+    if spec.model_spec is not None:
+        model_ref = _inline_model(workload, spec.model_spec, model_dir)
+    for fname, values in (("allowedTP", spec.allowed_tp), ("allowedPP", spec.allowed_pp)):
+        if values is not None and (not values or any(v < 1 for v in values)):
+            raise CRError(f"spec.{fname}", f"Invalid{fname[0].upper()}{fname[1:]}", f"{values}: give degrees >= 1 (or omit the field)")
+    assert model_ref is not None
+    return TrainingSpec(name=workload, model=model_ref, min_gpus=spec.min_gpus, max_gpus=spec.max_gpus,
+                        priority=spec.priority, global_batch=spec.global_batch, micro_batch=spec.micro_batch,
+                        allowed_tp=spec.allowed_tp, allowed_pp=spec.allowed_pp, zero=spec.zero)
+
+
+def _inline_model(workload: str, data: dict[str, Any], model_dir: str | Path | None) -> str:
+    import json
+    import tempfile
+
+    try:
+        model = ModelSpec.model_validate({"name": workload.replace("/", "-"), **data})
+    except (ValidationError, SpecError) as e:
+        first = e.errors()[0] if isinstance(e, ValidationError) else {"loc": (), "msg": str(e)}
+        loc = ".".join(str(p) for p in first["loc"])
+        raise CRError(f"spec.modelSpec{'.' + loc if loc else ''}", "InvalidModelSpec", first["msg"]) from None
+    d = Path(model_dir) if model_dir else Path(tempfile.gettempdir()) / "elastic-models"
+    d.mkdir(parents=True, exist_ok=True)
+    p = d / f"{workload.replace('/', '_')}.json"
+    p.write_text(json.dumps(model.model_dump(mode="json")))
+    return str(p)

@@ -1,0 +1,570 @@
+"""The operator's state: registered custom resources, one controller per GPUPool, status publishing.
+
+What it is for: Kopf handlers (``operators.main``) call in here. ``set_pool`` / ``set_service`` /
+``set_job`` validate a CR (``elastic.crds``), register its spec and say so in its ``Ready``
+condition; ``tick_pool`` is one reconcile cycle of a pool:
+
+1. observe   the pool's nodes (``KubernetesBackend.inventory``) and its registered members;
+2. build     the ``ControllerConfig`` (rebuilt only when a spec or the node count changed,
+             carrying the policy state over) and the backend's targets;
+3. tick      ``Controller.tick()``: decide and apply (the DB lease makes one replica act);
+4. publish   status fields, conditions and Events carrying the controller's reasons.
+
+A refused spec never reaches the controller: a new bad CR is not registered; a bad update
+keeps the last good spec running. ``remove_job`` (the finalizer) deletes the job's pods.
+
+What it must not do: talk Kopf (handlers do), or decide anything itself (the controller does).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from elastic import store as db
+from elastic.backends.base import BackendError
+from elastic.backends.kubernetes import JobTarget, KubernetesBackend, ServiceTarget, parse_gpu
+from elastic.config import ControllerConfig, ControllerSettings
+from elastic.controller import Controller, TickResult, throughput_table
+from elastic.crds import (
+    CRError,
+    ElasticTrainingJobSpec,
+    GPUPoolSpec,
+    InferenceServiceSpec,
+    parse_spec,
+    to_inference_spec,
+    to_pool_spec,
+    to_training_spec,
+)
+from elastic.metrics import build_source
+from elastic.metrics.sample import MetricSource
+from elastic.model import InferenceSpec, SpecError, TrainingSpec, load_hardware, load_model
+from operators.status import StatusWriter
+
+log = logging.getLogger("operators.runtime")
+
+POOLS, SERVICES, JOBS = "gpupools", "inferenceservices", "elastictrainingjobs"
+
+
+@dataclass(frozen=True)
+class OperatorSettings:
+    """Read from the environment (the ConfigMap ``elastic-operator`` in ``manifests/``)."""
+
+    db_url: str = "sqlite:///./elastic-operator.db"
+    instance: str = "elastic-operator"  # POD_NAME: lease owner and Event reportingInstance
+    pod_ip: str | None = None  # advertised to training workers (coordinator runtime)
+    job_runtime: str = "coordinator"
+    field_manager: str = "elastic-operator"
+    timer_seconds: float = 1.0
+    api_port: int = 8000
+    metrics_max_age_seconds: float = 30.0
+    lease_seconds: float = 15.0
+    wait_seconds: float = 120.0
+    model_dir: str | None = None
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> OperatorSettings:
+        e = dict(os.environ if env is None else env)
+        return cls(
+            db_url=e.get("ELASTIC_DB_URL") or cls.db_url, instance=e.get("POD_NAME") or cls.instance,
+            pod_ip=e.get("POD_IP") or None, job_runtime=e.get("ELASTIC_JOB_RUNTIME") or cls.job_runtime,
+            field_manager=e.get("ELASTIC_FIELD_MANAGER") or cls.field_manager,
+            timer_seconds=float(e.get("ELASTIC_OPERATOR_TIMER_SECONDS") or cls.timer_seconds),
+            api_port=int(e.get("ELASTIC_API_PORT") or cls.api_port),
+            metrics_max_age_seconds=float(e.get("ELASTIC_METRICS_MAX_AGE_SECONDS") or cls.metrics_max_age_seconds),
+            lease_seconds=float(e.get("ELASTIC_LEASE_SECONDS") or cls.lease_seconds),
+            wait_seconds=float(e.get("ELASTIC_BACKEND_WAIT_SECONDS") or cls.wait_seconds),
+            model_dir=e.get("ELASTIC_MODEL_DIR") or None,
+        )
+
+
+@dataclass
+class Member:
+    """One registered InferenceService or ElasticTrainingJob."""
+
+    plural: str
+    namespace: str
+    name: str
+    uid: str | None
+    generation: int
+    pool: str
+    cr: Any  # InferenceServiceSpec | ElasticTrainingJobSpec (last good)
+    spec: InferenceSpec | TrainingSpec  # the controller's view of it
+
+    @property
+    def workload(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass
+class Pool:
+    name: str
+    uid: str | None
+    generation: int
+    cr: GPUPoolSpec
+    backend: KubernetesBackend
+    controller: Controller | None = None
+    config_key: str | None = None
+    last_tick: float = 0.0
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    unschedulable: dict[str, str] = field(default_factory=dict)  # workload -> why the config refused it
+
+
+SourceFactory = Callable[[InferenceSpec, KubernetesBackend], MetricSource]
+
+
+def default_source(spec: InferenceSpec, backend: KubernetesBackend) -> MetricSource:
+    """Prometheus when the metric names one, else a direct scrape of the Deployment's ready pods."""
+    assert spec.metric is not None
+    return build_source(spec.metric, targets=lambda svc: backend.service_targets(svc))
+
+
+class OperatorRuntime:
+    """See module docstring. Thread-safe: Kopf runs sync handlers in worker threads."""
+
+    def __init__(self, settings: OperatorSettings | None = None, *, api_client: Any = None,
+                 source_factory: SourceFactory = default_source, clock: Callable[[], float] = time.time) -> None:
+        self.settings = settings or OperatorSettings.from_env()
+        self.api_client = api_client
+        self.source_factory = source_factory
+        self.clock = clock
+        self.pools: dict[str, Pool] = {}
+        self.members: dict[tuple[str, str, str], Member] = {}
+        self.rejected: dict[tuple[str, str, str], tuple[CRError, dict[str, Any], int, str | None]] = {}
+        self.store: db.Store | None = None
+        self.status: StatusWriter | None = None
+        self._throughput: dict[str, Any] = {}
+        self._lock = threading.RLock()
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Connect to the API and the DB (migrating it): called from Kopf's startup handler."""
+        from kubernetes import client, config
+
+        if self.api_client is None:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+            self.api_client = client.ApiClient()
+        db.upgrade(self.settings.db_url)
+        self.store = db.Store.from_url(self.settings.db_url)
+        self.status = StatusWriter(self.api_client, instance=self.settings.instance)
+
+    def stop(self) -> None:
+        with self._lock:
+            for p in self.pools.values():
+                if p.controller is not None and p.controller.is_leader and self.store is not None:
+                    db.release_lease(self.store, p.name, self.settings.instance)
+        if self.store is not None:
+            self.store.dispose()
+
+    def _backend(self, cr: GPUPoolSpec) -> KubernetesBackend:
+        s = self.settings
+        return KubernetesBackend(node_selector=cr.node_selector, gpus_per_node=cr.gpus_per_node,
+                                 api_client=self.api_client, field_manager=s.field_manager, job_runtime=s.job_runtime,
+                                 advertise_host=s.pod_ip, hardware=cr.hardware, scale_down_wait_seconds=s.wait_seconds,
+                                 pod_gone_wait_seconds=s.wait_seconds)
+
+    # ---- registration (Kopf create/update/resume handlers) -------------------------------------
+    def set_pool(self, name: str, spec: dict[str, Any], uid: str | None, generation: int,
+                 status: dict[str, Any] | None = None) -> None:
+        assert self.status is not None
+        self.status.seed(POOLS, None, name, status)
+        try:
+            cr = parse_spec(GPUPoolSpec, spec)
+            to_pool_spec(name, cr, 1)
+        except CRError as e:
+            self._refuse(POOLS, None, name, uid, generation, e)
+            return
+        with self._lock:
+            old = self.pools.get(name)
+            if old is not None and old.cr == cr:
+                old.generation = generation
+                return
+            pool = Pool(name, uid, generation, cr, self._backend(cr))
+            if old is not None:  # a changed selector or GPU count: a fresh backend, same registrations
+                pool.backend.booked = dict(old.backend.booked)
+                pool.backend._jobs = old.backend._jobs
+            self.pools[name] = pool
+        self.status.set_condition(POOLS, None, name, "Ready", True, "Accepted", "spec accepted; reconciling",
+                                  generation)
+
+    def remove_pool(self, name: str) -> None:
+        with self._lock:
+            pool = self.pools.pop(name, None)
+        if pool is not None and pool.controller is not None and self.store is not None:
+            db.release_lease(self.store, name, self.settings.instance)
+        if self.status is not None:
+            self.status.forget(POOLS, None, name)
+
+    def set_service(self, namespace: str, name: str, spec: dict[str, Any], uid: str | None, generation: int,
+                    status: dict[str, Any] | None = None) -> None:
+        assert self.status is not None
+        self.status.seed(SERVICES, namespace, name, status)
+        try:
+            cr = parse_spec(InferenceServiceSpec, spec)
+            isvc = to_inference_spec(f"{namespace}/{name}", cr)
+            self._check_scale_target(namespace, cr)
+        except CRError as e:
+            self._refuse(SERVICES, namespace, name, uid, generation, e, spec=spec)
+            return
+        booked = tuple(parse_gpu(g) for g in (status or {}).get("gpus", []) if "/" in g)
+        self._register(Member(SERVICES, namespace, name, uid, generation, cr.pool, cr, isvc), booked)
+
+    def set_job(self, namespace: str, name: str, spec: dict[str, Any], uid: str | None, generation: int,
+                status: dict[str, Any] | None = None) -> None:
+        assert self.status is not None
+        self.status.seed(JOBS, namespace, name, status)
+        try:
+            cr = parse_spec(ElasticTrainingJobSpec, spec)
+            tspec = to_training_spec(f"{namespace}/{name}", cr, self.settings.model_dir)
+            load_model(tspec.model)
+        except CRError as e:
+            self._refuse(JOBS, namespace, name, uid, generation, e, spec=spec)
+            return
+        except SpecError as e:
+            self._refuse(JOBS, namespace, name, uid, generation, CRError("spec.model", "InvalidModel", str(e)))
+            return
+        self._register(Member(JOBS, namespace, name, uid, generation, cr.pool, cr, tspec))
+
+    def _check_scale_target(self, namespace: str, cr: InferenceServiceSpec) -> None:
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        ref = cr.scale_target_ref
+        if ref.api_version != "apps/v1":
+            raise CRError("spec.scaleTargetRef.apiVersion", "InvalidScaleTargetRef",
+                          f"apiVersion '{ref.api_version}' is not supported; use apps/v1 (a Deployment)")
+        try:
+            client.AppsV1Api(self.api_client).read_namespaced_deployment(ref.name, namespace)
+        except ApiException as e:
+            if e.status == 404:
+                raise CRError("spec.scaleTargetRef", "InvalidScaleTargetRef",
+                              f"Deployment {namespace}/{ref.name} not found; create it or fix scaleTargetRef.name"
+                              ) from None
+            raise CRError("spec.scaleTargetRef", "ScaleTargetUnreadable",
+                          f"cannot read Deployment {namespace}/{ref.name}: HTTP {e.status} {e.reason}") from None
+
+    def _register(self, m: Member, booked: tuple[Any, ...] = ()) -> None:
+        assert self.status is not None
+        key = (m.plural, m.namespace, m.name)
+        with self._lock:
+            self.rejected.pop(key, None)
+            self.members[key] = m
+            pool = self.pools.get(m.pool)
+            if pool is not None and booked and m.plural == SERVICES:
+                pool.backend.set_service(m.workload, ServiceTarget(m.namespace, m.cr.scale_target_ref.name), booked)
+        if pool is None:
+            self.status.set_condition(m.plural, m.namespace, m.name, "Ready", False, "PoolNotFound",
+                                      f"spec.pool: GPUPool '{m.pool}' does not exist (yet)", m.generation)
+        else:
+            self.status.set_condition(m.plural, m.namespace, m.name, "Ready", True, "Accepted",
+                                      f"spec accepted by pool {m.pool}", m.generation)
+
+    def _refuse(self, plural: str, namespace: str | None, name: str, uid: str | None, generation: int, e: CRError,
+                spec: dict[str, Any] | None = None) -> None:
+        """Ready=False naming the field; an earlier good spec (if any) keeps running unchanged."""
+        assert self.status is not None
+        key = (plural, namespace or "", name)
+        with self._lock:
+            self.rejected[key] = (e, dict(spec or {}), generation, uid)
+            kept = key in self.members
+        note = str(e) + ("; the previous spec keeps running" if kept else "")
+        flipped = self.status.set_condition(plural, namespace, name, "Ready", False, e.reason, note, generation)
+        if flipped:
+            self.status.event(plural, namespace, name, uid, type_="Warning", reason=e.reason, note=note,
+                              action="Validate")
+        log.warning("%s %s/%s refused: %s", plural, namespace, name, note)
+
+    def remove_service(self, namespace: str, name: str) -> None:
+        """The Deployment is the user's: it keeps its replicas; the pool stops booking GPUs for it."""
+        key = (SERVICES, namespace, name)
+        with self._lock:
+            m = self.members.pop(key, None)
+            self.rejected.pop(key, None)
+            pool = self.pools.get(m.pool) if m else None
+        if m is not None and pool is not None:
+            with pool.lock:
+                pool.backend.forget(m.workload)
+                pool.config_key = None
+        if self.status is not None:
+            self.status.forget(SERVICES, namespace, name)
+
+    def remove_job(self, namespace: str, name: str) -> int:
+        """Finalizer: delete the job's worker pods and Service (its GPUs are free after). Returns pods deleted."""
+        key = (JOBS, namespace, name)
+        with self._lock:
+            m = self.members.get(key)
+            self.rejected.pop(key, None)
+            pool = self.pools.get(m.pool) if m else None
+        deleted = 0
+        workload = f"{namespace}/{name}"
+        backend = pool.backend if pool is not None else self._backend(GPUPoolSpec())
+        lock = pool.lock if pool is not None else threading.RLock()
+        with lock:  # never in the middle of a tick of this pool
+            if workload not in backend.jobs:
+                backend.set_job(workload, JobTarget(namespace, name, {"image": "-"}, None))
+            deleted = backend.release_job(workload)
+            backend.forget(workload)
+            if pool is not None:
+                pool.config_key = None
+        with self._lock:
+            self.members.pop(key, None)
+        if self.status is not None:
+            self.status.forget(JOBS, namespace, name)
+        return deleted
+
+    # ---- one reconcile cycle of a pool (Kopf timer) ---------------------------------------------
+    def tick_pool(self, name: str, *, force: bool = False) -> TickResult | None:
+        with self._lock:
+            pool = self.pools.get(name)
+        if pool is None or self.store is None:
+            return None
+        with pool.lock:
+            now = self.clock()
+            if not force and now - pool.last_tick < pool.cr.tick_seconds:
+                return None
+            pool.last_tick = now
+            self._retry_rejected(name)
+            # 1. observe
+            try:
+                nodes = pool.backend.inventory()
+            except BackendError as e:
+                self._pool_not_ready(pool, "Unavailable", str(e))
+                return None
+            if not nodes:
+                sel = ",".join(f"{k}={v}" for k, v in pool.cr.node_selector.items()) or "<none>"
+                self._pool_not_ready(pool, "NoNodes",
+                                     f"spec.nodeSelector: no schedulable node matches {sel} with allocatable "
+                                     "nvidia.com/gpu")
+                return None
+            # 2. build
+            members = self._members_of(name)
+            ctl = self._controller(pool, len(nodes), members)
+            # 3. tick
+            res = ctl.tick()
+            # 4. publish
+            self._publish(pool, ctl, res, nodes, members)
+            return res
+
+    def _members_of(self, pool: str) -> list[Member]:
+        with self._lock:
+            return sorted((m for m in self.members.values() if m.pool == pool), key=lambda m: (m.plural, m.workload))
+
+    def _retry_rejected(self, pool: str) -> None:
+        """A missing Deployment may appear later: re-check those services each cycle."""
+        with self._lock:
+            waiting = [(k, v) for k, v in self.rejected.items()
+                       if k[0] == SERVICES and v[0].reason == "InvalidScaleTargetRef"]
+        for (_, ns, name), (_, spec, gen, uid) in waiting:
+            if spec.get("pool") == pool:
+                self.set_service(ns, name, spec, uid, gen)
+
+    def _controller(self, pool: Pool, n_nodes: int, members: list[Member]) -> Controller:
+        """Build (or reuse) the pool's controller for these members; refuse what cannot fit."""
+        assert self.store is not None
+        pool_spec = to_pool_spec(pool.name, pool.cr, n_nodes)
+        services = [m for m in members if m.plural == SERVICES]
+        jobs = [m for m in members if m.plural == JOBS]
+        cfg, pool.unschedulable = self._fit(pool_spec, services, jobs)
+        # the worker template and the Deployment name are not in the controller's config: key on them too
+        targets = [(m.workload, m.cr.model_dump(mode="json", by_alias=True)) for m in members]
+        key = json.dumps([cfg.model_dump(mode="json"), targets], sort_keys=True)
+        old = pool.controller
+        if old is not None and key == pool.config_key:
+            self._sync_overrides(old, services)
+            return old
+        # targets first: the controller's constructor and its first tick read the backend
+        live = {m.workload for m in members if m.workload not in pool.unschedulable}
+        for m in members:
+            if m.workload not in live:
+                continue
+            if m.plural == SERVICES:
+                pool.backend.set_service(m.workload, ServiceTarget(m.namespace, m.cr.scale_target_ref.name))
+            else:
+                pool.backend.set_job(m.workload, JobTarget(m.namespace, m.name, m.cr.template.model_dump(
+                    by_alias=True, exclude_none=True), m.uid))
+        hw = load_hardware(pool_spec.hardware)
+        throughput = {}
+        for j in cfg.jobs:
+            tkey = json.dumps([pool_spec.model_dump(mode="json"), j.model_dump(mode="json")], sort_keys=True)
+            if tkey not in self._throughput:
+                self._throughput[tkey] = throughput_table(
+                    load_model(j.model), hw, min(j.max_gpus, pool_spec.total_gpus),
+                    gpus_per_node=pool_spec.gpus_per_node, global_batch=j.global_batch, allowed_tp=j.allowed_tp,
+                    allowed_pp=j.allowed_pp, zero=j.zero)
+            throughput[j.name] = self._throughput[tkey]
+        sources = {s.name: self.source_factory(s, pool.backend) for s in cfg.services}
+        ctl = Controller(cfg, pool.backend, self.store, sources, owner=self.settings.instance, clock=self.clock,
+                         throughput=throughput)
+        if old is not None:  # carry what the loop has learnt: stabilisation windows, rescale times
+            ctl.policy_state.update({k: v for k, v in old.policy_state.items() if k in ctl.policy_state})
+            ctl.last_rescale.update(old.last_rescale)
+            ctl.recovered = old.recovered
+        self._sync_overrides(ctl, services)
+        pool.controller, pool.config_key = ctl, key
+        return ctl
+
+    def _fit(self, pool_spec: Any, services: list[Member], jobs: list[Member]
+             ) -> tuple[ControllerConfig, dict[str, str]]:
+        """The controller's config; a member the pool cannot hold (``services[i]``/``jobs[i]`` in the
+        validator's message) is left out and reported, the others still run."""
+        refused: dict[str, str] = {}
+        settings = ControllerSettings(tick_seconds=pool_spec_tick(self, pool_spec),
+                                      lease_seconds=self.settings.lease_seconds,
+                                      metrics_max_age_seconds=self.settings.metrics_max_age_seconds)
+        while True:
+            svc = [m for m in services if m.workload not in refused]
+            jb = [m for m in jobs if m.workload not in refused]
+            try:
+                cfg = ControllerConfig(pool=pool_spec, services=tuple(m.spec for m in svc),
+                                       jobs=tuple(m.spec for m in jb), controller=settings)
+                return cfg, refused
+            except ValueError as e:
+                msg = str(e)
+                m = re.search(r"(services|jobs)\[(\d+)\]", msg)
+                if m is None:
+                    raise
+                culprit = (svc if m.group(1) == "services" else jb)[int(m.group(2))]
+                refused[culprit.workload] = msg.split("\n")[-1] if "\n" in msg else msg
+
+    def _sync_overrides(self, ctl: Controller, services: list[Member]) -> None:
+        """``spec.replicas`` (``kubectl scale``) pins a service; unset returns it to the metric."""
+        for m in services:
+            if m.workload not in {s.name for s in ctl.cfg.services}:
+                continue
+            if m.cr.replicas is not None:
+                ctl.overrides[m.workload] = (m.cr.replicas, math.inf)
+            else:
+                ctl.overrides.pop(m.workload, None)
+
+    # ---- 4. publish -----------------------------------------------------------------------------
+    def _pool_not_ready(self, pool: Pool, reason: str, message: str) -> None:
+        assert self.status is not None
+        if self.status.set_condition(POOLS, None, pool.name, "Ready", False, reason, message, pool.generation):
+            self.status.event(POOLS, None, pool.name, pool.uid, type_="Warning", reason=reason, note=message,
+                              action="Reconcile")
+
+    def _publish(self, pool: Pool, ctl: Controller, res: TickResult, nodes: dict[str, int],
+                 members: list[Member]) -> None:
+        assert self.status is not None
+        if not res.acted:
+            if res.reason == "NotLeader":
+                return  # the leader publishes; a standby stays silent
+            self._pool_not_ready(pool, res.reason, res.message)
+            return
+        inference = sum(len(pool.backend.service_gpus(s.name)) for s in ctl.cfg.services)
+        training = 0
+        runtimes = {}
+        for j in ctl.cfg.jobs:
+            rt = pool.backend.job_runtime(j.name)
+            runtimes[j.name] = rt
+            training += len(rt.gpus) if rt else 0
+        ok = res.error is None
+        self.status.set_condition(POOLS, None, pool.name, "Ready", ok, "ApplyFailed" if not ok else res.reason,
+                                  res.message if ok else f"{res.message}; failed: {res.error}", pool.generation,
+                                  extra={"nodes": len(nodes), "gpus": sum(nodes.values()), "inferenceGPUs": inference,
+                                         "trainingGPUs": training, "leader": self.settings.instance,
+                                         "lastDecision": res.reason, "lastTickTime": _rfc(res.at)})
+        if not ok:
+            self.status.event(POOLS, None, pool.name, pool.uid, type_="Warning", reason="ApplyFailed",
+                              note=str(res.error), action="Apply")
+        applied = set(res.applied)
+        by_workload = {m.workload: m for m in members}
+        for step in (res.plan.steps if res.plan else ()):
+            m = by_workload.get(step.workload)
+            if m is not None and f"{step.action} {step.workload}" in applied:
+                self.status.event(m.plural, m.namespace, m.name, m.uid, type_="Normal", reason=step.reason,
+                                  note=step.message, action=step.action)
+        for m in members:
+            if m.workload in pool.unschedulable:
+                self.status.set_condition(m.plural, m.namespace, m.name, "Ready", False, "Unschedulable",
+                                          pool.unschedulable[m.workload], m.generation)
+            elif m.plural == SERVICES:
+                self._publish_service(pool, m, res)
+            else:
+                self._publish_job(pool, m, res, runtimes.get(m.workload))
+
+    def _publish_service(self, pool: Pool, m: Member, res: TickResult) -> None:
+        assert self.status is not None
+        d = res.replica_decisions.get(m.workload)
+        gpus = pool.backend.service_gpus(m.workload)
+        try:
+            ready = pool.backend.ready_replicas(m.workload)
+        except BackendError:
+            ready = 0
+        sd = res.plan.services.get(m.workload) if res.plan else None
+        extra: dict[str, Any] = {"replicas": len(gpus) // m.spec.gpus_per_replica, "readyReplicas": ready,
+                                 "gpus": [str(g) for g in gpus], "selector": self._selector(pool, m)}
+        if d is not None:
+            extra.update(desiredReplicas=d.replicas, observedValue=d.metric)
+        conds = self.status.conditions(SERVICES, m.namespace, m.name)
+        from operators.status import set_condition
+
+        if d is not None:
+            conds = set_condition(conds, "ScalingActive", d.metric is not None, str(d.reason), d.message, m.generation)
+        if sd is not None:
+            limited = sd.replicas < sd.demand_replicas
+            conds = set_condition(conds, "ScalingLimited", limited, sd.reason, sd.message, m.generation)
+        conds = set_condition(conds, "Ready", True, "Reconciled", f"scaled by pool {pool.name}", m.generation)
+        self.status.patch(SERVICES, m.namespace, m.name, {**extra, "conditions": conds,
+                                                         "observedGeneration": m.generation})
+
+    def _selector(self, pool: Pool, m: Member) -> str:
+        cached = self.status.known(SERVICES, m.namespace, m.name).get("selector") if self.status else None
+        if cached:
+            return str(cached)
+        try:
+            dep = pool.backend._deployment(m.workload)
+        except BackendError:
+            return ""
+        labels = (dep.spec.selector.match_labels or {}) if dep.spec and dep.spec.selector else {}
+        return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+    def _publish_job(self, pool: Pool, m: Member, res: TickResult, rt: Any) -> None:
+        assert self.status is not None
+        jd = res.plan.jobs.get(m.workload) if res.plan else None
+        extra: dict[str, Any] = {
+            "phase": rt.phase if rt else "Pending", "layout": (rt.layout or "") if rt else "",
+            "generation": rt.generation if rt else 0, "worldSize": len(rt.gpus) if rt else 0,
+            "step": rt.step if rt else 0, "tokensPerSecond": rt.tokens_per_second if rt else 0.0,
+            "loss": rt.loss if rt else None,
+            "workers": sorted(p.metadata.name for p in pool.backend.worker_pods(m.workload)) if rt else [],
+        }
+        if rt is not None and rt.last_pause_seconds is not None:
+            extra["lastReshard"] = {"seconds": rt.last_pause_seconds, "bytes": rt.last_bytes_moved or 0,
+                                    "toLayout": rt.layout or ""}
+        conds = self.status.conditions(JOBS, m.namespace, m.name)
+        from operators.status import set_condition
+
+        if jd is not None:
+            conds = set_condition(conds, "Scheduled", jd.gpus > 0, jd.reason, jd.message, m.generation)
+        ready = rt is None or rt.phase != "Failed"
+        conds = set_condition(conds, "Ready", ready, "Reconciled" if ready else "WorkerFailed",
+                              f"scheduled by pool {pool.name}" if ready else (rt.error or "a worker failed"),
+                              m.generation)
+        self.status.patch(JOBS, m.namespace, m.name, {**extra, "conditions": conds, "observedGeneration": m.generation})
+
+
+def pool_spec_tick(rt: OperatorRuntime, pool_spec: Any) -> float:
+    with rt._lock:
+        p = rt.pools.get(pool_spec.name)
+    return p.cr.tick_seconds if p is not None else 5.0
+
+
+def _rfc(t: float) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(t, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+__all__ = ["Member", "OperatorRuntime", "OperatorSettings", "Pool"]

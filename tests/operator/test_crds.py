@@ -1,0 +1,74 @@
+"""CR spec -> controller spec mapping, and the errors that name the field to fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from elastic.crds import (
+    CRError,
+    ElasticTrainingJobSpec,
+    GPUPoolSpec,
+    InferenceServiceSpec,
+    parse_spec,
+    to_inference_spec,
+    to_pool_spec,
+    to_training_spec,
+)
+from elastic.model import MODEL_PRESETS
+
+SVC = {"pool": "a", "scaleTargetRef": {"name": "vllm"}, "metric": {"preset": "vllm-requests", "target": 8},
+       "minReplicas": 1, "maxReplicas": 4, "gpusPerReplica": 2,
+       "behavior": {"scaleDown": {"stabilizationWindowSeconds": 60,
+                                  "policies": [{"type": "Pods", "value": 1, "periodSeconds": 30}]}}}
+JOB = {"pool": "a", "model": "tiny", "minGPUs": 2, "maxGPUs": 8, "globalBatch": 32, "microBatch": 2,
+       "allowedTP": [1, 2], "template": {"image": "elastic:dev"}}
+
+
+def test_maps_camel_case_specs_onto_the_controller_types(tmp_path) -> None:
+    pool = to_pool_spec("a", parse_spec(GPUPoolSpec, {"gpusPerNode": 4, "hardware": "cpu", "headroomGPUs": 1}), 3)
+    assert (pool.nodes, pool.gpus_per_node, pool.total_gpus, pool.headroom_gpus) == (3, 4, 12, 1)
+    svc = to_inference_spec("ml/chat", parse_spec(InferenceServiceSpec, SVC))
+    assert (svc.name, svc.gpus_per_replica, svc.max_replicas, svc.metric.preset) == ("ml/chat", 2, 4, "vllm-requests")
+    assert svc.behavior.scale_down.stabilization_window_seconds == 60
+    assert svc.behavior.scale_down.policies[0].period_seconds == 30
+    job = to_training_spec("ml/train", parse_spec(ElasticTrainingJobSpec, JOB))
+    assert (job.min_gpus, job.max_gpus, job.global_batch, job.micro_batch, job.allowed_tp) == (2, 8, 32, 2, [1, 2])
+    tiny = {k: v for k, v in MODEL_PRESETS["tiny"].model_dump(mode="json").items() if k != "name"}
+    inline = {**JOB, "model": None, "modelSpec": tiny}
+    job = to_training_spec("ml/inline", parse_spec(ElasticTrainingJobSpec, inline), tmp_path)
+    assert job.model.endswith(".json") and (tmp_path / "ml_inline.json").exists()
+
+
+BAD: list[tuple[str, dict[str, Any], str, str]] = [
+    ("job", {**JOB, "minGPUs": 9}, "spec.minGPUs", "InvalidMinGPUs"),
+    ("job", {**JOB, "model": "nope"}, "spec.model", "InvalidModel"),
+    ("job", {**JOB, "model": None}, "spec.model", "InvalidModel"),
+    ("job", {**JOB, "microBatch": 64}, "spec.microBatch", "InvalidMicroBatch"),
+    ("job", {**JOB, "allowedTP": []}, "spec.allowedTP", "InvalidAllowedTP"),
+    ("job", {**JOB, "template": {}}, "spec.template.image", "InvalidTemplateImage"),
+    ("job", {**JOB, "modelSpec": None, "model": None}, "spec.model", "InvalidModel"),
+    ("svc", {**SVC, "minReplicas": 5}, "spec.minReplicas", "InvalidMinReplicas"),
+    ("svc", {**SVC, "metric": {"preset": "nope", "target": 1}}, "spec.metric.preset", "InvalidMetricPreset"),
+    ("svc", {**SVC, "metric": {"query": "up", "target": 1}}, "spec.metric.prometheus", "InvalidMetricPrometheus"),
+    ("svc", {**SVC, "metric": {"preset": "vllm-kv-cache", "target": 0.8}}, "spec.metric.type", "InvalidMetricType"),
+    ("svc", {**SVC, "metric": {"preset": "vllm-requests", "target": 0}}, "spec.metric.target", "InvalidMetricTarget"),
+    ("svc", {**SVC, "scaleTargetRef": {"name": "x", "kind": "StatefulSet"}}, "spec.scaleTargetRef.kind",
+     "InvalidScaleTargetRefKind"),
+    ("pool", {"hardware": "tpu9"}, "spec.hardware", "InvalidHardware"),
+    ("pool", {"gpusPerNode": 0}, "spec.gpusPerNode", "InvalidGpusPerNode"),
+]
+
+
+@pytest.mark.parametrize(("kind", "spec", "field", "reason"), BAD)
+def test_bad_specs_name_the_field(kind: str, spec: dict[str, Any], field: str, reason: str) -> None:
+    with pytest.raises(CRError) as e:
+        if kind == "job":
+            to_training_spec("ml/j", parse_spec(ElasticTrainingJobSpec, spec))
+        elif kind == "svc":
+            to_inference_spec("ml/s", parse_spec(InferenceServiceSpec, spec))
+        else:
+            to_pool_spec("p", parse_spec(GPUPoolSpec, spec), 1)
+    assert e.value.field == field and e.value.reason == reason, (e.value.field, e.value.reason, str(e.value))
+    assert str(e.value).startswith(field)
