@@ -1,0 +1,136 @@
+"""Benchmark: step time of the elastic trainer at several layouts, and the pause of each in-place rescale.
+
+For each model (``tiny`` and the ~100M-parameter ``gpt-100m``) one live job of real worker
+processes (``python -m elastic.train.worker`` through the local-process launcher, gloo on
+loopback, fp32 on CPU) walks a sequence of layouts with ``rescale()``. At every layout it
+runs ``--steps`` steps; the step time is the median of those after the first. Each
+rescale reports:
+
+* ``pause_seconds``: training stopped -- from the moment the last old worker reached the
+  step boundary to the moment the last new worker began the first step of the new layout
+  (meeting, the reshard itself, tearing down and rebuilding the process groups and engine);
+* ``pause_x_step``: that pause as a multiple of the new layout's step time;
+* ``bytes_moved`` (sent over gloo) vs the plan's lower bound.
+
+Prints a table and writes ``benchmarks/results/train.json``. Run: ``make bench-train``.
+Figures on the 2-core project VMs are dominated by CPU sharing between the workers; on
+real GPUs the step time shrinks far more than the pause does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+from elastic.model import load_model  # noqa: E402
+from elastic.train.engine import TrainConfig  # noqa: E402
+from elastic.train.launch import LaunchOptions, ProcessJobHandle  # noqa: E402
+
+# model -> (global batch, layouts in the order the job walks them). Workers: w0..w{n-1}.
+SCENARIOS: dict[str, tuple[int, list[str]]] = {
+    "tiny": (8, ["tp1.pp1.dp1", "tp1.pp1.dp2", "tp2.pp1.dp2", "tp1.pp2.dp2", "tp2.pp2.dp1", "tp1.pp1.dp1"]),
+    "gpt-100m": (2, ["tp1.pp1.dp1", "tp2.pp1.dp1", "tp1.pp2.dp1", "tp1.pp1.dp2", "tp1.pp1.dp1"]),
+}
+
+
+def _workers(layout: str, prev: list[str]) -> list[str]:
+    """Keep the first workers of the previous layout, add fresh ids as needed (so some join, some leave)."""
+    from elastic.model import Layout
+
+    n = Layout.parse(layout).world_size
+    keep = prev[:n]
+    nxt = max((int(w[1:]) for w in prev), default=-1) + 1
+    while len(keep) < n:
+        keep.append(f"w{nxt}")
+        nxt += 1
+    return keep
+
+
+def _steps_of(h: ProcessJobHandle, generation: int) -> list[float]:
+    return [r.seconds for r in h.history() if r.generation == generation]
+
+
+def run_model(name: str, steps: int, timeout: float) -> dict[str, Any]:
+    global_batch, layouts = SCENARIOS[name]
+    cfg = TrainConfig(model=load_model(name), global_batch=global_batch, micro_batch=1)
+    opts = LaunchOptions(pg_timeout_s=600, heartbeat_timeout_s=120, join_timeout_s=600, rescale_timeout_s=timeout)
+    logs = tempfile.mkdtemp(prefix=f"train-bench-{name}-")
+    h = ProcessJobHandle(f"bench-{name}", cfg, options=opts, log_dir=logs)
+    rows: list[dict[str, Any]] = []
+    rescales: list[dict[str, Any]] = []
+    workers: list[str] = []
+    try:
+        for i, layout in enumerate(layouts):
+            workers = _workers(layout, workers)
+            if i == 0:
+                res = h.start(layout, workers, timeout=timeout)
+            else:
+                res = h.rescale(layout, workers, remap=True, timeout=timeout)
+            h.wait_step(res.switch_step + steps - 1, timeout=timeout)
+            secs = _steps_of(h, res.generation)
+            step_s = statistics.median(secs[1:steps] or secs)
+            rows.append({"model": name, "layout": layout, "workers": len(workers), "step_seconds": step_s,
+                         "tokens_per_second": global_batch * cfg.model.seq_len / step_s})
+            if i > 0:
+                rescales.append({
+                    "model": name, "from": res.from_layout, "to": layout, "pause_seconds": res.pause_seconds,
+                    "pause_x_step": (res.pause_seconds or 0.0) / step_s, "bytes_moved": res.bytes_moved,
+                    "planned_bytes": res.planned_bytes, "lower_bound_bytes": res.lower_bound_bytes,
+                    "joiners": len(res.record.joiners), "leavers": len(res.record.leavers),
+                    "wall_seconds": res.wall_seconds,
+                })
+    finally:
+        st = h.stop()
+    if st.error:
+        raise SystemExit(f"{name}: job failed: {st.error} (worker logs in {logs})")
+    return {"params": cfg.model.total_params(), "global_batch": global_batch, "seq_len": cfg.model.seq_len,
+            "layouts": rows, "rescales": rescales}
+
+
+def _print(results: dict[str, Any]) -> None:
+    for name, r in results.items():
+        print(f"\n{name}: {r['params'] / 1e6:.1f}M params, global batch {r['global_batch']} x {r['seq_len']} tokens")
+        print(f"  {'layout':<14}{'workers':>8}{'step s':>10}{'tokens/s':>11}")
+        for row in r["layouts"]:
+            print(f"  {row['layout']:<14}{row['workers']:>8}{row['step_seconds']:>10.3f}{row['tokens_per_second']:>11.0f}")
+        print(f"  {'rescale':<28}{'pause s':>9}{'x step':>8}{'moved MB':>10}{'bound MB':>10}{'join/leave':>11}")
+        for x in r["rescales"]:
+            print(f"  {x['from'] + ' -> ' + x['to']:<28}{x['pause_seconds']:>9.3f}{x['pause_x_step']:>8.2f}"
+                  f"{x['bytes_moved'] / 1e6:>10.1f}{x['lower_bound_bytes'] / 1e6:>10.1f}"
+                  f"{str(x['joiners']) + '/' + str(x['leavers']):>11}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="tiny,gpt-100m", help="comma-separated: " + ", ".join(SCENARIOS))
+    ap.add_argument("--steps", type=int, default=0, help="steps per layout (default: 6 tiny, 3 gpt-100m)")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per start/rescale/step wait")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "train.json"))
+    a = ap.parse_args(argv)
+    results: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    for name in [m.strip() for m in a.models.split(",") if m.strip()]:
+        if name not in SCENARIOS:
+            print(f"unknown model '{name}': use {', '.join(SCENARIOS)}", file=sys.stderr)
+            return 2
+        results[name] = run_model(name, a.steps or (6 if name == "tiny" else 3), a.timeout)
+    _print(results)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"results": results, "cpus": os.cpu_count(),
+                               "seconds": time.perf_counter() - t0}, indent=2))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

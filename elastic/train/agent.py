@@ -1,0 +1,471 @@
+"""The worker agent: one process per training worker, driving the engine step by step.
+
+What it is for: a worker (Ray actor, Kubernetes pod, local process) has a stable id and
+runs :meth:`WorkerAgent.run`. Before every step it asks the job's coordinator
+(:mod:`elastic.train.rendezvous`) whether to go on, switch to a new layout generation, or
+stop. A rescale directive is always applied at a step boundary:
+
+1. The coordinator announces the directive one step early (``pending``); the agent plans
+   the reshard (``plan_reshard``, a pure function every member computes identically) and
+   ``prepare``s its receive buffers in a background thread while that step still runs.
+2. At the boundary (``switch``) every member of old union new meets at the coordinator
+   with a digest of its plan. The coordinator answers ``go`` (all there, same plan) or
+   ``abandoned`` (a joiner never came, plans differ); abandoned means nothing moved and
+   the old engine simply continues.
+3. On ``go``: a transient gloo group over all members (keys under
+   ``<job>/g<generation>/reshard`` in the job's TCPStore) runs ``execute``; then the old
+   engine is closed, leavers report and ``os._exit`` (their GPUs are free at once), and the
+   new layout's members form the new default process group (``<job>/g<generation>/train``,
+   layout rank = group rank) and build ``TrainEngine(cfg, layout, rank, state=new_state)``,
+   continuing at the same step. Joiners arrive with no state and receive theirs.
+
+Failures are reported, never hung on: a step that raises (a peer died: gloo sees the
+closed socket or times out after ``pg_timeout_s``) is posted to the coordinator as the
+job's failure reason; a coordinator unreachable for ``coordinator_timeout_s`` or a job the
+coordinator marked failed makes the agent exit on its own (``watchdog``).
+
+What it must not do: choose layouts, compute maths (the engine does), or keep running
+after its coordinator is gone.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import hashlib
+import logging
+import math
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from elastic.model import Layout, ModelSpec, SpecError, load_model
+from elastic.train.rendezvous import Directive, RendezvousClient, RendezvousError
+
+log = logging.getLogger(__name__)
+
+State = dict[tuple[str, str], torch.Tensor]
+
+
+class Engine(Protocol):
+    """What the agent needs from a trainer (``elastic.train.engine.TrainEngine`` implements it)."""
+
+    def state(self) -> State: ...
+
+    def train_step(self, step: int) -> Any: ...  # StepResult(step, loss, tokens, seconds)
+
+    def close(self) -> None: ...
+
+
+EngineFactory = Callable[[dict[str, Any], Layout, int, "State | None"], Engine]
+"""``(job config, layout, rank, state or None) -> Engine``; called with the layout's default group ready."""
+
+
+def default_engine_factory(config: dict[str, Any], layout: Layout, rank: int, state: State | None, *,
+                           timeout_s: float = 120.0) -> Engine:
+    from elastic.train.engine import TrainEngine
+
+    return TrainEngine(train_config(config), layout, rank, state=state,
+                       timeout=datetime.timedelta(seconds=timeout_s))
+
+
+# ---- the job config on the wire (JSON) <-> the engine's TrainConfig ------------------------
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+def config_json(cfg: Any) -> dict[str, Any]:
+    """A ``TrainConfig`` as the JSON the coordinator hands every worker (model by preset name when it is one)."""
+    from elastic.model import MODEL_PRESETS
+
+    d = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    m: ModelSpec = d["model"]
+    d["model"] = m.name if MODEL_PRESETS.get(m.name) == m else m.model_dump(mode="json")
+    d["dtype"] = str(d["dtype"]).removeprefix("torch.")
+    d["betas"] = list(d["betas"])
+    return d
+
+
+def train_config(config: dict[str, Any]) -> Any:
+    """The job config (JSON from the coordinator) as the engine's ``TrainConfig``."""
+    from elastic.train.engine import TrainConfig
+
+    d = dict(config)
+    d["model"] = config_model(config)
+    d["dtype"] = config_dtype(config)
+    if "betas" in d:
+        d["betas"] = tuple(d["betas"])
+    try:
+        return TrainConfig(**d)
+    except TypeError as e:
+        raise SpecError(f"job config: {e}; the keys are TrainConfig's fields") from None
+
+
+def config_model(config: dict[str, Any]) -> ModelSpec:
+    m = config.get("model")
+    if isinstance(m, ModelSpec):
+        return m
+    if isinstance(m, dict):
+        return ModelSpec.from_mapping(m, source="job config 'model'")
+    if not isinstance(m, str):
+        raise SpecError("job config: 'model' must be a preset name, a model file path or a ModelSpec mapping")
+    return load_model(m)
+
+
+def config_dtype(config: dict[str, Any]) -> torch.dtype:
+    v = config.get("dtype", "float32")
+    if isinstance(v, torch.dtype):
+        return v
+    name = str(v).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise SpecError(f"job config: dtype={name!r}; use one of {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def config_kinds(config: dict[str, Any]) -> tuple[str, ...]:
+    from elastic.reshard.spec import FP32_KINDS, MIXED_KINDS
+
+    return MIXED_KINDS if config_dtype(config) == torch.bfloat16 else FP32_KINDS
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    pg_timeout_s: float = 120.0  # a silent peer fails a collective after this long
+    coordinator_timeout_s: float = 30.0  # exit when the coordinator is unreachable this long
+    poll_interval_s: float = 0.05  # joiners and the meeting point poll this often
+    device: str = "cpu"
+    verify_reshard: bool = False  # checksum every reshard message (slower; for tests)
+
+
+@dataclass
+class _Prep:
+    """A reshard plan and the executor's prepared buffers for one directive."""
+
+    directive: Directive
+    plan: Any  # ReshardPlan, or None for the first generation
+    prepared: Any  # execute.Prepared, or None
+    digest: str
+    plan_info: dict[str, Any]
+    old_state: State
+
+
+class WorkerAgent:
+    """Runs one worker until the job stops, this worker leaves, or something fails."""
+
+    def __init__(self, worker: str, url: str, *, engine_factory: EngineFactory | None = None,
+                 options: AgentOptions | None = None) -> None:
+        self.worker = worker
+        self.opts = options or AgentOptions()
+        self.client = RendezvousClient(url, worker, retry_s=self.opts.coordinator_timeout_s)
+        self.factory = engine_factory or functools.partial(default_engine_factory, timeout_s=self.opts.pg_timeout_s)
+        self.config: dict[str, Any] = {}
+        self.engine: Engine | None = None
+        self.generation = 0
+        self.layout: Layout | None = None
+        self._store: Any = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"prepare-{worker}")
+        self._prep: Future[_Prep] | None = None
+        self._prep_gen = 0
+        self._stop = threading.Event()
+        self._job_failed = ""
+
+    # ---- entry ----------------------------------------------------------------------------
+    def run(self) -> int:
+        """1. register, 2. heartbeat, 3. wait for a generation that includes us, 4. train. Returns an exit code."""
+        try:
+            reg = self.client.call("register", pid=os.getpid(), host=socket.gethostname())
+        except RendezvousError as e:
+            log.error("worker %s: %s", self.worker, e)
+            return 3
+        self.config = dict(reg.get("config") or {})
+        beat = threading.Thread(target=self._heartbeat, args=(float(reg.get("heartbeat_interval_s", 1.0)),),
+                                name=f"heartbeat-{self.worker}", daemon=True)
+        beat.start()
+        try:
+            return self._main()
+        except RendezvousError as e:
+            log.error("worker %s lost its coordinator: %s", self.worker, e)
+            return 3
+        except SpecError as e:  # bad configuration: the job cannot run as configured
+            log.error("worker %s: %s", self.worker, e)
+            self._report_fail(f"configuration: {e}")
+            return 2
+        except Exception as e:  # noqa: BLE001 - every failure becomes the job's reason, then an exit
+            reason = f"{type(e).__name__}: {_short(e)}"
+            log.exception("worker %s failed", self.worker)
+            self._report_fail(reason)
+            return 1
+        finally:
+            self._stop.set()
+
+    def _main(self) -> int:
+        d = self._wait_for_directive()
+        if d is None:
+            return 0
+        step = self._transition(d, self._prepare_now(d))
+        if step is None:
+            return 0
+        return self._train(step)
+
+    def _wait_for_directive(self) -> Directive | None:
+        """A worker with no generation yet polls until a directive lists it (or the job ends)."""
+        while True:
+            resp = self.client.call("poll")
+            if resp["action"] == "join":
+                return Directive.from_json(resp["directive"])
+            if resp["action"] == "exit":
+                log.info("worker %s: exiting without joining (%s)", self.worker, resp.get("reason"))
+                self._exit_notice()
+                return None
+            time.sleep(self.opts.poll_interval_s)
+
+    # ---- step loop ----------------------------------------------------------------------------
+    def _train(self, step: int) -> int:
+        last: dict[str, Any] | None = None
+        while True:
+            resp = self.client.call("step", generation=self.generation, step=step, result=last)
+            action = resp["action"]
+            log.debug("worker %s gen %d step %d: %s", self.worker, self.generation, step, action)
+            if action == "go":
+                if resp.get("pending"):
+                    self._prepare_early(Directive.from_json(resp["pending"]))
+                assert self.engine is not None
+                last = _result_json(self.engine.train_step(step))
+                step += 1
+            elif action == "switch":
+                last = None
+                d = Directive.from_json(resp["directive"])
+                nxt = self._transition(d, self._take_prep(d))
+                if nxt is None:
+                    return 0  # a leaver (normally gone already through os._exit)
+                step = nxt
+            elif action in ("stop", "finish"):
+                log.info("worker %s: %s at step %d (%s)", self.worker, action, step, resp.get("reason", ""))
+                self._close_engine()
+                self._exit_notice()
+                return 0
+            else:
+                raise RendezvousError(f"coordinator answered unknown action {action!r}")
+
+    # ---- rescale ------------------------------------------------------------------------------
+    def _prepare_early(self, d: Directive) -> None:
+        """Plan and allocate for ``d`` in the background while the current step runs."""
+        if self._prep is None or self._prep_gen != d.generation:
+            self._prep_gen = d.generation
+            state = self.engine.state() if self.engine is not None else {}
+            self._prep = self._pool.submit(self._plan_and_prepare, d, state)
+
+    def _take_prep(self, d: Directive) -> _Prep:
+        """The early preparation if it is for ``d`` and still matches the engine's tensors, else prepare now."""
+        fut, self._prep = self._prep, None
+        if fut is not None and self._prep_gen == d.generation:
+            prep = fut.result()
+            now = self.engine.state() if self.engine is not None else {}
+            if _same_tensors(prep.old_state, now):
+                return prep
+            log.warning("worker %s: engine replaced its state tensors after prepare; preparing again", self.worker)
+        return self._prepare_now(d)
+
+    def _prepare_now(self, d: Directive) -> _Prep:
+        state = self.engine.state() if self.engine is not None else {}
+        return self._plan_and_prepare(d, state)
+
+    def _plan_and_prepare(self, d: Directive, old_state: State) -> _Prep:
+        if not d.old_ranks:  # the first generation: nothing to move, everyone starts fresh
+            return _Prep(d, None, None, "", {"new_ranks": {w: i for i, w in enumerate(d.workers)}}, {})
+        from elastic.reshard.execute import prepare
+        from elastic.reshard.plan import plan_reshard
+
+        model = config_model(self.config)
+        dtype = config_dtype(self.config)
+        t0 = time.perf_counter()
+        plan = plan_reshard(model, Layout.parse(d.old_layout or ""), d.old_ranks, Layout.parse(d.layout),
+                            list(d.workers), kinds=config_kinds(self.config),
+                            bytes_per_element=torch.empty((), dtype=dtype).element_size(), remap=d.remap)
+        plan_s = time.perf_counter() - t0
+        prepared = prepare(plan, self.worker, dict(old_state), device=self.opts.device, dtype=dtype)
+        info = {"new_ranks": dict(plan.new_ranks), "planned_bytes": plan.bytes_planned,
+                "lower_bound_bytes": plan.bytes_lower_bound, "plan_seconds": plan_s}
+        return _Prep(d, plan, prepared, plan_digest(plan), info, old_state)
+
+    def _transition(self, d: Directive, prep: _Prep) -> int | None:
+        """Meet, move the bytes, rebuild. Returns the step to continue at, or None when this worker leaves."""
+        t0 = time.perf_counter()
+        # 1. meet: the coordinator decides go / abandoned before any byte moves
+        decision, reason = self._meet(d, prep)
+        if decision != "go":
+            log.warning("worker %s: rescale to generation %d abandoned: %s", self.worker, d.generation, reason)
+            if self.engine is None:  # a joiner: nothing to continue
+                self._exit_notice()
+                return None
+            return d.switch_step
+        t_meet = time.perf_counter()
+        # 2. move the bytes over a transient group of old union new
+        new_state, stats = self._execute(d, prep)
+        t_exec = time.perf_counter()
+        # 3. the old engine and its groups go
+        self._close_engine()
+        new_ranks = {str(k): int(v) for k, v in prep.plan_info["new_ranks"].items()}
+        if self.worker not in new_ranks:
+            self._report_result(d, {**stats, "meet_seconds": t_meet - t0, "execute_seconds": t_exec - t_meet})
+            self._leave()
+            return None
+        # 4. the new layout's default group and engine
+        layout = Layout.parse(d.layout)
+        rank = new_ranks[self.worker]
+        self._init_default_group(d, layout, rank)
+        self.engine = self.factory(self.config, layout, rank, new_state if d.old_ranks else None)
+        self.generation, self.layout = d.generation, layout
+        t_ready = time.perf_counter()
+        self._report_result(d, {**stats, "rank": rank, "meet_seconds": t_meet - t0,
+                                "execute_seconds": t_exec - t_meet, "rebuild_seconds": t_ready - t_exec})
+        return d.switch_step
+
+    def _meet(self, d: Directive, prep: _Prep) -> tuple[str, str]:
+        while True:
+            resp = self.client.call("arrive", generation=d.generation, digest=prep.digest, plan=prep.plan_info)
+            if resp["decision"] != "wait":
+                return resp["decision"], resp.get("reason", "")
+            time.sleep(self.opts.poll_interval_s)
+
+    def _execute(self, d: Directive, prep: _Prep) -> tuple[State, dict[str, Any]]:
+        if prep.prepared is None:
+            return {}, {}
+        from elastic.reshard.execute import execute
+
+        members = list(prep.plan.members)
+        grank = {w: i for i, w in enumerate(members)}
+        store = dist.PrefixStore(f"{d.job}/g{d.generation}/reshard/", self._store_for(d))
+        pg = dist.ProcessGroupGloo(store, grank[self.worker], len(members), self._timeout())
+        try:
+            new_state = execute(prep.prepared, pg, grank, verify=self.opts.verify_reshard)
+        finally:
+            _shutdown(pg)
+        st = prep.prepared.stats
+        return new_state, {"bytes_sent": st.bytes_sent, "bytes_received": st.bytes_received,
+                           "prepare_seconds": st.prepare_seconds, "exchange_seconds": st.exchange_seconds}
+
+    def _init_default_group(self, d: Directive, layout: Layout, rank: int) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if layout.world_size == 1:
+            return  # a 1-rank layout needs no process group (the engine uses solo communicators)
+        store = dist.PrefixStore(f"{d.job}/g{d.generation}/train/", self._store_for(d))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=layout.world_size,
+                                timeout=self._timeout())
+
+    def _store_for(self, d: Directive) -> Any:
+        if self._store is None:
+            self._store = dist.TCPStore(d.store_host, d.store_port, is_master=False, timeout=self._timeout(),
+                                        wait_for_workers=False)
+        return self._store
+
+    def _timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.opts.pg_timeout_s)
+
+    def _close_engine(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _leave(self) -> None:
+        """A leaver's bytes have landed: free everything at once (the launcher sees the process go)."""
+        log.info("worker %s: left at generation %d", self.worker, self.generation)
+        self._exit_notice()
+        from elastic.reshard.execute import fast_exit
+
+        fast_exit(0)
+
+    # ---- coordinator I/O ------------------------------------------------------------------
+    def _report_result(self, d: Directive, stats: dict[str, Any]) -> None:
+        self.client.call("result", generation=d.generation, ok=True, stats=stats)
+
+    def _report_fail(self, reason: str) -> None:
+        try:
+            self.client.call("fail", reason=reason)
+        except RendezvousError:
+            pass
+
+    def _exit_notice(self) -> None:
+        try:
+            self.client.call("exit")
+        except RendezvousError:
+            pass
+
+    def _heartbeat(self, interval: float) -> None:
+        """Beat; exit the process if the coordinator is gone or the job failed and we are stuck."""
+        lost_since: float | None = None
+        failed_since: float | None = None
+        beat = RendezvousClient(self.client.url, self.worker, timeout_s=max(interval, 1.0), retry_s=0)
+        while not self._stop.wait(interval):
+            now = time.monotonic()
+            try:
+                resp = beat.call("heartbeat")
+                lost_since = None
+            except RendezvousError as e:
+                lost_since = lost_since or now
+                if now - lost_since > self.opts.coordinator_timeout_s:
+                    _hard_exit(3, f"worker {self.worker}: coordinator unreachable for "
+                                  f"{now - lost_since:.0f} s ({e}); exiting")
+                continue
+            if resp.get("failed"):
+                # The main thread may sit in a collective with a dead peer; give it a grace period
+                # to notice on its own, then leave so no process outlives its job.
+                failed_since = failed_since or now
+                if now - failed_since > min(self.opts.pg_timeout_s, 10.0):
+                    _hard_exit(1, f"worker {self.worker}: job failed ({resp.get('reason')}); exiting")
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+
+
+def plan_digest(plan: Any) -> str:
+    """The same for two plans exactly when they move the same bytes to the same ranks."""
+    h = hashlib.sha256()
+    h.update(repr(sorted(plan.new_ranks.items())).encode())
+    h.update(repr(plan.messages).encode())
+    h.update(repr(plan.local_copies).encode())
+    h.update(repr(plan.new_shards).encode())
+    return h.hexdigest()[:32]
+
+
+def _same_tensors(a: State, b: State) -> bool:
+    return a.keys() == b.keys() and all(a[k] is b[k] for k in a)
+
+
+def _result_json(r: Any) -> dict[str, Any]:
+    loss = getattr(r, "loss", None)
+    loss = float(loss) if loss is not None and math.isfinite(float(loss)) else None
+    return {"step": int(r.step), "loss": loss, "tokens": int(getattr(r, "tokens", 0)),
+            "seconds": float(getattr(r, "seconds", 0.0))}
+
+
+def _short(e: BaseException, limit: int = 400) -> str:
+    s = " ".join(str(e).split())
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def _shutdown(pg: Any) -> None:
+    try:
+        pg.shutdown()
+    except Exception:  # noqa: BLE001 - a group whose peers are gone may refuse a clean shutdown
+        pass
+
+
+def _hard_exit(code: int, message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+    logging.shutdown()
+    os._exit(code)

@@ -1,0 +1,311 @@
+"""Launchers of elastic training jobs: the common handle and the local-process launcher.
+
+What it is for: a :class:`JobHandle` owns one job's :class:`~elastic.train.rendezvous.Coordinator`
+and its worker processes. ``start(layout, workers)`` launches the workers and waits for the
+first step; ``rescale(layout, workers)`` validates the new layout, launches the joiners,
+posts the directive, waits until the new generation has run its first step and the leavers
+are gone, and returns the timings; ``status()`` and ``stop()`` do what they say. Subclasses
+only say how to spawn, watch and kill one worker: :class:`ProcessJobHandle` (here, plain
+``python -m elastic.train.worker`` subprocesses) and
+:class:`~elastic.train.ray_handle.TrainingJobHandle` (Ray actors with one GPU each).
+
+A watcher thread turns an unexpected worker exit into the job's failure reason
+("worker w1 exited with code -9"), so nothing waits on a dead process.
+
+What it must not do: decide layouts (the controller does) or touch tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from elastic.model import HardwareSpec, Layout, SpecError, check_layout, load_hardware
+from elastic.train.agent import config_json
+from elastic.train.rendezvous import Coordinator, JobStatus, RescaleFailed, RescaleRecord, StepRecord
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RescaleResult:
+    """What one rescale cost. ``pause_seconds``: training stopped (last old step done -> first new step begun)."""
+
+    generation: int
+    from_layout: str | None
+    to_layout: str
+    switch_step: int
+    pause_seconds: float | None
+    bytes_moved: int
+    planned_bytes: int
+    lower_bound_bytes: int
+    wall_seconds: float  # the whole rescale() call: joiners' start-up, waiting for the boundary, first step
+    record: RescaleRecord
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    pg_timeout_s: float = 120.0
+    coordinator_timeout_s: float = 30.0
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 15.0
+    join_timeout_s: float = 120.0
+    register_timeout_s: float = 120.0  # joiners must start and register within this
+    rescale_timeout_s: float = 600.0
+    exit_timeout_s: float = 30.0  # leavers and stopped workers must be gone within this
+    max_steps: int | None = None
+    engine_factory: str | None = None  # "module:function" (see elastic.train.worker); None = TrainEngine
+    verify_reshard: bool = False
+
+
+def make_validator(cfg: Any, hardware: HardwareSpec | str | None = None, gpus_per_node: int | None = None):
+    """Refuse (SpecError) a layout the model, the global batch or the memory planner cannot take."""
+    hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
+
+    def validate(layout: Layout, workers: Sequence[str]) -> None:
+        # 1. the model must split (heads, layers) and the trainer must support the layout
+        check_layout(cfg.model, layout, gpus_per_node or (hw.gpus_per_node if hw else None))
+        if layout.vpp != 1 or layout.ep != 1:
+            raise SpecError(f"layout {layout}: the reference trainer runs vpp=1 and ep=1 only")
+        # 2. the global batch must split into dp * micro_batch * grad_accum
+        cfg.grad_accum(layout)
+        # 3. the memory planner must say it fits (when we know the hardware)
+        if hw is not None:
+            from elastic.parallel.planner import evaluate
+
+            p = evaluate(cfg.model, layout, hw, micro_batch=cfg.micro_batch, global_batch=cfg.global_batch,
+                         gpus_per_node=gpus_per_node)
+            if not p.fits:
+                raise SpecError(f"layout {layout} does not fit {hw.name}: {p.reason}")
+
+    return validate
+
+
+class JobHandle(ABC):
+    """One training job: its coordinator and its workers."""
+
+    def __init__(self, job: str, cfg: Any, *, options: LaunchOptions | None = None,
+                 hardware: HardwareSpec | str | None = None, gpus_per_node: int | None = None,
+                 registry: CollectorRegistry | None = None, host: str = "127.0.0.1") -> None:
+        self.job = job
+        self.cfg = cfg
+        self.opts = options or LaunchOptions()
+        self.validate = make_validator(cfg, hardware, gpus_per_node)
+        o = self.opts
+        self.coordinator = Coordinator(
+            job, config_json(cfg), host=host, registry=registry, heartbeat_interval_s=o.heartbeat_interval_s,
+            heartbeat_timeout_s=o.heartbeat_timeout_s, join_timeout_s=o.join_timeout_s, max_steps=o.max_steps,
+            validator=self.validate,
+        )
+        self._spawned: set[str] = set()
+        self._gone: set[str] = set()
+        self._lock = threading.Lock()
+        self._watching = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._stopping = False
+
+    # ---- launcher specifics -------------------------------------------------------------------
+    @abstractmethod
+    def _spawn(self, worker: str, env: dict[str, str]) -> None: ...
+
+    @abstractmethod
+    def _exit_reason(self, worker: str) -> str | None:
+        """None while ``worker`` runs; a reason ("exited with code 1") once it is gone."""
+
+    @abstractmethod
+    def _kill(self, worker: str) -> None: ...
+
+    def _before_directive(self) -> None:
+        """Hook: every worker of the job is up (snapshot the platform's free resources)."""
+        return None
+
+    def _after_gone(self, workers: Sequence[str], timeout: float) -> None:
+        """Hook: wait until the platform sees ``workers``' resources free (Ray: GPUs)."""
+        return None
+
+    # ---- public API ---------------------------------------------------------------------------
+    def start(self, layout: Layout | str, workers: Sequence[str], *, timeout: float | None = None) -> RescaleResult:
+        """Launch ``workers`` on ``layout`` (generation 1) and wait for its first step."""
+        lay = _layout(layout)
+        self.validate(lay, list(workers))
+        self.coordinator.start()
+        self._watcher = threading.Thread(target=self._watch, name=f"launcher-{self.job}", daemon=True)
+        self._watcher.start()
+        return self._apply(1, lay, list(workers), remap=False, timeout=timeout)
+
+    def rescale(self, layout: Layout | str, workers: Sequence[str], *, remap: bool = True,
+                timeout: float | None = None) -> RescaleResult:
+        """Move the job to ``layout`` on ``workers`` in place. Raises SpecError (refused, nothing changed),
+        RescaleFailed (abandoned: the job continues on its old layout) or JobFailed."""
+        lay = _layout(layout)
+        self.validate(lay, list(workers))
+        st = self.coordinator.status()
+        if st.phase not in ("running",):
+            raise SpecError(f"job {self.job} is {st.phase}" + (f" ({st.error})" if st.error else "")
+                            + "; only a running job can be rescaled")
+        return self._apply(st.generation + 1, lay, list(workers), remap=remap, timeout=timeout)
+
+    def status(self) -> JobStatus:
+        return self.coordinator.status()
+
+    def history(self) -> list[StepRecord]:
+        return self.coordinator.history()
+
+    def wait_step(self, step: int, timeout: float = 120.0) -> StepRecord:
+        return self.coordinator.wait_step(step, timeout)
+
+    def stop(self, timeout: float | None = None) -> JobStatus:
+        """Workers stop at their next step boundary and exit; stragglers are killed."""
+        self._stopping = True
+        self.coordinator.request_stop()
+        live = self._live()
+        self._wait_gone(live, timeout if timeout is not None else self.opts.exit_timeout_s, kill=True)
+        self._watching.set()
+        st = self.coordinator.status()
+        self.coordinator.stop()
+        final = self.coordinator.status()
+        return replace(final, phase=st.phase if st.phase in ("failed", "finished") else final.phase)
+
+    # ---- orchestration ------------------------------------------------------------------------
+    def _apply(self, generation: int, layout: Layout, workers: list[str], *, remap: bool,
+               timeout: float | None) -> RescaleResult:
+        t0 = time.perf_counter()
+        old = set(self.coordinator.status().workers)
+        joiners = [w for w in workers if w not in old]
+        # 1. launch the joiners and wait until they registered (their start-up stays out of the pause)
+        for w in joiners:
+            self._launch(w)
+        self._wait_registered(joiners)
+        self._before_directive()
+        # 2. post the directive; the coordinator picks the step boundary
+        self.coordinator.directive(generation, layout, workers, remap=remap)
+        # 3. wait for the new generation's first step
+        try:
+            rec = self.coordinator.wait_generation(generation, timeout or self.opts.rescale_timeout_s)
+        except RescaleFailed:
+            self._wait_gone(joiners, self.opts.exit_timeout_s, kill=True)  # they exit on their own; make sure
+            raise
+        # 4. leavers are gone and their resources free again
+        leavers = sorted(old - set(workers))
+        self._wait_gone(leavers, self.opts.exit_timeout_s, kill=True)
+        self._after_gone(leavers, self.opts.exit_timeout_s)
+        return RescaleResult(generation, rec.from_layout, rec.to_layout, rec.switch_step, rec.pause_seconds,
+                             rec.bytes_moved, rec.planned_bytes, rec.lower_bound_bytes, time.perf_counter() - t0, rec)
+
+    def _launch(self, worker: str) -> None:
+        env = {
+            "ELASTIC_JOB": self.job,
+            "ELASTIC_WORKER_ID": worker,
+            "ELASTIC_RENDEZVOUS_URL": self.coordinator.url,
+            "ELASTIC_PG_TIMEOUT": str(self.opts.pg_timeout_s),
+            "ELASTIC_COORDINATOR_TIMEOUT": str(self.opts.coordinator_timeout_s),
+            "ELASTIC_VERIFY_RESHARD": "1" if self.opts.verify_reshard else "0",
+            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+            # several workers share this host's cores: one intra-op thread each avoids oversubscription
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        }
+        if self.opts.engine_factory:
+            env["ELASTIC_ENGINE_FACTORY"] = self.opts.engine_factory
+        self._spawn(worker, env)
+        with self._lock:  # only now: the watcher must never look for a process that does not exist yet
+            self._spawned.add(worker)
+            self._gone.discard(worker)
+
+    def _wait_registered(self, workers: Sequence[str]) -> None:
+        deadline = time.monotonic() + self.opts.register_timeout_s
+        while True:
+            missing = [w for w in workers if not self.coordinator.registered(w)]
+            if not missing:
+                return
+            dead = {w: r for w in missing if (r := self._exit_reason(w))}
+            if dead or time.monotonic() > deadline:
+                for w in workers:
+                    self._kill(w)
+                why = (f"exited before registering: {dead}" if dead else
+                       f"did not register within register_timeout_s={self.opts.register_timeout_s:g}")
+                raise RescaleFailed(f"job {self.job}: worker(s) {', '.join(missing)} {why}; nothing changed")
+            time.sleep(0.05)
+
+    def _live(self) -> list[str]:
+        with self._lock:
+            return sorted(self._spawned - self._gone)
+
+    def _wait_gone(self, workers: Sequence[str], timeout: float, *, kill: bool) -> None:
+        deadline = time.monotonic() + timeout
+        pending = list(workers)
+        while pending and time.monotonic() < deadline:
+            pending = [w for w in pending if self._exit_reason(w) is None]
+            if pending:
+                time.sleep(0.05)
+        for w in pending:
+            log.warning("job %s: worker %s did not exit within %.0f s; killing it", self.job, w, timeout)
+            if kill:
+                self._kill(w)
+        with self._lock:
+            self._gone.update(workers)
+
+    def _watch(self) -> None:
+        """An exit the coordinator did not expect (not a leaver, joiner or stop) fails the job."""
+        while not self._watching.wait(0.2):
+            for w in self._live():
+                reason = self._exit_reason(w)
+                if reason is None:
+                    continue
+                with self._lock:
+                    self._gone.add(w)
+                if not self._stopping and not self.coordinator.has_left(w):
+                    self.coordinator.fail(f"worker {w} {reason}")
+
+
+class ProcessJobHandle(JobHandle):
+    """Workers as local ``python -m elastic.train.worker`` processes (tests, single-host runs)."""
+
+    def __init__(self, job: str, cfg: Any, *, log_dir: str | None = None, **kw: Any) -> None:
+        super().__init__(job, cfg, **kw)
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def _spawn(self, worker: str, env: dict[str, str]) -> None:
+        out: Any = subprocess.DEVNULL
+        if self.log_dir:
+            os.makedirs(self.log_dir, exist_ok=True)
+            out = open(os.path.join(self.log_dir, f"{worker}.log"), "ab")  # noqa: SIM115 - the child owns it
+        self.procs[worker] = subprocess.Popen(
+            [sys.executable, "-m", "elastic.train.worker"], env={**os.environ, **env}, stdout=out,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    def _exit_reason(self, worker: str) -> str | None:
+        p = self.procs.get(worker)
+        if p is None:
+            return "was never started"
+        code = p.poll()
+        if code is None:
+            return None
+        return f"exited with signal {-code}" if code < 0 else f"exited with code {code}"
+
+    def _kill(self, worker: str) -> None:
+        p = self.procs.get(worker)
+        if p is not None and p.poll() is None:
+            p.kill()
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def pid(self, worker: str) -> int:
+        return self.procs[worker].pid
+
+
+def _layout(layout: Layout | str) -> Layout:
+    return layout if isinstance(layout, Layout) else Layout.parse(layout)

@@ -1,0 +1,150 @@
+"""Training jobs whose workers are Ray actors holding one GPU each: :class:`TrainingJobHandle`.
+
+What it is for: the Ray backend (embedded local Ray with logical GPUs, or a real cluster)
+starts, rescales and stops elastic training jobs through this handle. Each worker is an
+actor with ``num_gpus=1`` (Ray assigns and isolates the device) and ``num_cpus=0`` by
+default (so 8 workers fit a 2-CPU local Ray; give real CPUs on a cluster). The actor runs
+the worker agent (:mod:`elastic.train.agent`) in its own process, exactly as a Kubernetes
+pod runs ``python -m elastic.train.worker``; a leaver's agent ``os._exit``s after its bytes
+have landed, so Ray reports its GPU free at once, and the handle ``ray.kill``s any actor
+that is still there after that.
+
+What it must not do: choose layouts or placements (the controller does), or start Ray
+behind the caller's back (call :func:`init_local_ray` or ``ray.init`` first).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from elastic.train.launch import JobHandle
+
+log = logging.getLogger(__name__)
+
+LOCAL_RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+                 "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def init_local_ray(num_gpus: int = 8, num_cpus: int = 2, object_store_bytes: int = 200 * 2**20) -> Any:
+    """Start an embedded single-node Ray on loopback with ``num_gpus`` logical GPUs (idempotent)."""
+    for k, v in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(k, v)
+    import ray
+
+    if ray.is_initialized():
+        return ray
+    ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, object_store_memory=object_store_bytes,
+             _node_ip_address="127.0.0.1", log_to_driver=False)
+    return ray
+
+
+def _worker_actor_class(num_gpus: float, num_cpus: float) -> Any:
+    import ray
+
+    class ElasticTrainWorker:
+        """One training worker: runs the agent until the job stops or this worker leaves."""
+
+        def run(self, env: dict[str, str]) -> int:
+            os.environ.update(env)
+            from elastic.train.worker import main
+
+            return main({**os.environ, **env})
+
+        def pid(self) -> int:
+            return os.getpid()
+
+    # max_concurrency=2: pid() answers while run() occupies the actor
+    return ray.remote(num_gpus=num_gpus, num_cpus=num_cpus, max_restarts=0, max_concurrency=2)(ElasticTrainWorker)
+
+
+class TrainingJobHandle(JobHandle):
+    """An elastic training job on Ray: ``start``, ``rescale``, ``status``, ``stop`` (see :class:`JobHandle`)."""
+
+    def __init__(self, job: str, cfg: Any, *, num_gpus_per_worker: float = 1, num_cpus_per_worker: float = 0,
+                 **kw: Any) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            raise RuntimeError("Ray is not initialised: call elastic.train.ray_handle.init_local_ray() or ray.init()")
+        super().__init__(job, cfg, **kw)
+        self._cls = _worker_actor_class(num_gpus_per_worker, num_cpus_per_worker)
+        self.actors: dict[str, Any] = {}
+        self._runs: dict[str, Any] = {}
+        self._gpus_free_before = 0.0
+        self._gpus_per_worker = num_gpus_per_worker
+
+    def _spawn(self, worker: str, env: dict[str, str]) -> None:
+        actor = self._cls.remote()
+        self.actors[worker] = actor
+        self._runs[worker] = actor.run.remote(env)
+
+    def _exit_reason(self, worker: str) -> str | None:
+        import ray
+
+        ref = self._runs.get(worker)
+        if ref is None:
+            return "was never started"
+        ready, _ = ray.wait([ref], timeout=0)
+        if not ready:
+            return None
+        try:
+            return f"exited with code {ray.get(ref)}"
+        except ray.exceptions.RayActorError as e:
+            return f"actor died ({_first_line(e)})"
+        except Exception as e:  # noqa: BLE001 - any other task error ends the worker too
+            return f"failed ({type(e).__name__}: {_first_line(e)})"
+
+    def _kill(self, worker: str) -> None:
+        import ray
+
+        actor = self.actors.get(worker)
+        if actor is not None:
+            ray.kill(actor, no_restart=True)
+
+    def _before_directive(self) -> None:
+        import ray
+
+        self._gpus_free_before = ray.available_resources().get("GPU", 0.0)
+
+    def _after_gone(self, workers: Sequence[str], timeout: float) -> None:
+        """Make sure the leavers' actors are dead and Ray counts their GPUs free again, then forget them.
+
+        Ray releases a dead actor's resources asynchronously (tens of ms after the process is
+        gone); the controller must not hand those GPUs to inference before Ray agrees, so wait
+        until the free count has grown by the leavers' GPUs (best effort: another tenant
+        allocating meanwhile shows up as a warning after ``timeout``).
+        """
+        import ray
+
+        workers = [w for w in workers if w in self.actors]
+        if not workers:
+            return
+        for w in workers:
+            self._kill(w)
+        deadline = time.monotonic() + timeout
+        for w in workers:
+            ray.wait([self._runs[w]], timeout=max(0.0, deadline - time.monotonic()))
+            self.actors.pop(w, None)
+            self._runs.pop(w, None)
+        target = self._gpus_free_before + len(workers) * self._gpus_per_worker
+        while ray.available_resources().get("GPU", 0.0) < target - 1e-9:
+            if time.monotonic() > deadline:
+                log.warning("job %s: Ray shows %.1f GPUs free, expected >= %.1f after %d workers left",
+                            self.job, ray.available_resources().get("GPU", 0.0), target, len(workers))
+                return
+            time.sleep(0.02)
+
+    def stop(self, timeout: float | None = None) -> Any:
+        self._before_directive()
+        st = super().stop(timeout)
+        self._after_gone(list(self.actors), 10.0)
+        return st
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return s[0][:300] if s else type(e).__name__

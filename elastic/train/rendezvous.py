@@ -1,0 +1,824 @@
+"""Rendezvous coordinator of one elastic training job, and the client its workers use.
+
+What it is for: the controller (or a launcher) hosts one :class:`Coordinator` per training
+job. It serves a small JSON-over-HTTP API (stdlib ``http.server`` in a thread) and hosts
+the job's ``torch.distributed.TCPStore`` master, whose address it hands to workers for
+their process groups. It is the single arbiter of three decisions that every worker must
+see identically:
+
+1. **At which step boundary a rescale happens.** Workers ask ``/v1/step`` before every
+   step. When a directive is posted, the coordinator fixes ``switch_step = (highest step
+   any member has begun) + 1 + lookahead``: a member may already be inside that step and
+   its peers must join it, so the earliest safe boundary is the next one; the lookahead
+   step lets every member see the directive one step early and prepare its receive buffers
+   while it still trains.
+2. **Whether the rescale goes ahead.** Members of old and new layout arrive at ``/v1/arrive``
+   with a digest of the reshard plan they computed. ``go`` once all have arrived with equal
+   digests; ``abandoned`` when the join deadline passes first (a joiner never came) or the
+   digests differ. Both are decided before any byte moves, and are final.
+3. **Whether the job is alive.** Missing heartbeats, a worker's own failure report or a
+   launcher's report (process exit) turn the job ``failed`` with a reason; every later
+   request from a worker is answered ``stop``.
+
+It also aggregates per-step reports into the loss history and the Prometheus metrics
+(:mod:`elastic.train.telemetry`), and records each rescale (pause, bytes moved, planned
+and lower-bound bytes).
+
+What it must not do: touch tensors, run collectives, or decide layouts (the controller
+does; :meth:`Coordinator.directive` only validates and sequences them).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from elastic.model import Layout, SpecError
+from elastic.train.telemetry import TrainingMetrics
+
+log = logging.getLogger(__name__)
+
+API = "/v1"
+
+
+class RendezvousError(RuntimeError):
+    """The coordinator could not be reached or answered with an error."""
+
+
+class RescaleFailed(RuntimeError):
+    """A rescale was abandoned (job continues on its old layout) or failed (job failed)."""
+
+    def __init__(self, message: str, record: RescaleRecord | None = None) -> None:
+        super().__init__(message)
+        self.record = record
+
+
+class JobFailed(RuntimeError):
+    """The training job failed; ``str(e)`` carries the reason."""
+
+
+# --------------------------------------------------------------------------------------------
+# Wire types
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Directive:
+    """Generation ``generation`` trains ``layout`` on ``workers`` from ``switch_step`` on.
+
+    ``remap=False``: new ranks follow the order of ``workers``; ``remap=True``: the reshard
+    planner chooses the rank map (it keeps the most bytes local). ``old_ranks`` is the rank
+    map of the generation being replaced (empty for the first one).
+    """
+
+    job: str
+    generation: int
+    layout: str
+    workers: tuple[str, ...]
+    remap: bool
+    old_layout: str | None
+    old_ranks: dict[str, int]
+    switch_step: int
+    store_host: str
+    store_port: int
+    join_timeout_s: float
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """Everyone who takes part in the transition: old union new, sorted."""
+        return tuple(sorted(set(self.old_ranks) | set(self.workers)))
+
+    @property
+    def leavers(self) -> tuple[str, ...]:
+        return tuple(sorted(set(self.old_ranks) - set(self.workers)))
+
+    @property
+    def joiners(self) -> tuple[str, ...]:
+        return tuple(sorted(set(self.workers) - set(self.old_ranks)))
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["workers"] = list(self.workers)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Directive:
+        d = dict(d)
+        d["workers"] = tuple(d["workers"])
+        d["old_ranks"] = {str(k): int(v) for k, v in d["old_ranks"].items()}
+        return cls(**d)
+
+
+@dataclass
+class StepRecord:
+    """One finished step of the whole job (aggregated over the generation's workers)."""
+
+    step: int
+    generation: int
+    layout: str
+    loss: float | None
+    tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 else None
+
+
+@dataclass
+class RescaleRecord:
+    """One directive's fate. ``ok`` is None while it is in progress."""
+
+    generation: int
+    from_layout: str | None
+    to_layout: str
+    workers: list[str]
+    joiners: list[str]
+    leavers: list[str]
+    switch_step: int
+    ok: bool | None = None
+    reason: str = ""
+    pause_seconds: float | None = None
+    bytes_moved: int = 0
+    planned_bytes: int = 0
+    lower_bound_bytes: int = 0
+    plan_seconds: float = 0.0
+    execute_seconds: float = 0.0
+    new_ranks: dict[str, int] = field(default_factory=dict)
+    worker_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass
+class JobStatus:
+    job: str
+    phase: str  # starting | running | rescaling | failed | stopping | stopped | finished
+    generation: int
+    layout: str | None
+    workers: list[str]  # current generation's workers in rank order
+    step: int  # last completed step, -1 before the first
+    loss: float | None
+    tokens_per_second: float | None
+    step_seconds: float | None
+    error: str | None
+    last_rescale: RescaleRecord | None
+    reason: str = ""  # the last notable event (e.g. why a rescale was abandoned)
+    failures: list[str] = field(default_factory=list)  # every failure report, first one = error
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------------------------
+# Coordinator
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Gen:
+    generation: int
+    layout: str
+    ranks: dict[str, int]
+    start_step: int
+
+
+@dataclass
+class _Pending:
+    directive: Directive
+    record: RescaleRecord
+    issued_at: float
+    arrived: dict[str, str] = field(default_factory=dict)  # worker -> plan digest
+    decision: str | None = None  # None | "go" | "abandoned"
+    stopped_at: float | None = None  # every old member reached the boundary
+    boundary: set[str] = field(default_factory=set)
+    resumed: set[str] = field(default_factory=set)
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    plan_info: dict[str, Any] = field(default_factory=dict)
+
+
+Validator = Callable[[Layout, Sequence[str]], None]
+
+
+class Coordinator:
+    """One job's rendezvous. ``start()`` it, post ``directive()``s, read ``status()``."""
+
+    def __init__(
+        self,
+        job: str,
+        config: dict[str, Any] | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        registry: CollectorRegistry | None = None,
+        heartbeat_interval_s: float = 1.0,
+        heartbeat_timeout_s: float = 15.0,
+        join_timeout_s: float = 60.0,
+        lookahead_steps: int = 1,
+        max_steps: int | None = None,
+        validator: Validator | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if heartbeat_timeout_s <= heartbeat_interval_s:
+            raise SpecError(
+                f"heartbeat_timeout_s={heartbeat_timeout_s} must exceed heartbeat_interval_s={heartbeat_interval_s}"
+                " (a worker needs a few beats of slack)"
+            )
+        self.job = job
+        self.config = dict(config or {})
+        self.host, self.port = host, port
+        self.advertise_host = advertise_host or host
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.join_timeout_s = join_timeout_s
+        self.lookahead_steps = lookahead_steps
+        self.max_steps = max_steps
+        self.validator = validator
+        self.metrics = TrainingMetrics(job, registry)
+        self._clock = clock
+        self._cv = threading.Condition()
+        self._server: ThreadingHTTPServer | None = None
+        self._store: Any = None
+        self._threads: list[threading.Thread] = []
+        self._closing = threading.Event()
+        # job state (guarded by _cv)
+        self._phase = "starting"
+        self._error: str | None = None
+        self._reason = ""
+        self._current: _Gen | None = None
+        self._pending: _Pending | None = None
+        self._max_begun = -1
+        self._seen: dict[str, float] = {}  # worker -> last request time
+        self._left: set[str] = set()
+        self._registered: set[str] = set()
+        self._reports: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
+        self._gen_sizes: dict[int, tuple[str, int]] = {}  # generation -> (layout, world size)
+        self._history: list[StepRecord] = []
+        self._rescales: dict[int, RescaleRecord] = {}
+        self._decisions: dict[int, tuple[str, str]] = {}
+        self._finished: set[str] = set()
+        self._failures: list[str] = []
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def start(self) -> Coordinator:
+        """1. host the TCPStore master, 2. serve HTTP, 3. watch heartbeats and deadlines."""
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
+        self._server = ThreadingHTTPServer((self.host, self.port), _make_handler(self))
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        for target, name in ((self._server.serve_forever, "http"), (self._watch, "watch")):
+            t = threading.Thread(target=target, name=f"rendezvous-{self.job}-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.advertise_host}:{self.port}"
+
+    @property
+    def store_port(self) -> int:
+        return int(self._store.port) if self._store is not None else 0
+
+    def stop(self) -> None:
+        """Stop serving. Workers that are still alive lose their coordinator and exit."""
+        self._closing.set()
+        with self._cv:
+            if self._phase not in ("failed", "finished"):
+                self._phase = "stopped"
+            self._cv.notify_all()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        self._store = None
+
+    # ---- controller API -------------------------------------------------------------------
+    def directive(self, generation: int, layout: Layout | str, members: Sequence[str], *, remap: bool = True,
+                  join_timeout_s: float | None = None) -> Directive:
+        """Post generation ``generation``: train ``layout`` on ``members`` (new-rank order if not ``remap``).
+
+        Refused (SpecError) before anything changes when the generation is out of sequence,
+        another rescale is in flight, the member list does not match the layout, or the
+        validator (model/planner checks) rejects it.
+        """
+        lay = layout if isinstance(layout, Layout) else Layout.parse(layout)
+        members = [str(m) for m in members]
+        _check_members(lay, members)
+        if self.validator is not None:
+            self.validator(lay, members)
+        with self._cv:
+            self._check_can_post(generation)
+            cur = self._current
+            old_ranks = dict(cur.ranks) if cur else {}
+            start = cur.start_step if cur else 0
+            switch = max(self._max_begun + 1 + self.lookahead_steps, start) if cur else 0
+            d = Directive(
+                job=self.job, generation=generation, layout=str(lay), workers=tuple(members), remap=remap,
+                old_layout=cur.layout if cur else None, old_ranks=old_ranks, switch_step=switch,
+                store_host=self.advertise_host, store_port=self.store_port,
+                join_timeout_s=join_timeout_s if join_timeout_s is not None else self.join_timeout_s,
+            )
+            rec = RescaleRecord(generation, d.old_layout, d.layout, list(members), list(d.joiners),
+                                list(d.leavers), switch)
+            self._pending = _Pending(d, rec, self._clock())
+            self._rescales[generation] = rec
+            self._phase = "rescaling" if cur else "starting"
+            self._cv.notify_all()
+            return d
+
+    def _check_can_post(self, generation: int) -> None:
+        if self._phase in ("failed", "stopped", "stopping", "finished"):
+            raise SpecError(f"job {self.job} is {self._phase} ({self._error or self._reason}); cannot rescale it")
+        if self._pending is not None and self._pending.decision != "abandoned":
+            raise SpecError(
+                f"job {self.job}: generation {self._pending.directive.generation} is still in flight; "
+                "wait for it (wait_generation) before posting another"
+            )
+        expected = (self._current.generation if self._current else 0) + 1
+        if generation != expected:
+            raise SpecError(f"job {self.job}: directive generation={generation}, expected {expected} "
+                            "(generations count up by one from the current one)")
+
+    def status(self) -> JobStatus:
+        with self._cv:
+            return self._status_locked()
+
+    def _status_locked(self) -> JobStatus:
+        cur, last = self._current, (self._history[-1] if self._history else None)
+        workers = sorted(cur.ranks, key=cur.ranks.__getitem__) if cur else []
+        rec = self._rescales[max(self._rescales)] if self._rescales else None
+        return JobStatus(
+            job=self.job, phase=self._phase, generation=cur.generation if cur else 0,
+            layout=cur.layout if cur else None, workers=workers, step=last.step if last else -1,
+            loss=last.loss if last else None, tokens_per_second=last.tokens_per_second if last else None,
+            step_seconds=last.seconds if last else None, error=self._error,
+            last_rescale=RescaleRecord(**asdict(rec)) if rec else None, reason=self._reason,
+            failures=list(self._failures),
+        )
+
+    def history(self) -> list[StepRecord]:
+        with self._cv:
+            return list(self._history)
+
+    def rescale_record(self, generation: int) -> RescaleRecord | None:
+        with self._cv:
+            rec = self._rescales.get(generation)
+            return RescaleRecord(**asdict(rec)) if rec else None
+
+    def wait_generation(self, generation: int, timeout: float) -> RescaleRecord:
+        """Block until ``generation`` ran its first step. Raises RescaleFailed / JobFailed / TimeoutError."""
+
+        def done() -> bool:
+            rec = self._rescales.get(generation)
+            return self._phase in ("failed", "stopped") or (rec is not None and rec.ok is not None)
+
+        with self._cv:
+            if not self._cv.wait_for(done, timeout):
+                raise TimeoutError(f"job {self.job}: generation {generation} did not run a step within {timeout:.0f} s "
+                                   f"(phase {self._phase}, {self._reason or 'no reason recorded'})")
+            rec = self._rescales.get(generation)
+            if rec is not None and rec.ok:
+                return RescaleRecord(**asdict(rec))
+            if rec is not None and rec.ok is False:
+                raise RescaleFailed(rec.reason, RescaleRecord(**asdict(rec)))
+            raise JobFailed(self._error or f"job {self.job} is {self._phase}")
+
+    def wait_step(self, step: int, timeout: float) -> StepRecord:
+        """Block until step ``step`` has finished on every worker. Raises JobFailed / TimeoutError."""
+        with self._cv:
+            ok = self._cv.wait_for(
+                lambda: (self._history and self._history[-1].step >= step) or self._phase in ("failed", "stopped"),
+                timeout)
+            if self._history and self._history[-1].step >= step:
+                return next(r for r in self._history if r.step >= step)
+            if not ok:
+                raise TimeoutError(f"job {self.job}: step {step} not reached within {timeout:.0f} s "
+                                   f"(at step {self._history[-1].step if self._history else -1}, phase {self._phase})")
+            raise JobFailed(self._error or f"job {self.job} is {self._phase}")
+
+    def wait_phase(self, phases: Sequence[str], timeout: float) -> str:
+        with self._cv:
+            self._cv.wait_for(lambda: self._phase in phases, timeout)
+            return self._phase
+
+    def request_stop(self, reason: str = "stopped by the controller") -> None:
+        """Workers stop at their next step boundary (or now, if waiting) and exit."""
+        with self._cv:
+            if self._phase not in ("failed", "finished", "stopped"):
+                self._phase, self._reason = "stopping", reason
+                if self._pending is not None and self._pending.decision is None:
+                    self._abandon_locked(f"job stopping: {reason}")
+            self._cv.notify_all()
+
+    def fail(self, reason: str) -> None:
+        """Mark the job failed (a launcher saw a process die, ...). Idempotent: the first reason wins."""
+        with self._cv:
+            self._fail_locked(reason)
+
+    def worker_left(self, worker: str) -> None:
+        """A launcher confirms ``worker`` is gone on purpose; its silence is not a failure."""
+        with self._cv:
+            self._left.add(worker)
+            self._seen.pop(worker, None)
+
+    def registered(self, worker: str) -> bool:
+        with self._cv:
+            return worker in self._registered
+
+    def has_left(self, worker: str) -> bool:
+        """``worker`` exited on purpose (leaver, stopped, abandoned joiner): its exit is no failure."""
+        with self._cv:
+            return worker in self._left
+
+    # ---- state transitions (call with _cv held) ------------------------------------------
+    def _fail_locked(self, reason: str) -> None:
+        if self._phase in ("stopping", "stopped", "finished"):
+            return  # workers exiting on a stop request are not failures
+        if len(self._failures) < 20:
+            self._failures.append(reason)
+        if self._phase == "failed":
+            return
+        log.error("training job %s failed: %s", self.job, reason)
+        self._phase, self._error, self._reason = "failed", reason, reason
+        p = self._pending
+        if p is not None and p.record.ok is None:
+            p.record.ok, p.record.reason = False, f"job failed during the rescale: {reason}"
+            if p.decision is None:
+                p.decision = "abandoned"
+                self._decisions[p.directive.generation] = ("abandoned", p.record.reason)
+        self.metrics.record_failed(True)
+        self._cv.notify_all()
+
+    def _abandon_locked(self, reason: str) -> None:
+        p = self._pending
+        assert p is not None and p.decision is None
+        gen = p.directive.generation
+        p.decision, p.record.ok, p.record.reason = "abandoned", False, reason
+        self._decisions[gen] = ("abandoned", reason)
+        self._reason = f"rescale to generation {gen} ({p.directive.layout}) abandoned: {reason}"
+        log.warning("job %s: %s", self.job, self._reason)
+        self.metrics.record_rescale_failure()
+        if self._current is None:
+            self._fail_locked(f"job could not start: {reason}")
+        elif self._phase == "rescaling":
+            self._phase = "running"
+        self._cv.notify_all()
+
+    def _go_locked(self) -> None:
+        """Every member arrived with the same plan: the new generation becomes current."""
+        p = self._pending
+        assert p is not None
+        d = p.directive
+        info = p.plan_info
+        new_ranks = {str(k): int(v) for k, v in info.get("new_ranks", {}).items()} or {
+            w: i for i, w in enumerate(d.workers)}
+        p.decision = "go"
+        p.record.new_ranks = new_ranks
+        p.record.planned_bytes = int(info.get("planned_bytes", 0))
+        p.record.lower_bound_bytes = int(info.get("lower_bound_bytes", 0))
+        p.record.plan_seconds = float(info.get("plan_seconds", 0.0))
+        self._decisions[d.generation] = ("go", "")
+        self._current = _Gen(d.generation, d.layout, new_ranks, d.switch_step)
+        self._gen_sizes[d.generation] = (d.layout, len(d.workers))
+        self._max_begun = d.switch_step - 1
+        self.metrics.record_generation(d.generation, len(d.workers))
+        self._cv.notify_all()
+
+    def _maybe_complete_locked(self) -> None:
+        """The rescale is done once every new member reported and the first new step finished."""
+        p = self._pending
+        if p is None or p.decision != "go" or p.record.ok is not None:
+            return
+        d = p.directive
+        if not set(d.members) <= set(p.results):
+            return
+        if not any(r.generation == d.generation for r in self._history[-3:]):
+            return
+        rec = p.record
+        rec.ok = True
+        rec.bytes_moved = sum(int(r.get("bytes_sent", 0)) for r in p.results.values())
+        rec.execute_seconds = max((float(r.get("execute_seconds", 0.0)) for r in p.results.values()), default=0.0)
+        rec.worker_stats = {w: dict(r) for w, r in p.results.items()}
+        if self._history and d.old_ranks:
+            self.metrics.record_rescale(rec.pause_seconds or 0.0, rec.bytes_moved, rec.planned_bytes,
+                                        rec.lower_bound_bytes)
+        self._reason = (f"generation {d.generation} on {d.layout} running since step {d.switch_step}"
+                        + (f" (pause {rec.pause_seconds:.3f} s, {rec.bytes_moved} bytes moved)" if d.old_ranks else ""))
+        if self._phase in ("rescaling", "starting"):
+            self._phase = "running"
+        self._pending = None
+        self._cv.notify_all()
+
+    def _record_report_locked(self, worker: str, gen: int, rep: dict[str, Any]) -> None:
+        step = int(rep["step"])
+        key = (gen, step)
+        if key[0] not in self._gen_sizes:
+            return
+        reps = self._reports.setdefault(key, {})
+        reps[worker] = rep
+        layout, size = self._gen_sizes[gen]
+        if len(reps) < size:
+            return
+        del self._reports[key]
+        losses = [float(r["loss"]) for r in reps.values() if r.get("loss") is not None and math.isfinite(r["loss"])]
+        rec = StepRecord(step, gen, layout, losses[0] if losses else None,
+                         max(int(r.get("tokens", 0)) for r in reps.values()),
+                         max(float(r.get("seconds", 0.0)) for r in reps.values()))
+        self._history.append(rec)
+        self.metrics.record_step(rec.step, rec.loss, rec.tokens, rec.seconds)
+        self._maybe_complete_locked()
+        self._cv.notify_all()
+
+    # ---- request handlers (HTTP threads) --------------------------------------------------
+    def _touch(self, worker: str) -> None:
+        self._seen[worker] = self._clock()
+
+    def handle(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
+        fn = _ROUTES.get(route)
+        if fn is None:
+            raise KeyError(route)
+        with self._cv:
+            return fn(self, body)
+
+    def _h_register(self, b: dict[str, Any]) -> dict[str, Any]:
+        w = str(b["worker"])
+        self._touch(w)
+        self._left.discard(w)
+        self._registered.add(w)
+        return {"job": self.job, "config": self.config, "heartbeat_interval_s": self.heartbeat_interval_s,
+                "heartbeat_timeout_s": self.heartbeat_timeout_s}
+
+    def _h_heartbeat(self, b: dict[str, Any]) -> dict[str, Any]:
+        w = str(b["worker"])
+        if w not in self._left:
+            self._touch(w)
+        return {"phase": self._phase, "failed": self._phase == "failed", "reason": self._error or ""}
+
+    def _h_poll(self, b: dict[str, Any]) -> dict[str, Any]:
+        """A worker without a generation asks whether a directive includes it."""
+        w = str(b["worker"])
+        self._touch(w)
+        if self._phase in ("failed", "stopping", "stopped", "finished"):
+            return {"action": "exit", "reason": self._error or self._reason or self._phase}
+        p = self._pending
+        if p is not None and p.decision is None and w in p.directive.workers:
+            return {"action": "join", "directive": p.directive.to_json()}
+        return {"action": "wait"}
+
+    def _h_step(self, b: dict[str, Any]) -> dict[str, Any]:
+        """Before step ``step``: go, switch to the pending generation, or stop. Carries the last result."""
+        w, gen, step = str(b["worker"]), int(b["generation"]), int(b["step"])
+        self._touch(w)
+        if b.get("result"):
+            self._record_report_locked(w, gen, b["result"])
+        self._note_resumed_locked(w, gen, step)
+        if self._phase in ("failed", "stopping", "stopped"):
+            return {"action": "stop", "reason": self._error or self._reason or self._phase}
+        cur = self._current
+        if cur is None or gen != cur.generation:
+            return {"action": "stop", "reason": f"worker {w} is on generation {gen}, the job on "
+                                                f"{cur.generation if cur else 'none'}; stale worker"}
+        if self.max_steps is not None and step >= self.max_steps:
+            self._finished.add(w)
+            if set(cur.ranks) <= self._finished:
+                self._phase, self._reason = "finished", f"reached max_steps={self.max_steps}"
+                self._cv.notify_all()
+            return {"action": "finish", "reason": f"reached max_steps={self.max_steps}"}
+        p = self._pending
+        if p is not None and p.decision is None and w in p.directive.old_ranks:
+            if step >= p.directive.switch_step:
+                self._note_boundary_locked(p, w)
+                return {"action": "switch", "directive": p.directive.to_json()}
+            self._max_begun = max(self._max_begun, step)
+            return {"action": "go", "pending": p.directive.to_json()}
+        self._max_begun = max(self._max_begun, step)
+        return {"action": "go"}
+
+    def _note_boundary_locked(self, p: _Pending, w: str) -> None:
+        p.boundary.add(w)
+        if p.stopped_at is None and set(p.directive.old_ranks) <= p.boundary:
+            p.stopped_at = self._clock()
+
+    def _note_resumed_locked(self, w: str, gen: int, step: int) -> None:
+        """Pause ends when the last new member asks to begin the first step of the new generation."""
+        p = self._pending
+        if p is None or p.decision != "go" or gen != p.directive.generation or step != p.directive.switch_step:
+            return
+        p.resumed.add(w)
+        if set(p.directive.workers) <= p.resumed and p.stopped_at is not None and p.record.pause_seconds is None:
+            p.record.pause_seconds = self._clock() - p.stopped_at
+
+    def _h_arrive(self, b: dict[str, Any]) -> dict[str, Any]:
+        """A member is at the meeting point of ``generation`` with its plan digest; returns the decision."""
+        w, gen = str(b["worker"]), int(b["generation"])
+        self._touch(w)
+        if gen in self._decisions:
+            decision, reason = self._decisions[gen]
+            return {"decision": decision, "reason": reason}
+        p = self._pending
+        if p is None or p.directive.generation != gen or w not in p.directive.members:
+            return {"decision": "abandoned", "reason": f"worker {w} is not a member of generation {gen}"}
+        if w not in p.arrived:
+            p.arrived[w] = str(b.get("digest", ""))
+            if b.get("plan"):
+                p.plan_info = dict(b["plan"])
+        mismatch = sorted({dg for dg in p.arrived.values()})
+        if len(mismatch) > 1:
+            by = {dg: sorted(x for x, y in p.arrived.items() if y == dg) for dg in mismatch}
+            self._abandon_locked(f"members computed different reshard plans {by}; the planner must be "
+                                 "deterministic for equal inputs")
+        elif set(p.directive.members) <= set(p.arrived):
+            self._go_locked()
+        else:
+            return {"decision": "wait", "reason": ""}
+        decision, reason = self._decisions[gen]
+        return {"decision": decision, "reason": reason}
+
+    def _h_result(self, b: dict[str, Any]) -> dict[str, Any]:
+        """A member finished (or failed) its part of a rescale."""
+        w, gen = str(b["worker"]), int(b["generation"])
+        self._touch(w)
+        if not b.get("ok", False):
+            self._fail_locked(f"worker {w} failed during the rescale to generation {gen}: {b.get('error')}")
+            return {}
+        p = self._pending
+        if p is not None and p.directive.generation == gen:
+            p.results[w] = dict(b.get("stats") or {})
+            if w not in p.directive.workers:  # a leaver: it exits now, its silence is expected
+                self._left.add(w)
+                self._seen.pop(w, None)
+            self._maybe_complete_locked()
+        return {}
+
+    def _h_fail(self, b: dict[str, Any]) -> dict[str, Any]:
+        w = str(b["worker"])
+        self._fail_locked(f"worker {w}: {b.get('reason', 'no reason given')}")
+        return {}
+
+    def _h_exit(self, b: dict[str, Any]) -> dict[str, Any]:
+        """A worker exits on purpose (stop, finish, abandoned joiner): stop watching it."""
+        w = str(b["worker"])
+        self._left.add(w)
+        self._seen.pop(w, None)
+        if self._phase == "stopping" and self._current and set(self._current.ranks) <= self._left:
+            self._phase = "stopped"
+            self._cv.notify_all()
+        return {}
+
+    def _h_status(self, b: dict[str, Any]) -> dict[str, Any]:
+        return self._status_locked().to_json()
+
+    # ---- watcher ----------------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._closing.wait(0.1):
+            self.tick()
+
+    def tick(self) -> None:
+        """Check heartbeats of members and the join deadline of a pending directive (every 100 ms when started)."""
+        with self._cv:
+            self._check_deadline_locked()
+            self._check_heartbeats_locked()
+
+    def _check_deadline_locked(self) -> None:
+        p = self._pending
+        if p is None or p.decision is not None:
+            return
+        waited = self._clock() - p.issued_at
+        if waited <= p.directive.join_timeout_s:
+            return
+        missing = sorted(set(p.directive.members) - set(p.arrived))
+        joiners = [m for m in missing if m in p.directive.joiners]
+        who = ", ".join(missing)
+        what = "joiner(s)" if joiners and len(joiners) == len(missing) else "member(s)"
+        self._abandon_locked(f"{what} {who} did not arrive within join_timeout_s={p.directive.join_timeout_s:g}; "
+                             "nothing moved, the job continues on its old layout")
+
+    def _check_heartbeats_locked(self) -> None:
+        if self._phase in ("failed", "stopped", "stopping", "finished"):
+            return
+        now = self._clock()
+        watched: set[str] = set(self._current.ranks) if self._current else set()
+        if self._pending is not None and self._pending.decision == "go":
+            watched |= set(self._pending.directive.members)
+        for w in sorted(watched - self._left):
+            last = self._seen.get(w)
+            if last is not None and now - last > self.heartbeat_timeout_s:
+                step = self._history[-1].step if self._history else -1
+                self._fail_locked(f"worker {w} lost: no heartbeat for {now - last:.1f} s "
+                                  f"(heartbeat_timeout_s={self.heartbeat_timeout_s:g}; process died or hung; "
+                                  f"last completed step {step})")
+                return
+
+
+_ROUTES: dict[str, Callable[[Coordinator, dict[str, Any]], dict[str, Any]]] = {
+    f"{API}/register": Coordinator._h_register,
+    f"{API}/heartbeat": Coordinator._h_heartbeat,
+    f"{API}/poll": Coordinator._h_poll,
+    f"{API}/step": Coordinator._h_step,
+    f"{API}/arrive": Coordinator._h_arrive,
+    f"{API}/result": Coordinator._h_result,
+    f"{API}/fail": Coordinator._h_fail,
+    f"{API}/exit": Coordinator._h_exit,
+    f"{API}/status": Coordinator._h_status,
+}
+
+
+def _check_members(layout: Layout, members: list[str]) -> None:
+    if len(members) != layout.world_size:
+        raise SpecError(f"layout {layout} needs {layout.world_size} workers (tp*pp*dp = {layout.tp}*{layout.pp}*"
+                        f"{layout.dp}), got {len(members)}: {members}")
+    dup = sorted({m for m in members if members.count(m) > 1})
+    if dup:
+        raise SpecError(f"workers listed twice: {dup}; every worker holds one rank")
+    if any(not m for m in members):
+        raise SpecError("worker ids must be non-empty strings")
+
+
+def _make_handler(coord: Coordinator) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+            return
+
+        def _reply(self, code: int, payload: bytes, ctype: str = "application/json") -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def do_GET(self) -> None:  # noqa: N802 - stdlib name
+            if self.path == "/metrics":
+                self._reply(200, generate_latest(coord.metrics.registry), "text/plain; version=0.0.4")
+            elif self.path in (f"{API}/status", "/healthz"):
+                self._reply(200, json.dumps(coord.handle(f"{API}/status", {})).encode())
+            else:
+                self._reply(404, b'{"error": "not found"}')
+
+        def do_POST(self) -> None:  # noqa: N802 - stdlib name
+            try:
+                n = int(self.headers.get("Content-Length", "0"))
+                body = json.loads(self.rfile.read(n) or b"{}")
+                out = coord.handle(self.path, body)
+            except KeyError as e:
+                self._reply(404 if str(e).strip("'") == self.path else 400,
+                            json.dumps({"error": f"bad request: missing {e}"}).encode())
+                return
+            except Exception as e:  # noqa: BLE001 - any handler bug is a 500 with its message
+                log.exception("rendezvous handler %s", self.path)
+                self._reply(500, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+                return
+            self._reply(200, json.dumps(out).encode())
+
+    return Handler
+
+
+# --------------------------------------------------------------------------------------------
+# Client (used by the worker agent)
+# --------------------------------------------------------------------------------------------
+
+
+class RendezvousClient:
+    """JSON calls to a :class:`Coordinator`. Retries connection errors for up to ``retry_s``."""
+
+    def __init__(self, url: str, worker: str, *, timeout_s: float = 10.0, retry_s: float = 30.0) -> None:
+        self.url = url.rstrip("/")
+        self.worker = worker
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+
+    def call(self, route: str, **body: Any) -> dict[str, Any]:
+        data = json.dumps({"worker": self.worker, **body}).encode()
+        deadline = time.monotonic() + self.retry_s
+        delay = 0.05
+        while True:
+            req = urllib.request.Request(f"{self.url}{API}/{route}", data=data,
+                                         headers={"Content-Type": "application/json"}, method="POST")
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                    return json.loads(r.read() or b"{}")
+            except urllib.error.HTTPError as e:
+                raise RendezvousError(f"coordinator {self.url} {route}: HTTP {e.code} {e.read()[:300]!r}") from None
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+                if time.monotonic() + delay > deadline:
+                    raise RendezvousError(f"coordinator {self.url} unreachable for {self.retry_s:g} s "
+                                          f"({route}): {e}") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    def status(self) -> dict[str, Any]:
+        with urllib.request.urlopen(f"{self.url}{API}/status", timeout=self.timeout_s) as r:
+            return json.loads(r.read())

@@ -1,0 +1,136 @@
+"""``python -m elastic.train.worker``: one training worker configured by environment (Kubernetes pods).
+
+Environment:
+
+* ``ELASTIC_JOB`` (required): the job id; must match the coordinator's.
+* ``ELASTIC_WORKER_ID`` (required): this worker's stable id (the pod name is a good one).
+* ``ELASTIC_RENDEZVOUS_URL`` (required): the job's coordinator, e.g. ``http://controller:7070``.
+* ``ELASTIC_MODEL``, ``ELASTIC_GLOBAL_BATCH``, ``ELASTIC_MICRO_BATCH``, ``ELASTIC_SEED``, ``ELASTIC_DTYPE``
+  (optional): the job's settings as this pod was deployed with. The coordinator's job config is
+  authoritative (every worker must compute the same maths); a value given here that disagrees
+  with it stops the worker with exit code 2 and a message naming the field.
+* ``ELASTIC_PG_TIMEOUT`` (seconds, default 120), ``ELASTIC_COORDINATOR_TIMEOUT`` (default 30),
+  ``ELASTIC_DEVICE`` (default ``cpu``), ``ELASTIC_VERIFY_RESHARD`` (``1`` = checksum reshards).
+* ``ELASTIC_ENGINE_FACTORY`` (optional, ``module:function``): an engine other than
+  ``elastic.train.engine.TrainEngine`` that implements :class:`elastic.train.agent.Engine`.
+
+Exit codes: 0 stopped/finished/left, 1 the job failed (reason posted to the coordinator),
+2 bad configuration, 3 coordinator unreachable.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from elastic.model import SpecError
+from elastic.train.agent import AgentOptions, EngineFactory, WorkerAgent, config_dtype, config_model
+
+# env name -> job config key; checked against the coordinator's config
+_CHECKED = {
+    "ELASTIC_MODEL": "model",
+    "ELASTIC_GLOBAL_BATCH": "global_batch",
+    "ELASTIC_MICRO_BATCH": "micro_batch",
+    "ELASTIC_SEED": "seed",
+    "ELASTIC_DTYPE": "dtype",
+}
+
+
+def _require(env: Mapping[str, str], name: str) -> str:
+    v = env.get(name, "").strip()
+    if not v:
+        raise SpecError(f"environment variable {name} is not set; the worker needs {', '.join(_REQUIRED)}")
+    return v
+
+
+_REQUIRED = ("ELASTIC_JOB", "ELASTIC_WORKER_ID", "ELASTIC_RENDEZVOUS_URL")
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    v = env.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        x = float(v)
+    except ValueError:
+        raise SpecError(f"{name}={v!r} is not a number of seconds") from None
+    if x <= 0:
+        raise SpecError(f"{name}={v!r} must be > 0")
+    return x
+
+
+def options_from_env(env: Mapping[str, str]) -> AgentOptions:
+    return AgentOptions(
+        pg_timeout_s=_float(env, "ELASTIC_PG_TIMEOUT", 120.0),
+        coordinator_timeout_s=_float(env, "ELASTIC_COORDINATOR_TIMEOUT", 30.0),
+        device=env.get("ELASTIC_DEVICE", "cpu") or "cpu",
+        verify_reshard=env.get("ELASTIC_VERIFY_RESHARD", "0") == "1",
+    )
+
+
+def load_factory(path: str) -> EngineFactory:
+    mod, _, fn = path.partition(":")
+    if not mod or not fn:
+        raise SpecError(f"ELASTIC_ENGINE_FACTORY={path!r}: expected 'module:function'")
+    try:
+        return getattr(importlib.import_module(mod), fn)
+    except (ImportError, AttributeError) as e:
+        raise SpecError(f"ELASTIC_ENGINE_FACTORY={path!r}: cannot load ({e})") from None
+
+
+def check_env_against_config(env: Mapping[str, str], config: dict[str, Any]) -> None:
+    """A setting this pod was deployed with must equal the job's (else two workers train different maths)."""
+    for name, key in _CHECKED.items():
+        v = env.get(name)
+        if not v:
+            continue
+        if key == "model":
+            same = config_model({"model": v}) == config_model(config)
+        elif key == "dtype":
+            same = config_dtype({"dtype": v}) == config_dtype(config)
+        else:
+            same = str(config.get(key)) == v.strip()
+        if not same:
+            raise SpecError(f"{name}={v!r} but job {env.get('ELASTIC_JOB')} trains with {key}={config.get(key)!r}; "
+                            "fix the pod's environment (the coordinator's job config wins)")
+
+
+class _EnvCheckedAgent(WorkerAgent):
+    def __init__(self, env: Mapping[str, str], **kw: Any) -> None:
+        super().__init__(**kw)
+        self._env = env
+
+    def _main(self) -> int:
+        check_env_against_config(self._env, self.config)
+        return super()._main()
+
+
+def main(env: Mapping[str, str] | None = None) -> int:
+    env = os.environ if env is None else env
+    logging.basicConfig(level=os.environ.get("ELASTIC_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        job, worker, url = (_require(env, n) for n in _REQUIRED)
+        opts = options_from_env(env)
+        factory = load_factory(env["ELASTIC_ENGINE_FACTORY"]) if env.get("ELASTIC_ENGINE_FACTORY") else None
+    except SpecError as e:
+        print(f"elastic.train.worker: {e}", file=sys.stderr)
+        return 2
+    agent = _EnvCheckedAgent(env, worker=worker, url=url, engine_factory=factory, options=opts)
+    try:
+        return agent.run()
+    except SpecError as e:
+        print(f"elastic.train.worker {worker} (job {job}): {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # os._exit: no interpreter teardown of GBs of tensors (see elastic.reshard.execute.fast_exit)
+    os._exit(code)

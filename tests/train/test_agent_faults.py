@@ -1,0 +1,134 @@
+"""Bad input and faults on a live job of real worker processes: refused layouts change nothing, a joiner
+that never arrives leaves the job on its old layout with its state intact, and a worker that dies or
+freezes mid-training surfaces as a failed status with the reason -- within a bounded time, never a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from elastic.model import HardwareSpec, Layout, SpecError, load_model
+from elastic.train.engine import TrainConfig, TrainEngine
+from elastic.train.launch import LaunchOptions, ProcessJobHandle
+from elastic.train.rendezvous import RescaleFailed
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+CFG = TrainConfig(model=load_model("tiny"), global_batch=8, micro_batch=1)
+OPTS = LaunchOptions(pg_timeout_s=60, heartbeat_interval_s=0.5, heartbeat_timeout_s=8, join_timeout_s=60)
+
+
+def reference_losses(steps: int) -> list[float]:
+    eng = TrainEngine(CFG, Layout.parse("tp1.pp1.dp1"), 0)
+    return [eng.train_step(s).loss for s in range(steps)]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    h = ProcessJobHandle("faults", CFG, options=OPTS, log_dir=str(tmp_path_factory.mktemp("logs")))
+    h.start("tp1.pp1.dp2", ["w0", "w1"], timeout=180)
+    h.wait_step(1, timeout=120)
+    yield h
+    h.stop()
+
+
+TOY_GPU = HardwareSpec(name="toy-1mib", memory_bytes=2**20, peak_flops=1e12, intra_node_bandwidth=1e9,
+                       inter_node_bandwidth=1e9, gpus_per_node=8)
+
+
+@pytest.mark.parametrize(
+    "layout, workers, hardware, match",
+    [
+        ("tp3.pp1.dp1", ["w0", "w1", "w2"], None, "does not divide heads"),
+        ("tp1.pp8.dp1", [f"w{i}" for i in range(8)], None, "exceed the 4 layers"),
+        ("tp1.pp1.dp3", ["w0", "w1", "w2"], None, "global_batch=8 is not divisible"),
+        ("tp1.pp1.dp4", ["w0", "w1"], None, "needs 4 workers"),
+        ("tp1.pp1.dp2", ["w0", "w1"], TOY_GPU, "does not fit toy-1mib"),
+    ],
+)
+def test_refused_rescale_changes_nothing(job, layout, workers, hardware, match) -> None:
+    before = job.status()
+    validate = job.validate
+    if hardware is not None:  # the planner's verdict on a GPU far too small for the model
+        from elastic.train.launch import make_validator
+
+        job.validate = make_validator(CFG, hardware)
+    try:
+        with pytest.raises(SpecError, match=match):
+            job.rescale(layout, workers)
+    finally:
+        job.validate = validate
+    after = job.status()
+    assert (after.phase, after.generation, after.layout, after.workers) == (
+        before.phase, before.generation, before.layout, before.workers)
+    assert sorted(job.procs) == ["w0", "w1"], "a refused rescale must not launch anyone"
+
+
+def test_joiner_that_never_arrives_times_out_and_the_job_continues_with_its_state(job) -> None:
+    # a directive naming a worker that never starts (a pod stuck pending): only the coordinator knows it
+    gen = job.status().generation + 1
+    job.coordinator.directive(gen, "tp1.pp1.dp4", ["w0", "w1", "ghost-a", "ghost-b"], join_timeout_s=3)
+    t0 = time.monotonic()
+    with pytest.raises(RescaleFailed, match="ghost-a, ghost-b did not arrive within join_timeout_s=3"):
+        job.coordinator.wait_generation(gen, timeout=60)
+    assert time.monotonic() - t0 < 30
+    st = job.status()
+    assert (st.phase, st.generation, st.layout) == ("running", 1, "tp1.pp1.dp2")
+    assert "abandoned" in st.reason and "ghost-a" in st.reason
+    # state intact: training goes on and still follows the never-rescaled curve
+    at = st.step
+    job.wait_step(at + 3, timeout=120)
+    hist = job.history()
+    ref = reference_losses(len(hist))
+    assert [r.step for r in hist] == list(range(len(hist)))
+    for r, want in zip(hist, ref, strict=True):
+        assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step}"
+
+
+def test_frozen_worker_fails_the_job_by_heartbeat_loss(job) -> None:
+    os.kill(job.pid("w1"), signal.SIGSTOP)  # alive but silent: only the heartbeat can tell
+    try:
+        assert job.coordinator.wait_phase(["failed"], timeout=60) == "failed"
+        st = job.status()
+        assert "worker w1 lost: no heartbeat" in (st.error or ""), st.error
+        # the survivor sits in a collective with the frozen peer; it must leave on its own
+        deadline = time.monotonic() + 40
+        while job.procs["w0"].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert job.procs["w0"].poll() is not None, "w0 must not outlive a failed job"
+    finally:
+        os.kill(job.pid("w1"), signal.SIGKILL)
+
+
+def test_worker_killed_mid_step_fails_the_job_with_the_reason(tmp_path) -> None:
+    h = ProcessJobHandle("killed", CFG, options=OPTS, log_dir=str(tmp_path))
+    try:
+        h.start("tp1.pp1.dp2", ["w0", "w1"], timeout=180)
+        h.wait_step(2, timeout=120)
+        os.kill(h.pid("w1"), signal.SIGKILL)
+        assert h.coordinator.wait_phase(["failed"], timeout=60) == "failed"
+        st = h.status()
+        assert any("w1" in f for f in st.failures) or "closed by peer" in (st.error or ""), st.failures
+        assert any("worker w1 exited with signal 9" in f or "worker w1 lost" in f for f in _eventually(h)), \
+            st.failures
+        deadline = time.monotonic() + 40
+        while h.procs["w0"].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert h.procs["w0"].poll() is not None, "the survivor must exit, not hang"
+    finally:
+        h.stop()
+
+
+def _eventually(h: ProcessJobHandle, seconds: float = 10.0) -> list[str]:
+    """The launcher's own report of the death follows the survivor's within its 0.2 s watch period."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        fs = h.status().failures
+        if any("worker w1" in f for f in fs):
+            return fs
+        time.sleep(0.1)
+    return h.status().failures

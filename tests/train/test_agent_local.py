@@ -1,0 +1,69 @@
+"""A live job of real worker processes (``python -m elastic.train.worker``, gloo on loopback) rescaled in place.
+
+Grows ``tp1.pp1.dp2`` (2 workers) to ``tp2.pp1.dp2`` (4: two joiners) and shrinks it to
+``tp1.pp1.dp1`` (1: a former joiner stays, three leave). The step counter continues and
+every step's loss equals a never-rescaled single-process run of the same config within
+1e-4 (fp32; only reduction order differs), and the leavers exit on their own.
+"""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from elastic.model import Layout, load_model
+from elastic.train.engine import TrainConfig, TrainEngine
+from elastic.train.launch import LaunchOptions, ProcessJobHandle
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+CFG = TrainConfig(model=load_model("tiny"), global_batch=8, micro_batch=1)
+
+
+def reference_losses(steps: int) -> list[float]:
+    """The never-rescaled run: one process, one rank, no torch.distributed."""
+    eng = TrainEngine(CFG, Layout.parse("tp1.pp1.dp1"), 0)
+    try:
+        return [eng.train_step(s).loss for s in range(steps)]
+    finally:
+        eng.close()
+
+
+def test_grow_then_shrink_in_place_follows_the_never_rescaled_loss_curve(tmp_path) -> None:
+    reg = CollectorRegistry()
+    opts = LaunchOptions(pg_timeout_s=90, heartbeat_timeout_s=60, join_timeout_s=120, verify_reshard=True)
+    h = ProcessJobHandle("grow-shrink", CFG, options=opts, registry=reg, log_dir=str(tmp_path))
+    try:
+        # 1. generation 1 on two workers
+        first = h.start("tp1.pp1.dp2", ["w0", "w1"], timeout=180)
+        assert first.generation == 1 and h.status().phase == "running"
+        h.wait_step(1, timeout=120)
+        # 2. grow to four: w2, w3 join with no state and receive theirs
+        grow = h.rescale("tp2.pp1.dp2", ["w0", "w1", "w2", "w3"], timeout=240)
+        assert (grow.generation, grow.from_layout, grow.to_layout) == (2, "tp1.pp1.dp2", "tp2.pp1.dp2")
+        assert grow.bytes_moved == grow.planned_bytes > 0 and grow.lower_bound_bytes <= grow.planned_bytes
+        assert grow.pause_seconds is not None and grow.pause_seconds > 0
+        h.wait_step(grow.switch_step + 1, timeout=120)
+        # 3. shrink to one: a former joiner stays, the two original workers and w3 leave
+        shrink = h.rescale("tp1.pp1.dp1", ["w2"], remap=False, timeout=240)
+        assert shrink.record.leavers == ["w0", "w1", "w3"] and shrink.record.new_ranks == {"w2": 0}
+        for w in ("w0", "w1", "w3"):
+            assert h.procs[w].poll() == 0, f"leaver {w} should have exited cleanly"
+        h.wait_step(shrink.switch_step + 2, timeout=120)
+        st = h.status()
+        assert (st.phase, st.generation, st.layout, st.workers) == ("running", 3, "tp1.pp1.dp1", ["w2"])
+    finally:
+        final = h.stop()
+    history = h.history()
+    steps = [r.step for r in history]
+    assert steps == list(range(len(steps))), "the step counter must continue across rescales, no gap, no repeat"
+    gens = [r.generation for r in history]
+    assert gens == sorted(gens) and set(gens) == {1, 2, 3}
+    assert history[grow.switch_step].generation == 2 and history[shrink.switch_step].generation == 3
+    ref = reference_losses(len(history))
+    for r, want in zip(history, ref, strict=True):
+        assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step} ({r.layout}): {r.loss} vs {want}"
+    assert ref[-1] < ref[0]  # it learns
+    assert final.phase == "stopped" and final.error is None
+    assert reg.get_sample_value("elastic_training_rescales_total", {"job": "grow-shrink"}) == 2
+    assert reg.get_sample_value("elastic_training_steps_total", {"job": "grow-shrink"}) == len(history)

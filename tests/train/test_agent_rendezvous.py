@@ -1,0 +1,229 @@
+"""The coordinator's protocol, driven request by request with an injected clock (no processes).
+
+One HTTP round trip at the end checks the wire and the ``/metrics`` endpoint.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from elastic.model import SpecError
+from elastic.train.rendezvous import Coordinator, RendezvousClient, RescaleFailed
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(**kw) -> tuple[Coordinator, Clock, CollectorRegistry]:
+    clock, reg = Clock(), CollectorRegistry()
+    kw.setdefault("heartbeat_timeout_s", 5.0)
+    kw.setdefault("join_timeout_s", 10.0)
+    c = Coordinator("job", {"model": "tiny"}, registry=reg, clock=clock, heartbeat_interval_s=1.0, **kw)
+    return c, clock, reg
+
+
+def call(c: Coordinator, route: str, worker: str, **body) -> dict:
+    return c.handle(f"/v1/{route}", {"worker": worker, **body})
+
+
+def started(workers=("w0", "w1"), layout="tp1.pp1.dp2", **kw) -> tuple[Coordinator, Clock, CollectorRegistry]:
+    """A job whose generation 1 runs on ``workers`` (rank = position), at step 1."""
+    c, clock, reg = make(**{k: v for k, v in kw.items() if not k.startswith("_")})
+    for w in workers:
+        call(c, "register", w)
+    c.directive(1, layout, list(workers))
+    for w in workers:
+        assert call(c, "poll", w)["action"] == "join"
+    for w in workers:
+        out = call(c, "arrive", w, generation=1, digest="")
+    assert out["decision"] == "go"
+    for w in workers:
+        call(c, "result", w, generation=1, ok=True, stats={})
+    if not kw.get("_no_steps"):
+        run_step(c, workers, 1, 0)
+        run_step(c, workers, 1, 1)  # step 0 finished: generation 1 is running, step 1 begun
+    return c, clock, reg
+
+
+def metric(reg: CollectorRegistry, name: str) -> float | None:
+    return reg.get_sample_value(name, {"job": "job"})
+
+
+def run_step(c: Coordinator, workers, gen: int, step: int, loss: float = 2.0) -> list[str]:
+    res = {"step": step - 1, "loss": loss, "tokens": 256, "seconds": 0.5} if step > 0 else None
+    return [call(c, "step", w, generation=gen, step=step, result=res)["action"] for w in workers]
+
+
+def test_first_generation_starts_all_members_and_steps_aggregate_into_history_and_metrics() -> None:
+    c, _, reg = started(_no_steps=True)
+    assert c.status().phase == "starting"
+    for s in range(3):
+        assert run_step(c, ["w0", "w1"], 1, s, loss=3.0 - s) == ["go", "go"]
+    st = c.status()
+    assert (st.phase, st.generation, st.layout, st.workers, st.step) == ("running", 1, "tp1.pp1.dp2", ["w0", "w1"], 1)
+    assert [r.loss for r in c.history()] == [2.0, 1.0]  # step 0's loss is reported with step 1's request
+    assert st.tokens_per_second == pytest.approx(512.0)
+    assert metric(reg, "elastic_training_steps_total") == 2
+    assert metric(reg, "elastic_training_loss") == 1.0
+    assert metric(reg, "elastic_training_world_size") == 2
+
+
+@pytest.mark.parametrize(
+    "begun, lookahead, expected_switch",
+    [
+        # a member may be inside the highest begun step; its peers must join it -> next boundary + lookahead
+        (["w0"], 1, 4),  # w0 began step 2 -> step 3 must run everywhere, prepare during it, switch at 4
+        (["w0", "w1"], 0, 3),
+        ([], 1, 3),  # both began step 1 only: step 2 still runs (lookahead), switch at 3
+    ],
+)
+def test_switch_step_is_after_the_highest_begun_step(begun, lookahead, expected_switch) -> None:
+    c, _, _ = started(lookahead_steps=lookahead)
+    for w in begun:
+        assert call(c, "step", w, generation=1, step=2)["action"] == "go"
+    d = c.directive(2, "tp1.pp1.dp1", ["w0"])
+    assert d.switch_step == expected_switch
+    assert d.leavers == ("w1",) and d.joiners == ()
+    for s in range(2, expected_switch):
+        for w in ("w0", "w1"):
+            out = call(c, "step", w, generation=1, step=s)
+            assert out["action"] == "go"
+            assert out.get("pending", {}).get("generation") == 2  # announced early: prepare while stepping
+    assert run_step(c, ["w0", "w1"], 1, expected_switch) == ["switch", "switch"]
+
+
+def test_rescale_goes_when_every_member_arrived_with_the_same_plan_and_records_the_pause() -> None:
+    c, clock, reg = started()
+    call(c, "register", "w2")
+    d = c.directive(2, "tp1.pp1.dp1", ["w2"], remap=False)  # w0, w1 leave; w2 joins
+    assert call(c, "poll", "w2")["action"] == "join"
+    run_step(c, ["w0", "w1"], 1, 2)
+    assert run_step(c, ["w0", "w1"], 1, d.switch_step) == ["switch", "switch"]
+    clock.t += 1.0
+    plan = {"new_ranks": {"w2": 0}, "planned_bytes": 100, "lower_bound_bytes": 80}
+    assert call(c, "arrive", "w0", generation=2, digest="abc", plan=plan)["decision"] == "wait"
+    assert call(c, "arrive", "w1", generation=2, digest="abc", plan=plan)["decision"] == "wait"
+    assert call(c, "arrive", "w2", generation=2, digest="abc", plan=plan)["decision"] == "go"
+    for w, sent in (("w0", 50), ("w1", 50), ("w2", 0)):
+        call(c, "result", w, generation=2, ok=True, stats={"bytes_sent": sent})
+    clock.t += 0.5
+    assert call(c, "step", "w2", generation=2, step=d.switch_step)["action"] == "go"
+    assert call(c, "step", "w2", generation=2, step=d.switch_step + 1,
+                result={"step": d.switch_step, "loss": 1.5, "tokens": 256, "seconds": 0.2})["action"] == "go"
+    rec = c.wait_generation(2, timeout=1)
+    assert (rec.ok, rec.bytes_moved, rec.planned_bytes, rec.lower_bound_bytes) == (True, 100, 100, 80)
+    assert rec.pause_seconds == pytest.approx(1.5)  # last old member at the boundary -> first new step begun
+    assert c.status().workers == ["w2"] and c.status().phase == "running"
+    assert metric(reg, "elastic_training_rescales_total") == 1
+    assert metric(reg, "elastic_training_last_rescale_pause_seconds") == pytest.approx(1.5)
+    assert metric(reg, "elastic_training_reshard_bytes_total") == 100
+    assert metric(reg, "elastic_training_last_reshard_lower_bound_bytes") == 80
+
+
+def test_joiner_that_never_arrives_abandons_the_rescale_before_anything_moves() -> None:
+    c, clock, reg = started()
+    d = c.directive(2, "tp1.pp1.dp4", ["w0", "w1", "w2", "ghost"], join_timeout_s=10)
+    call(c, "register", "w2")
+    assert run_step(c, ["w0", "w1"], 1, 2) == ["go", "go"]
+    assert run_step(c, ["w0", "w1"], 1, d.switch_step) == ["switch", "switch"]
+    for w in ("w0", "w1", "w2"):
+        assert call(c, "arrive", w, generation=2, digest="x")["decision"] == "wait"
+    for _ in range(3):  # members keep beating while they wait
+        clock.t += 3.5
+        for w in ("w0", "w1", "w2"):
+            call(c, "heartbeat", w)
+    c.tick()
+    out = call(c, "arrive", "w0", generation=2, digest="x")
+    assert out["decision"] == "abandoned" and "ghost" in out["reason"]
+    st = c.status()
+    assert (st.phase, st.generation, st.layout) == ("running", 1, "tp1.pp1.dp2")
+    assert "ghost" in st.reason and "did not arrive" in st.reason
+    assert run_step(c, ["w0", "w1"], 1, d.switch_step) == ["go", "go"]  # the old layout continues
+    assert call(c, "poll", "w2")["action"] == "wait"
+    with pytest.raises(RescaleFailed, match="ghost"):
+        c.wait_generation(2, timeout=1)
+    assert metric(reg, "elastic_training_rescale_failures_total") == 1
+    c.directive(2, "tp1.pp1.dp1", ["w0"])  # the same generation number may be tried again
+
+
+def test_members_with_different_plans_abandon_the_rescale() -> None:
+    c, _, _ = started()
+    d = c.directive(2, "tp1.pp1.dp1", ["w0"])
+    run_step(c, ["w0", "w1"], 1, d.switch_step)
+    call(c, "arrive", "w0", generation=2, digest="aaa")
+    out = call(c, "arrive", "w1", generation=2, digest="bbb")
+    assert out["decision"] == "abandoned" and "different reshard plans" in out["reason"]
+
+
+def test_lost_heartbeat_fails_the_job_with_the_workers_name_and_stops_the_rest() -> None:
+    c, clock, reg = started()
+    clock.t += 3.0
+    call(c, "heartbeat", "w0")
+    clock.t += 3.0  # w1 silent for 6 s > 5 s
+    c.tick()
+    st = c.status()
+    assert st.phase == "failed" and "worker w1 lost: no heartbeat" in (st.error or "")
+    assert call(c, "step", "w0", generation=1, step=2)["action"] == "stop"
+    assert call(c, "heartbeat", "w0")["failed"] is True
+    assert metric(reg, "elastic_training_failed") == 1
+
+
+@pytest.mark.parametrize(
+    "generation, layout, members, match",
+    [
+        (3, "tp1.pp1.dp1", ["w0"], "expected 2"),
+        (2, "tp1.pp1.dp4", ["w0", "w1"], "needs 4 workers"),
+        (2, "tp1.pp1.dp2", ["w0", "w0"], "listed twice"),
+        (2, "tp1.px1.dp2", ["w0", "w1"], "cannot read 'px1'"),
+    ],
+)
+def test_bad_directives_are_refused_and_change_nothing(generation, layout, members, match) -> None:
+    c, _, _ = started()
+    before = c.status()
+    with pytest.raises(SpecError, match=match):
+        c.directive(generation, layout, members)
+    assert c.status() == before
+
+
+def test_second_directive_while_one_is_in_flight_is_refused() -> None:
+    c, _, _ = started()
+    c.directive(2, "tp1.pp1.dp1", ["w0"])
+    with pytest.raises(SpecError, match="still in flight"):
+        c.directive(3, "tp1.pp1.dp1", ["w1"])
+
+
+def test_validator_refuses_before_anything_changes() -> None:
+    def no_tp(layout, workers):
+        if layout.tp > 1:
+            raise SpecError(f"layout {layout}: tp not allowed here")
+
+    c, _, _ = make(validator=no_tp)
+    with pytest.raises(SpecError, match="tp not allowed"):
+        c.directive(1, "tp2.pp1.dp1", ["w0", "w1"])
+    assert c.status().phase == "starting" and c.rescale_record(1) is None
+
+
+def test_http_round_trip_and_metrics_endpoint() -> None:
+    reg = CollectorRegistry()
+    c = Coordinator("job", {"model": "tiny", "global_batch": 8}, registry=reg).start()
+    try:
+        cl = RendezvousClient(c.url, "w0", retry_s=2)
+        assert cl.call("register")["config"] == {"model": "tiny", "global_batch": 8}
+        assert c.registered("w0") and c.store_port > 0
+        c.directive(1, "tp1.pp1.dp1", ["w0"])
+        assert cl.call("poll")["directive"]["store_port"] == c.store_port
+        assert cl.status()["phase"] == "starting"
+        text = urllib.request.urlopen(f"{c.url}/metrics", timeout=5).read().decode()
+        assert 'elastic_training_generation{job="job"}' in text
+    finally:
+        c.stop()
+    with pytest.raises(Exception, match="unreachable"):
+        RendezvousClient(c.url, "w0", retry_s=0.2).call("heartbeat")

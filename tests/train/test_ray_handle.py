@@ -1,0 +1,56 @@
+"""Real local Ray with 8 logical GPUs: a job started on 4 worker actors, grown to 8 and shrunk to 2
+through ``TrainingJobHandle.rescale``; Ray reports the leavers' GPUs available again after each shrink."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic.model import Layout, load_model
+from elastic.train.engine import TrainConfig, TrainEngine
+from elastic.train.launch import LaunchOptions
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
+
+CFG = TrainConfig(model=load_model("tiny"), global_batch=8, micro_batch=1)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    from elastic.train.ray_handle import init_local_ray
+
+    ray = init_local_ray(num_gpus=8, num_cpus=2)
+    yield ray
+    ray.shutdown()
+
+
+def free_gpus(ray) -> float:
+    return ray.available_resources().get("GPU", 0.0)
+
+
+def test_start_4_grow_8_shrink_2_frees_gpus_in_ray(ray_local) -> None:
+    from elastic.train.ray_handle import TrainingJobHandle
+
+    ray = ray_local
+    assert free_gpus(ray) == 8
+    h = TrainingJobHandle("ray-job", CFG, options=LaunchOptions(pg_timeout_s=90, heartbeat_timeout_s=60))
+    try:
+        h.start("tp1.pp2.dp2", [f"w{i}" for i in range(4)], timeout=240)
+        assert free_gpus(ray) == 4
+        grow = h.rescale("tp2.pp2.dp2", [f"w{i}" for i in range(8)], timeout=300)
+        assert grow.to_layout == "tp2.pp2.dp2" and sorted(grow.record.joiners) == [f"w{i}" for i in range(4, 8)]
+        assert free_gpus(ray) == 0
+        shrink = h.rescale("tp1.pp1.dp2", ["w5", "w2"], timeout=300)
+        assert len(shrink.record.leavers) == 6 and shrink.bytes_moved > 0
+        assert free_gpus(ray) == 6, "the six leavers' GPUs must be free in Ray once rescale() returns"
+        h.wait_step(shrink.switch_step + 1, timeout=120)
+        st = h.status()
+        assert (st.phase, st.generation, st.layout, sorted(st.workers)) == ("running", 3, "tp1.pp1.dp2", ["w2", "w5"])
+        assert st.last_rescale is not None and st.last_rescale.pause_seconds is not None
+    finally:
+        final = h.stop()
+    assert free_gpus(ray) == 8 and final.error is None
+    hist = h.history()
+    assert [r.step for r in hist] == list(range(len(hist)))
+    eng = TrainEngine(CFG, Layout.parse("tp1.pp1.dp1"), 0)
+    for r in hist:
+        assert r.loss == pytest.approx(eng.train_step(r.step).loss, abs=1e-4), f"step {r.step} ({r.layout})"
