@@ -60,10 +60,18 @@ class TrainConfig:
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     data_noise: float = 0.1
+    # When set, each layout uses the largest micro-batch <= this cap that divides its
+    # per-replica batch (keeping >= pp micro-batches so the pipeline fills), instead of the
+    # fixed ``micro_batch``: fewer, larger micro-batches at small dp. The global batch and
+    # the samples of each step are unchanged, so the loss curve is too (up to float
+    # reduction order).
+    micro_batch_cap: int | None = None
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.micro_batch < 1:
             raise SpecError(f"global_batch={self.global_batch}, micro_batch={self.micro_batch}: both must be >= 1")
+        if self.micro_batch_cap is not None and self.micro_batch_cap < 1:
+            raise SpecError(f"micro_batch_cap={self.micro_batch_cap}: must be >= 1 (or None for a fixed micro_batch)")
         if self.dtype not in _DTYPES:
             raise SpecError(f"dtype={self.dtype}: use torch.float32 (CPU default), torch.float64 or torch.bfloat16")
         check_supported(self.model)
@@ -77,12 +85,22 @@ class TrainConfig:
     def optimizer_dtype(self) -> torch.dtype:
         return torch.float64 if self.dtype == torch.float64 else torch.float32
 
+    def micro_batch_for(self, layout: Layout) -> int:
+        """The micro-batch size under ``layout`` (``micro_batch``, or chosen under ``micro_batch_cap``)."""
+        if self.micro_batch_cap is None or self.global_batch % layout.dp:
+            return self.micro_batch
+        per_replica = self.global_batch // layout.dp
+        fits = [m for m in range(1, min(self.micro_batch_cap, per_replica) + 1)
+                if per_replica % m == 0 and per_replica // m >= min(layout.pp, per_replica)]
+        return max(fits) if fits else self.micro_batch
+
     def grad_accum(self, layout: Layout) -> int:
         """Micro-batches per step and DP replica; raises if the global batch does not split."""
-        per_step = layout.dp * self.micro_batch
+        mb = self.micro_batch_for(layout)
+        per_step = layout.dp * mb
         if self.global_batch % per_step:
             raise SpecError(
-                f"global_batch={self.global_batch} is not divisible by dp*micro_batch={layout.dp}*{self.micro_batch}"
+                f"global_batch={self.global_batch} is not divisible by dp*micro_batch={layout.dp}*{mb}"
                 f"={per_step} under layout {layout}; choose dp and micro_batch so that "
                 "dp * micro_batch * grad_accum == global_batch"
             )
@@ -139,6 +157,7 @@ class TrainEngine:
         self.cfg, self.layout, self.rank = cfg, layout, rank
         self.spec: ShardingSpec = sharding_spec(cfg.model, layout, cfg.kinds)
         self.grad_accum = cfg.grad_accum(layout)
+        self.micro_batch = cfg.micro_batch_for(layout)
         self.tp_rank, self.dp_rank, self.pp_rank = layout.coords(rank)
         self.pieces = self.spec.rank_pieces(rank)
         if state is not None:
@@ -158,7 +177,7 @@ class TrainEngine:
         hp = AdamHyper(cfg.lr, tuple(cfg.betas), cfg.eps, cfg.weight_decay)
         self.optimizer = ShardedAdam(self.spec, rank, self.params, self._state, self.groups.dp, hp)
         self.data = SyntheticData(cfg.model.vocab, cfg.model.seq_len, cfg.seed, cfg.data_noise)
-        self.act = P2PShape((cfg.micro_batch, cfg.model.seq_len, cfg.model.hidden), cfg.dtype, cfg.device)
+        self.act = P2PShape((self.micro_batch, cfg.model.seq_len, cfg.model.hidden), cfg.dtype, cfg.device)
 
     # ---- state ------------------------------------------------------------------------------
     def _initial_state(self) -> State:
@@ -203,7 +222,7 @@ class TrainEngine:
         return StepResult(step, loss, tokens, time.perf_counter() - t0)
 
     def _forward_step(self, step: int, micro: int, x: torch.Tensor | None, losses: list[torch.Tensor]) -> torch.Tensor:
-        mb = self.cfg.micro_batch
+        mb = self.micro_batch
         # global sample index of this micro-batch: replica-major, so every layout reads the same set
         start = (self.dp_rank * self.grad_accum + micro) * mb
         stage = self.stage

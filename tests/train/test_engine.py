@@ -237,3 +237,31 @@ def test_vocab_parallel_cross_entropy_is_cross_entropy() -> None:
 def test_models_module_exposes_a_gelu_tied_variant() -> None:
     m: ModelSpec = MODELS["tiny-gpt2"]
     assert m.mlp == "gelu" and m.tie_embeddings and m.has_bias
+
+
+def test_micro_batch_cap_changes_speed_not_the_maths() -> None:
+    """A per-layout micro-batch (fewer, larger micro-batches) keeps the samples and the loss."""
+    import torch.distributed as dist
+
+    from elastic.model import MODEL_PRESETS, Layout
+    from elastic.train.engine import TrainConfig, TrainEngine
+
+    base = TrainConfig(model=MODEL_PRESETS["tiny"], global_batch=12, micro_batch=1, dtype=torch.float64)
+    capped = TrainConfig(model=MODEL_PRESETS["tiny"], global_batch=12, micro_batch=1, dtype=torch.float64,
+                         micro_batch_cap=8)
+    L = Layout(1, 1, 1)
+    assert capped.micro_batch_for(L) == 6 and capped.grad_accum(L) == 2
+    assert capped.micro_batch_for(Layout(1, 2, 3)) == 2  # 4 samples per replica, >= pp=2 micro-batches
+    assert capped.micro_batch_for(Layout(1, 1, 5)) == 1  # 12 % 5: falls back, grad_accum then refuses
+    losses = {}
+    for name, cfg in (("base", base), ("capped", capped)):
+        store = dist.HashStore()
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            eng = TrainEngine(cfg, L, 0)
+            losses[name] = [eng.train_step(s).loss for s in range(4)]
+            eng.close()
+        finally:
+            dist.destroy_process_group()
+    for a, b in zip(losses["base"], losses["capped"], strict=True):
+        assert abs(a - b) <= 1e-9 * abs(a)
