@@ -23,12 +23,34 @@ the destination view whenever it is a contiguous slab (no staging copy), reuse o
 tensors whose region does not change (same object, zero copy), recycle the memory of
 shards that are simply dropped (already touched), and let leavers ``os._exit``.
 
-Wire protocol (both sides derive it from the plan alone, so they always agree): per
-round and per ordered pair (sender, receiver), the plan's messages in plan order;
-messages smaller than ``PACK_BELOW_BYTES`` travel together in one flat buffer (the first
-wire), every larger message travels alone (the next wires, tags counting up), each as
-``numel`` elements of the state dtype in row-major order of its region. Each side independently decides whether
-its end can use the tensor view directly (contiguous) or needs a staging slice.
+Wire protocol (both sides derive it from the plan and the per-kind dtypes alone, so
+they always agree): per round and per ordered pair (sender, receiver), the plan's
+messages in plan order; messages smaller than ``PACK_BELOW_BYTES`` travel together in
+one flat buffer (the first wire), every larger message travels alone (the next wires,
+tags counting up), each as the row-major bytes of its region in its kind's dtype. Each
+side independently decides whether its end can use the tensor view directly
+(contiguous) or needs a staging slice.
+
+Mixed precision (``MIXED_KINDS``: bf16 ``param``, fp32 ``master``/moments): every kind
+has its own dtype (``prepare(dtypes=...)``, or inferred from the old state). The wire
+is bytes: every buffer goes on the wire as a flat ``uint8`` view, and a packed wire lays
+its messages out by byte offset, largest element size first (stable in plan order), so
+an fp32 message never follows a bf16 one with an odd element count and every message
+starts aligned to its element size without padding (offsets are still rounded up to
+the element size, so the layout stays correct for any dtype mix). Why bytes rather
+than one packed wire per (pair, round, dtype): it keeps one packed wire per pair and
+round (the fixed cost per gloo op is what packing saves), one staging pool (``uint8``,
+wires 16-byte aligned, viewed as each message's dtype) and one code path for NCCL and
+gloo; the bytes are the same either way. Checksums are CRC-32 over each message's
+bytes, so they work for any dtype, and each one carries a code of the sender's dtype so
+``verify=True`` also catches two members that disagree on a kind's dtype (bf16 vs fp16
+have the same size: the wire alone would not notice). Dropped old shards are recycled
+at byte level too: a new bf16 tensor may live in the memory of a dropped fp32 one.
+
+Byte accounting: ``ReshardStats`` counts real bytes per kind dtype. The planner's
+``plan.bytes_per_element`` is one number for every kind, so for mixed kinds its byte
+figures (``bytes_planned``, ``send_bytes``...) are element counts times that number, not
+the bytes on the wire; see :func:`wire_bytes` for the exact figure.
 """
 
 from __future__ import annotations
@@ -40,14 +62,14 @@ import sys
 import time
 import zlib
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from elastic.reshard.plan import ReshardError
-from elastic.reshard.spec import Box, box_numel, box_shape
+from elastic.reshard.spec import FP32_KINDS, Box, box_numel, box_shape
 from elastic.reshard.types import LocalCopy, Message, ReshardPlan
 
 __all__ = [
@@ -60,6 +82,7 @@ __all__ = [
     "fast_exit",
     "prepare",
     "reshard_group",
+    "wire_bytes",
 ]
 
 State = dict[tuple[str, str], torch.Tensor]
@@ -70,6 +93,10 @@ PACK_BELOW_BYTES = 256 * 1024
 tens of microseconds of fixed overhead; copying 256 KiB costs about as much, so packing
 pays below it and a message above it is better sent alone (no copy at all when both
 views are contiguous)."""
+
+WIRE_ALIGN = 16
+"""Byte alignment of every wire inside the staging pool, so a slice of it can be viewed
+as any dtype (``Tensor.view(dtype)`` needs the offset to be a multiple of the element size)."""
 
 log = logging.getLogger(__name__)
 
@@ -105,14 +132,16 @@ class ReshardStats:
 
 @dataclass(frozen=True)
 class _Wire:
-    """One isend or irecv: ``msgs`` laid end to end, ``numel`` elements in total."""
+    """One isend or irecv of ``nbytes`` bytes: ``msgs`` at byte ``offsets`` (see the module docstring)."""
 
     peer: str
     tag: int
-    numel: int
+    nbytes: int
     msgs: tuple[Message, ...]
+    offsets: tuple[int, ...]  # byte offset of each message inside the wire, a multiple of its element size
+    dtype: torch.dtype  # the dtype every message shares, or torch.uint8 when they mix
     direct: bool  # my end is one contiguous tensor view: no staging, no copy
-    stage_offset: int  # element offset into the staging pool when not direct
+    stage_offset: int  # byte offset into the (uint8) staging pool when not direct
 
 
 @dataclass(frozen=True)
@@ -128,15 +157,15 @@ class Prepared:
     plan: ReshardPlan
     me: str
     device: torch.device
-    dtype: torch.dtype
+    dtypes: dict[str, torch.dtype]  # kind -> dtype of its tensors (old and new, and on the wire)
     old_state: State  # the caller's dict; execute empties it
     fresh: State  # new tensors allocated (and pre-touched) in prepare
     reused: tuple[Key, ...]  # new tensors that are the old tensor objects themselves
-    recycled: dict[Key, tuple[Key, int]]  # new key -> (dropped old key, element offset)
+    recycled: dict[Key, tuple[Key, int]]  # new key -> (dropped old key, byte offset in its storage)
     new_shapes: dict[Key, tuple[int, ...]]
     local_copies: tuple[LocalCopy, ...]  # those that still have to run
     rounds: tuple[_Round, ...]
-    staging: torch.Tensor | None
+    staging: torch.Tensor | None  # uint8 pool, big enough for the largest round's staged wires
     readers: dict[Key, int] = field(default_factory=dict)  # send wires + local copies reading each old tensor
     stats: ReshardStats = field(default_factory=ReshardStats)
     used: bool = False
@@ -144,6 +173,12 @@ class Prepared:
     @property
     def is_leaver(self) -> bool:
         return self.me not in self.plan.new_ranks
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The one dtype of every kind, or ``None`` in mixed precision (see ``dtypes``)."""
+        kinds = set(self.dtypes.values())
+        return kinds.pop() if len(kinds) == 1 else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -157,7 +192,8 @@ def prepare(
     old_state: State,
     *,
     device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
+    dtypes: Mapping[str, torch.dtype] | None = None,
     recycle_dropped: bool = True,
     pack_below_bytes: int = PACK_BELOW_BYTES,
 ) -> Prepared:
@@ -165,6 +201,14 @@ def prepare(
 
     Reads only the shapes, dtypes and devices of ``old_state`` (never values), so it can
     run while training still steps on it. Raises :class:`ReshardError` on any mismatch.
+
+    Dtypes, per kind of ``plan.kinds``: ``dtypes[kind]`` if given (mixed precision:
+    ``{"param": torch.bfloat16, "master": torch.float32, ...}``), else ``dtype`` if given
+    (one dtype for every kind, as before), else the dtype of this worker's old tensors of
+    that kind. A kind this worker holds nothing of (a joiner) falls back to fp32 for an
+    all-fp32 plan (``FP32_KINDS``, the contract's CPU state) and is an error otherwise:
+    a mixed-precision joiner must be told its dtypes. Every member must end up with the
+    same dtype per kind (``verify=True`` checks it).
     ``recycle_dropped``: new tensors may live in the memory of old shards this worker
     drops without sending (placed there by :func:`execute`, after the step boundary).
     """
@@ -172,7 +216,8 @@ def prepare(
     dev = torch.device(device)
     # 1. the plan must describe this worker and agree with its state
     sends, recvs, copies, shards = _my_part(plan, me)
-    _check_state(plan, me, old_state, sends, copies, dev, dtype)
+    kind_dtypes = _resolve_dtypes(plan, me, old_state, dtype, dtypes)
+    _check_state(plan, me, old_state, sends, copies, dev, kind_dtypes)
     new_shapes = _check_new(plan, me, shards, recvs, copies)
     # 2. which new tensors are old tensors untouched (zero copy), which old ones are dropped
     reused = _identity_keys(old_state, new_shapes, recvs, copies)
@@ -182,18 +227,18 @@ def prepare(
     recycled: dict[Key, tuple[Key, int]] = {}
     if recycle_dropped:
         donors = [k for k in old_state if k not in reused and k not in sources and k not in new_shapes]
-        recycled = _place_in_donors(to_place, new_shapes, donors, old_state)
+        recycled = _place_in_donors(to_place, new_shapes, donors, old_state, kind_dtypes)
     # 3. allocate and pre-touch the rest now, off the critical path
-    fresh = {k: _alloc(new_shapes[k], dev, dtype) for k in to_place if k not in recycled}
-    # 4. the round schedule and one staging pool big enough for its largest round
+    fresh = {k: _alloc(new_shapes[k], dev, kind_dtypes[k[1]]) for k in to_place if k not in recycled}
+    # 4. the round schedule and one (byte) staging pool big enough for its largest round
     old_shapes = {k: tuple(t.shape) for k, t in old_state.items()}
-    rounds, staging_numel = _schedule(plan, me, sends, recvs, old_shapes, new_shapes, dtype, pack_below_bytes)
-    staging = _alloc((staging_numel,), dev, dtype) if staging_numel else None
-    el = _elsize(dtype)
+    rounds, staging_bytes = _schedule(plan, sends, recvs, old_shapes, new_shapes, kind_dtypes, pack_below_bytes)
+    staging = _alloc((staging_bytes,), dev, torch.uint8) if staging_bytes else None
+    nbytes = _bytes_of(kind_dtypes)
     stats = ReshardStats(
-        bytes_reused=sum(_numel(new_shapes[k]) for k in reused) * el,
-        bytes_allocated=(sum(t.numel() for t in fresh.values()) + staging_numel) * el,
-        bytes_recycled=sum(_numel(new_shapes[k]) for k in recycled) * el,
+        bytes_reused=sum(nbytes(k, _numel(new_shapes[k])) for k in reused),
+        bytes_allocated=sum(t.numel() * t.element_size() for t in fresh.values()) + staging_bytes,
+        bytes_recycled=sum(nbytes(k, _numel(new_shapes[k])) for k in recycled),
         rounds=len(rounds),
     )
     readers: dict[Key, int] = defaultdict(int)
@@ -203,7 +248,7 @@ def prepare(
     for c in pending_copies:
         readers[(c.tensor, c.kind)] += 1
     stats.prepare_seconds = time.perf_counter() - t0
-    return Prepared(plan, me, dev, dtype, old_state, fresh, tuple(sorted(reused)), recycled, new_shapes,
+    return Prepared(plan, me, dev, kind_dtypes, old_state, fresh, tuple(sorted(reused)), recycled, new_shapes,
                     pending_copies, rounds, staging, dict(readers), stats)
 
 
@@ -220,11 +265,66 @@ def _my_part(plan: ReshardPlan, me: str) -> tuple[list[Message], list[Message], 
     return sends, recvs, copies, shards
 
 
+def _resolve_dtypes(plan: ReshardPlan, me: str, old_state: State, dtype: torch.dtype | None,
+                    dtypes: Mapping[str, torch.dtype] | None) -> dict[str, torch.dtype]:
+    """The dtype of every kind of the plan: ``dtypes[kind]``, else ``dtype``, else the old state's."""
+    given = dict(dtypes or {})
+    unknown = sorted(set(given) - set(plan.kinds))
+    if unknown:
+        raise ReshardError(
+            f"worker '{me}': dtypes names kinds {unknown} that the plan does not move; "
+            f"its kinds are {list(plan.kinds)}"
+        )
+    held: dict[str, set[torch.dtype]] = defaultdict(set)
+    for (_name, kind), t in old_state.items():
+        held[kind].add(t.dtype)
+    out: dict[str, torch.dtype] = {}
+    for kind in plan.kinds:
+        if kind in given:
+            out[kind] = given[kind]
+        elif dtype is not None:
+            out[kind] = dtype
+        elif len(held[kind]) == 1:
+            out[kind] = next(iter(held[kind]))
+        elif held[kind]:
+            raise ReshardError(
+                f"worker '{me}': its old [{kind}] tensors mix dtypes {sorted(map(str, held[kind]))}; one dtype per "
+                f"kind is moved: convert the state or pass dtypes={{'{kind}': ...}}"
+            )
+        elif set(plan.kinds) <= set(FP32_KINDS):
+            out[kind] = torch.float32  # the contract's all-fp32 state: nothing to guess
+        else:
+            raise ReshardError(
+                f"worker '{me}' holds no [{kind}] tensor to infer its dtype from (a joiner?); pass "
+                f"dtypes={{'{kind}': ...}} for every kind of the plan {list(plan.kinds)} "
+                "(mixed precision: bf16 param, fp32 master/exp_avg/exp_avg_sq)"
+            )
+    for kind, dt in out.items():
+        if not isinstance(dt, torch.dtype):
+            raise ReshardError(f"worker '{me}': dtype for [{kind}] is {dt!r}, not a torch.dtype")
+    return out
+
+
+def _bytes_of(dtypes: Mapping[str, torch.dtype]) -> Callable[[Key, int], int]:
+    """``nbytes(key, numel)``: the bytes of ``numel`` elements of ``key``'s kind."""
+    sizes = {kind: _elsize(dt) for kind, dt in dtypes.items()}
+    return lambda key, numel: numel * sizes[key[1]]
+
+
+def wire_bytes(plan: ReshardPlan, dtypes: Mapping[str, torch.dtype]) -> int:
+    """Bytes the plan's messages really carry when each kind moves as ``dtypes[kind]``.
+
+    ``plan.bytes_planned`` is elements times one ``bytes_per_element``; with mixed kinds
+    (bf16 param, fp32 master/moments) this is the true figure the stats add up to.
+    """
+    return sum(m.numel * _elsize(dtypes[m.kind]) for m in plan.messages)
+
+
 def _check_state(
     plan: ReshardPlan, me: str, old_state: State, sends: Sequence[Message], copies: Sequence[LocalCopy],
-    dev: torch.device, dtype: torch.dtype,
+    dev: torch.device, dtypes: Mapping[str, torch.dtype],
 ) -> None:
-    """Every tensor this worker reads must exist, have the plan's dtype/device and contain the box."""
+    """Every tensor this worker reads must exist, have its kind's dtype, the device and contain the box."""
     for item in (*sends, *copies):
         key = (item.tensor, item.kind)
         t = old_state.get(key)
@@ -235,10 +335,11 @@ def _check_state(
                 f"tensor ({len(old_state)} tensors held); the state does not match layout {plan.old_layout} "
                 f"at rank {plan.old_ranks.get(me)}"
             )
+        dtype = dtypes[key[1]]
         if t.dtype != dtype or t.device.type != dev.type:
             raise ReshardError(
-                f"worker '{me}': {key[0]} [{key[1]}] is {t.dtype} on {t.device}, the reshard moves {dtype} on "
-                f"{dev}; pass dtype=/device= matching the state"
+                f"worker '{me}': {key[0]} [{key[1]}] is {t.dtype} on {t.device}, the reshard moves {key[1]} as "
+                f"{dtype} on {dev}; pass dtype=/dtypes={{'{key[1]}': ...}}/device= matching the state"
             )
         if not t.is_contiguous():
             raise ReshardError(f"worker '{me}': {key[0]} [{key[1]}] is not contiguous; the state must be row-major")
@@ -299,19 +400,30 @@ def _identity_keys(old_state: State, new_shapes: dict[Key, tuple[int, ...]], rec
 
 
 def _place_in_donors(to_place: Sequence[Key], new_shapes: dict[Key, tuple[int, ...]], donors: Sequence[Key],
-                     old_state: State) -> dict[Key, tuple[Key, int]]:
-    """First-fit decreasing of new tensors into dropped old tensors (already touched memory)."""
-    free = {d: old_state[d].numel() for d in donors if old_state[d].is_contiguous()}
+                     old_state: State, dtypes: Mapping[str, torch.dtype]) -> dict[Key, tuple[Key, int]]:
+    """First-fit decreasing, in bytes, of new tensors into dropped old tensors (already touched memory).
+
+    Bytes, not elements: a new bf16 ``param`` may live in a dropped fp32 ``exp_avg``. Each
+    placement starts at a byte address that is a multiple of its element size.
+    """
+    free = {d: old_state[d].numel() * old_state[d].element_size() for d in donors if old_state[d].is_contiguous()}
+    base = {d: old_state[d].storage_offset() * old_state[d].element_size() for d in free}
     used = dict.fromkeys(free, 0)
+    nbytes = _bytes_of(dtypes)
     out: dict[Key, tuple[Key, int]] = {}
-    for key in sorted(to_place, key=lambda k: -_numel(new_shapes[k])):
-        n = _numel(new_shapes[key])
+    for key in sorted(to_place, key=lambda k: -nbytes(k, _numel(new_shapes[k]))):
+        n, el = nbytes(key, _numel(new_shapes[key])), _elsize(dtypes[key[1]])
         for d in sorted(free, key=lambda d: -(free[d] - used[d])):
-            if free[d] - used[d] >= n:
-                out[key] = (d, used[d])
-                used[d] += n
+            start = _round_up(base[d] + used[d], el) - base[d]
+            if free[d] - start >= n:
+                out[key] = (d, start)
+                used[d] = start + n
                 break
     return out
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
 
 
 def _alloc(shape: tuple[int, ...], dev: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -323,13 +435,17 @@ def _alloc(shape: tuple[int, ...], dev: torch.device, dtype: torch.dtype) -> tor
 
 
 def _schedule(
-    plan: ReshardPlan, me: str, sends: Sequence[Message], recvs: Sequence[Message],
-    old_shapes: dict[Key, tuple[int, ...]], new_shapes: dict[Key, tuple[int, ...]], dtype: torch.dtype,
-    pack_below_bytes: int,
+    plan: ReshardPlan, sends: Sequence[Message], recvs: Sequence[Message],
+    old_shapes: dict[Key, tuple[int, ...]], new_shapes: dict[Key, tuple[int, ...]],
+    dtypes: Mapping[str, torch.dtype], pack_below_bytes: int,
 ) -> tuple[tuple[_Round, ...], int]:
-    """Wires per round (same grouping on both ends) and the staging elements the biggest round needs."""
+    """Wires per round (same grouping and byte layout on both ends) and the staging bytes the biggest round needs."""
     n_rounds = 1 + max((m.round for m in plan.messages), default=0)
-    pack_below = max(0, pack_below_bytes // _elsize(dtype))
+    nbytes = _bytes_of(dtypes)
+
+    def size(m: Message) -> int:
+        return nbytes((m.tensor, m.kind), m.numel)
+
     rounds: list[_Round] = []
     staging = 0
     for r in range(n_rounds):
@@ -338,16 +454,35 @@ def _schedule(
         for side, msgs, shapes in (("send", sends, old_shapes), ("recv", recvs, new_shapes)):
             wires: list[_Wire] = []
             for peer, group in _by_peer([m for m in msgs if m.round == r], side).items():
-                for tag, part in enumerate(_split_wire(group, pack_below)):
+                for tag, part in enumerate(_split_wire(group, pack_below_bytes, size)):
+                    part, offsets, total = _layout(part, dtypes)
                     box = part[0].src_box if side == "send" else part[0].dst_box
                     direct = len(part) == 1 and _contiguous(shapes[(part[0].tensor, part[0].kind)], box)
-                    numel = sum(m.numel for m in part)
-                    wires.append(_Wire(peer, tag, numel, tuple(part), direct, -1 if direct else offset))
-                    offset += 0 if direct else numel
+                    kinds = {dtypes[m.kind] for m in part}
+                    dt = kinds.pop() if len(kinds) == 1 else torch.uint8
+                    wires.append(_Wire(peer, tag, total, part, offsets, dt, direct, -1 if direct else offset))
+                    offset += 0 if direct else _round_up(total, WIRE_ALIGN)
             round_wires[side] = wires
         staging = max(staging, offset)
         rounds.append(_Round(tuple(round_wires["send"]), tuple(round_wires["recv"])))
     return tuple(rounds), staging
+
+
+def _layout(part: Sequence[Message], dtypes: Mapping[str, torch.dtype]) -> tuple[tuple[Message, ...], tuple[int, ...], int]:
+    """Messages of one wire in wire order (largest element first, then plan order), their byte offsets, total.
+
+    Element sizes are powers of two, so with the largest first every offset is already a
+    multiple of its element size (fp32 ×3 then bf16 ×5: offsets 0, 12; 22 bytes); the
+    rounding up only guards exotic mixes.
+    """
+    ordered = tuple(sorted(part, key=lambda m: -_elsize(dtypes[m.kind])))  # stable: plan order within a size
+    offsets, off = [], 0
+    for m in ordered:
+        el = _elsize(dtypes[m.kind])
+        off = _round_up(off, el)
+        offsets.append(off)
+        off += m.numel * el
+    return ordered, tuple(offsets), off
 
 
 def _by_peer(msgs: Iterable[Message], side: str) -> dict[str, list[Message]]:
@@ -357,10 +492,15 @@ def _by_peer(msgs: Iterable[Message], side: str) -> dict[str, list[Message]]:
     return dict(sorted(out.items()))
 
 
-def _split_wire(group: list[Message], pack_below: int) -> list[list[Message]]:
-    """First wire: every small message packed together; then each big message alone."""
-    small = [m for m in group if m.numel < pack_below]
-    big = [[m] for m in group if m.numel >= pack_below]
+def _split_wire(group: list[Message], pack_below: int,
+                size: Callable[[Message], int] | None = None) -> list[list[Message]]:
+    """First wire: every small message packed together; then each big message alone.
+
+    ``size(m)`` is compared with ``pack_below``: bytes in the executor, elements by default.
+    """
+    size = size or (lambda m: m.numel)
+    small = [m for m in group if size(m) < pack_below]
+    big = [[m] for m in group if size(m) >= pack_below]
     return ([small] if small else []) + big
 
 
@@ -460,8 +600,14 @@ def _materialize(p: Prepared) -> State:
             out[key] = p.old_state[key]
         else:
             donor, off = p.recycled[key]
-            out[key] = p.old_state[donor].view(-1)[off: off + _numel(shape)].view(shape)
+            dt = p.dtypes[key[1]]
+            out[key] = _as_bytes(p.old_state[donor])[off: off + _numel(shape) * _elsize(dt)].view(dt).view(shape)
     return out
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The flat ``uint8`` view of a contiguous tensor (no copy): what goes on the wire."""
+    return t.reshape(-1).view(torch.uint8)
 
 
 def _view(t: torch.Tensor, box: Box) -> torch.Tensor:
@@ -473,34 +619,39 @@ def _post(p: Prepared, comm: _Comm, rnd: _Round, new_state: State, checks: dict 
     """Receives first (so a fast sender never waits on us), then sends; pack where needed."""
     ops: list[tuple[bool, torch.Tensor, str, int]] = []
     for w in rnd.recvs:
-        m = w.msgs[0] if w.msgs else None
-        buf = (_view(new_state[(m.tensor, m.kind)], m.dst_box) if w.direct and m is not None
-               else _stage(p, w))
+        m = w.msgs[0]
+        buf = _view(new_state[(m.tensor, m.kind)], m.dst_box) if w.direct else _stage(p, w)
         ops.append((False, buf, w.peer, w.tag))
-        p.stats.bytes_received += w.numel * _elsize(p.dtype)
+        p.stats.bytes_received += w.nbytes
     for w in rnd.sends:
         if w.direct:
             m = w.msgs[0]
             buf = _view(p.old_state[(m.tensor, m.kind)], m.src_box)
         else:
             buf = _stage(p, w)
-            off = 0
-            for m in w.msgs:
-                n = m.numel
-                buf[off: off + n].view(box_shape(m.region)).copy_(_view(p.old_state[(m.tensor, m.kind)], m.src_box))
-                off += n
+            for i, m in enumerate(w.msgs):
+                _staged_msg(p, w, i).copy_(_view(p.old_state[(m.tensor, m.kind)], m.src_box))
             release.wire(w)  # the bytes are in staging now
         if checks is not None:
-            _checksum_wire(checks, w, buf, index)
+            _checksum_wire(p, checks, w, buf, index)
         ops.append((True, buf, w.peer, w.tag))
-        p.stats.bytes_sent += w.numel * _elsize(p.dtype)
+        p.stats.bytes_sent += w.nbytes
     p.stats.wire_ops += len(ops)
     return comm.post(ops)
 
 
 def _stage(p: Prepared, w: _Wire) -> torch.Tensor:
+    """The wire's staging slice, typed when its messages share a dtype (``uint8`` when they mix)."""
     assert p.staging is not None
-    return p.staging[w.stage_offset: w.stage_offset + w.numel]
+    return p.staging[w.stage_offset: w.stage_offset + w.nbytes].view(w.dtype)
+
+
+def _staged_msg(p: Prepared, w: _Wire, i: int) -> torch.Tensor:
+    """Message ``i`` of a staged wire, as its kind's dtype and its region's shape."""
+    assert p.staging is not None
+    m, dt = w.msgs[i], p.dtypes[w.msgs[i].kind]
+    start = w.stage_offset + w.offsets[i]
+    return p.staging[start: start + m.numel * _elsize(dt)].view(dt).view(box_shape(m.region))
 
 
 class _Releaser:
@@ -543,15 +694,12 @@ def _complete(p: Prepared, rnd: _Round, works: list, new_state: State, checks: d
                 release.wire(w)
             continue
         if not w.direct:
-            buf = _stage(p, w)
-            off = 0
-            for m in w.msgs:
-                n = m.numel
-                _view(new_state[(m.tensor, m.kind)], m.dst_box).copy_(buf[off: off + n].view(box_shape(m.region)))
-                off += n
+            for j, m in enumerate(w.msgs):
+                _view(new_state[(m.tensor, m.kind)], m.dst_box).copy_(_staged_msg(p, w, j))
         if checks is not None:
             for m in w.msgs:  # checksum where the bytes finally live, catching unpack bugs too
-                checks[(m.src, m.dst, index[m])] = _crc(_view(new_state[(m.tensor, m.kind)], m.dst_box))
+                got = _view(new_state[(m.tensor, m.kind)], m.dst_box)
+                checks[(m.src, m.dst, index[m])] = _signed_crc(got)
 
 
 def _local_copies(p: Prepared, new_state: State, verify: bool, release: _Releaser) -> list[str]:
@@ -560,7 +708,7 @@ def _local_copies(p: Prepared, new_state: State, verify: bool, release: _Release
         src = _view(p.old_state[(c.tensor, c.kind)], c.src_box)
         dst = _view(new_state[(c.tensor, c.kind)], c.dst_box)
         dst.copy_(src)
-        p.stats.bytes_local += c.numel * _elsize(p.dtype)
+        p.stats.bytes_local += c.numel * dst.element_size()
         if verify and _crc(src) != _crc(dst):
             bad.append(f"local copy of {c.tensor} [{c.kind}] region {list(c.region)} on '{p.me}'")
         del src
@@ -568,13 +716,26 @@ def _local_copies(p: Prepared, new_state: State, verify: bool, release: _Release
     return bad
 
 
-def _checksum_wire(checks: dict, w: _Wire, buf: torch.Tensor, index: dict[Message, int]) -> None:
+def _checksum_wire(p: Prepared, checks: dict, w: _Wire, buf: torch.Tensor, index: dict[Message, int]) -> None:
     """Sender side: the checksum of each message as it goes on the wire."""
-    off = 0
-    for m in w.msgs:
-        n = m.numel
-        checks[(m.src, m.dst, index[m])] = _crc(buf.reshape(-1)[off: off + n] if not w.direct else buf)
-        off += n
+    for i, m in enumerate(w.msgs):
+        checks[(m.src, m.dst, index[m])] = _signed_crc(buf if w.direct else _staged_msg(p, w, i))
+
+
+_CRC_BITS = 32
+
+
+def _signed_crc(t: torch.Tensor) -> int:
+    """CRC-32 of the bytes in the low 32 bits, a code of the dtype above them (fits an int64).
+
+    Two members that disagree on a kind's dtype move the same bytes when the sizes match
+    (bf16 vs fp16); the dtype code makes ``verify`` catch that too.
+    """
+    return (_dtype_code(t.dtype) << _CRC_BITS) | _crc(t)
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return zlib.crc32(str(dtype).encode()) & 0x7FFF_FFFF  # 31 bits: the int64 stays positive
 
 
 def _crc(t: torch.Tensor) -> int:
@@ -607,9 +768,13 @@ def _verify(p: Prepared, comm: _Comm, checks: dict[tuple[str, str, int], int]) -
     for src, idx in sorted(mine_recv.items()):
         theirs = inbox[src].tolist()
         for i, c in zip(idx, theirs, strict=True):
-            if checks[(src, p.me, i)] != c:
+            mine = checks[(src, p.me, i)]
+            if mine != c:
                 m = p.plan.messages[i]
-                bad.append(f"{m.tensor} [{m.kind}] region {list(m.region)} from '{m.src}' to '{m.dst}'")
+                why = "" if mine >> _CRC_BITS == c >> _CRC_BITS else (
+                    f" (the sender moves [{m.kind}] as another dtype than {p.dtypes[m.kind]}: pass the same "
+                    "dtypes= on every member)")
+                bad.append(f"{m.tensor} [{m.kind}] region {list(m.region)} from '{m.src}' to '{m.dst}'{why}")
     return bad
 
 
@@ -629,15 +794,17 @@ class _Comm:
         self.sync_device = device if self.nccl else torch.device("cpu")
 
     def post(self, ops: list[tuple[bool, torch.Tensor, str, int]]) -> list:
+        """Post every op; each tensor (contiguous, any dtype) travels as its bytes."""
         if not ops:
             return []
         if self.raw:
             works = []
             for is_send, t, peer, tag in ops:
                 fn = self.pg.send if is_send else self.pg.recv  # type: ignore[attr-defined]
-                works.append(fn([t], self.rank[peer], tag))
+                works.append(fn([_as_bytes(t)], self.rank[peer], tag))
             return works
-        p2p = [dist.P2POp(dist.isend if s else dist.irecv, t, group=self.pg, tag=tag, group_peer=self.rank[peer])
+        p2p = [dist.P2POp(dist.isend if s else dist.irecv, _as_bytes(t), group=self.pg, tag=tag,
+                          group_peer=self.rank[peer])
                for s, t, peer, tag in ops]
         return dist.batch_isend_irecv(p2p)
 

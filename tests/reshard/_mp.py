@@ -292,3 +292,76 @@ def reshard_job(rank: int, n: int, model: ModelSpec, plan: Any, port: int, seed:
         "bytes_sent": st.bytes_sent, "bytes_received": st.bytes_received, "bytes_local": st.bytes_local,
         "wire_ops": st.wire_ops, "rounds": st.rounds,
     }
+
+
+# --------------------------------------------------------------------------------------------
+# Mixed precision: one dtype per kind (bf16 param, fp32 master/moments)
+# --------------------------------------------------------------------------------------------
+
+
+def mixed_local_state(model: ModelSpec, layout: Layout, rank: int, kinds: tuple[Kind, ...], seed: int,
+                      dtypes: dict[str, torch.dtype]) -> State:
+    """:func:`local_state` with each kind in its own dtype (the global values rounded to it)."""
+    spec = sharding_spec(model, layout, kinds)
+    out: State = {}
+    for (name, kind), box in spec.rank_pieces(rank).items():
+        full = global_tensor(spec.tensor(name), kind, seed, dtypes[kind])
+        out[(name, kind)] = full[tuple(slice(a, b) for a, b in box)].clone()
+    return out
+
+
+def mixed_reshard_job(rank: int, n: int, model: ModelSpec, plan: Any, port: int, seed: int,
+                      dtypes: dict[str, torch.dtype], joiner_dtypes: dict[str, torch.dtype] | None = None,
+                      corrupt_dtype: torch.dtype | None = None,
+                      pack_below_bytes: int | None = None) -> dict[str, Any]:
+    """Member ``rank`` of ``plan.members`` in mixed precision: old members let ``prepare`` infer
+    the dtypes from their state, joiners pass ``joiner_dtypes`` (default ``dtypes``).
+
+    ``corrupt_dtype``: bump the first element of every outgoing buffer of that dtype after
+    it was checksummed. Returns the error (if any), the bitwise diff against the reference
+    (dtypes included) and the stats.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    from elastic.reshard import execute as ex
+
+    members = list(plan.members)
+    me = members[rank]
+    kinds = tuple(plan.kinds)
+    old = mixed_local_state(model, Layout.parse(plan.old_layout), plan.old_ranks[me], kinds, seed, dtypes) \
+        if me in plan.old_ranks else {}
+    kw: dict[str, Any] = {} if me in plan.old_ranks else {"dtypes": joiner_dtypes or dtypes}
+    if pack_below_bytes is not None:
+        kw["pack_below_bytes"] = pack_below_bytes
+    prepared = ex.prepare(plan, me, old, **kw)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n,
+                            timeout=datetime.timedelta(seconds=30))
+    orig = ex._Comm.post
+    if corrupt_dtype is not None:
+        def post(self: Any, ops: list) -> list:
+            for is_send, t, _peer, _tag in ops:
+                if is_send and t.numel() and t.dtype == corrupt_dtype:
+                    t.view(-1)[0] += 1.0
+            return orig(self, ops)
+
+        ex._Comm.post = post  # type: ignore[method-assign]
+    try:
+        new = ex.execute(prepared, None, {w: i for i, w in enumerate(members)}, verify=True)
+        error = None
+    except ex.ReshardError as e:
+        new, error = {}, str(e)
+    finally:
+        ex._Comm.post = orig  # type: ignore[method-assign]
+        dist.destroy_process_group()
+    want = mixed_local_state(model, Layout.parse(plan.new_layout), plan.new_ranks[me], kinds, seed, dtypes) \
+        if me in plan.new_ranks and error is None else {}
+    st = prepared.stats
+    return {
+        "me": me, "error": error, "diff": bitwise_diff(new, want), "old_left": len(old),
+        "new_dtypes": sorted({(k[1], str(t.dtype)) for k, t in new.items()}),
+        "prepared_dtypes": {k: str(v) for k, v in prepared.dtypes.items()},
+        "new_tensors": len(new), "recycled": len(prepared.recycled),
+        "bytes_sent": st.bytes_sent, "bytes_received": st.bytes_received, "wire_ops": st.wire_ops,
+    }
