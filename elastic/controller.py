@@ -5,15 +5,20 @@ One ``tick()`` reads as numbered steps (Kueue's scheduler, Kopf's collected effe
 0. lead      hold the pool's DB lease; a controller without it does nothing.
 1. observe   backend inventory, what each workload holds, each service's metric, job status.
 2. decide    the pure replica policy per service, then the pure co-scheduler for the pool.
-3. apply     the plan's ordered steps, each confirmed before the next: training shrinks
-             finish before inference gets their GPUs; inference drains before training grows.
+3. apply     a. stop jobs the backend reports Failed (their GPUs return to the pool, the reason
+                goes on record; the plan already counted them as not running and restarts them
+                when GPUs allow), b. the plan's ordered steps, each confirmed before the next:
+                training shrinks finish before inference gets their GPUs; inference drains
+                before training grows.
 4. record    the decision (with its reason), allocations and reshard events in the DB.
 
 Only step 3 touches the backend's actuators and only step 4 writes the store. When the
 DB or the backend is unreachable the tick stops acting and says so (``ready`` False,
 reason in ``last_error``) instead of guessing. Crash recovery (``recover()``, run before
 the first decision): actions the DB shows in flight are reconciled with what the backend
-reports, so a controller killed mid-shrink resumes from the backend's truth.
+reports, so a controller killed mid-shrink resumes from the backend's truth. With the Ray
+backend in detached mode the workers outlive the controller and finish the directive they
+were given; the reshard is then recorded ``done`` with the bytes and pause the job reports.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -30,7 +35,7 @@ from elastic import store as db
 from elastic.backends.base import Backend, BackendError, BackendUnavailable, JobRuntime
 from elastic.config import ControllerConfig
 from elastic.metrics.sample import MetricSample, MetricSource
-from elastic.model import GPU, Allocation, HardwareSpec, Layout, ModelSpec, PlanStep, load_hardware
+from elastic.model import GPU, Allocation, HardwareSpec, Layout, ModelSpec, PlanStep, SpecError, load_hardware
 from elastic.policy import decide as policy_decide
 from elastic.policy.types import PolicyContext, PolicyState, ReplicaDecision
 from elastic.scheduler import decide as schedule
@@ -64,18 +69,41 @@ def throughput_table(model: ModelSpec, hardware: HardwareSpec, max_gpus: int, *,
     from elastic.parallel.planner import best_by_gpu_count, feasible_layouts
 
     if not allowed_tp and not allowed_pp:
-        best = best_by_gpu_count(model, hardware, max_gpus, gpus_per_node=gpus_per_node, global_batch=global_batch)
+        # vpp=1: the reference trainer runs non-interleaved 1F1B only
+        best = best_by_gpu_count(model, hardware, max_gpus, gpus_per_node=gpus_per_node, global_batch=global_batch,
+                                 vpps=(1,))
         out = {n: (str(p.layout), p.tokens_per_second) for n, p in best.items()}
         return {n: v for n, v in out.items() if Layout.parse(v[0]).world_size == n}
     out = {}
     for n in range(1, max_gpus + 1):
-        for p in feasible_layouts(model, n, hardware, gpus_per_node=gpus_per_node, global_batch=global_batch):
+        for p in feasible_layouts(model, n, hardware, gpus_per_node=gpus_per_node, global_batch=global_batch,
+                                  vpps=(1,)):
             L = p.layout
             if L.world_size != n or (allowed_tp and L.tp not in allowed_tp) or (allowed_pp and L.pp not in allowed_pp):
                 continue
             out[n] = (str(L), p.tokens_per_second)
             break
     return out
+
+
+def job_throughput_tables(cfg: ControllerConfig) -> dict[str, dict[int, tuple[str, float]]]:
+    """Every job's GPU count -> (best layout, tokens/s) on the pool's hardware (pure; the planner)."""
+    hw = load_hardware(cfg.pool.hardware)
+    models = cfg.models()
+    return {j.name: throughput_table(models[j.name], hw, min(j.max_gpus, cfg.pool.total_gpus),
+                                     gpus_per_node=cfg.pool.gpus_per_node, global_batch=j.global_batch,
+                                     allowed_tp=j.allowed_tp, allowed_pp=j.allowed_pp, zero=j.zero)
+            for j in cfg.jobs}
+
+
+def check_feasible(cfg: ControllerConfig, tables: Mapping[str, Mapping[int, Any]]) -> None:
+    """A job no layout can run within its GPU bounds would silently never start: refuse it (SpecError)."""
+    for i, j in enumerate(cfg.jobs):
+        if not any(j.min_gpus <= n <= j.max_gpus for n in tables.get(j.name, {})):
+            raise SpecError(
+                f"jobs[{i}] '{j.name}': no layout of model {j.model} with global_batch={j.global_batch} fits "
+                f"{cfg.pool.hardware} GPUs between min_gpus={j.min_gpus} and max_gpus={j.max_gpus} "
+                f"(pool of {cfg.pool.total_gpus}); raise max_gpus, pick a smaller model or bigger GPUs")
 
 
 class Controller:
@@ -100,6 +128,8 @@ class Controller:
         self.last_tick: TickResult | None = None
         self.is_leader = False
         self.recovered = False
+        self.overrides: dict[str, tuple[int, float]] = {}
+        self.pinned: dict[str, dict[int, tuple[str, float]]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._throughput = dict(throughput or {})
@@ -109,6 +139,7 @@ class Controller:
                     cfg.models()[j.name], self.hardware, min(j.max_gpus, cfg.pool.total_gpus),
                     gpus_per_node=cfg.pool.gpus_per_node, global_batch=j.global_batch,
                     allowed_tp=j.allowed_tp, allowed_pp=j.allowed_pp, zero=j.zero)
+        check_feasible(cfg, self._throughput)
         self._register()
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -121,25 +152,79 @@ class Controller:
             db.upsert_job(self.store, j.name, self.pool, j.model_dump(), now=now)
 
     def recover(self) -> list[str]:
-        """Reconcile what the DB shows in flight with what the backend reports. Returns notes."""
-        notes: list[str] = []
+        """Reconcile what the DB shows in flight with what the backend reports. Returns notes.
+
+        1. what the backend re-attached to (detached Ray: actors that outlived the last controller);
+        2. actions begun and never finished: closed as interrupted, with the backend's truth;
+        3. reshards in flight: ``done`` when the job now runs the target layout at that generation
+           (its workers finished the directive without a controller; bytes and pause from the job),
+           else ``failed`` with the layout it is on;
+        4. allocations re-recorded from the backend, and a ``Recovered`` decision with the notes.
+        """
+        now = self.clock()
+        notes: list[str] = list(getattr(self.backend, "adopted", None) or [])
         for act in db.open_actions(self.store, self.pool):
             rt = self.backend.job_runtime(act.workload) if act.kind.endswith("training") else None
             truth = f"backend reports {rt.layout} on {len(rt.gpus)} GPUs" if rt else "backend reports nothing running"
             db.finish_action(self.store, act.id, error=f"interrupted (controller restarted); {truth}")
-            notes.append(f"{act.kind} {act.workload}: {truth}")
+            notes.append(f"{act.kind} {act.workload} interrupted: {truth}")
         for ev in db.in_flight_reshards(self.store, self.pool):
             rt = self.backend.job_runtime(ev.job)
-            done = rt is not None and rt.layout == ev.to_layout
-            db.finish_reshard(self.store, ev.id, bytes_moved=None, pause_seconds=None,
-                              error=None if done else f"interrupted; job is on {rt.layout if rt else 'nothing'}")
-            notes.append(f"reshard {ev.job} g{ev.generation} -> {ev.to_layout}: {'completed' if done else 'abandoned'}")
+            done = rt is not None and rt.layout == ev.to_layout and rt.generation >= ev.generation
+            if done:
+                db.finish_reshard(self.store, ev.id, bytes_moved=rt.last_bytes_moved, pause_seconds=rt.last_pause_seconds,
+                                  now=_dt(now))
+                self.last_rescale[ev.job] = now
+            else:
+                db.finish_reshard(self.store, ev.id, bytes_moved=None, pause_seconds=None, now=_dt(now),
+                                  error=f"interrupted (controller restarted); job is on "
+                                        f"{rt.layout if rt else 'nothing'} generation {rt.generation if rt else 0}")
+            notes.append(f"reshard {ev.job} g{ev.generation} {ev.from_layout} -> {ev.to_layout}: "
+                         f"{'completed by the workers' if done else 'abandoned'}")
         self._record_allocations(self._observed_allocation(), generation=0)
+        if notes:
+            log.warning("recovered: %s", "; ".join(notes))
+            db.record_decision(self.store, pool=self.pool, tick_at=_dt(now), reason="Recovered",
+                               message="; ".join(notes), plan={"steps": [], "notes": notes}, inputs={})
         self.recovered = True
         return notes
 
     def stop(self) -> None:
         self._stop.set()
+
+    # ---- operator interventions (admin API) -------------------------------------------------------
+    def pause(self) -> None:
+        """Stop acting (ticks still observe nothing and record nothing) until ``resume``."""
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def set_override(self, service: str, replicas: int, until: float) -> None:
+        """Pin a service's replica count until ``until`` (epoch seconds); the policy still runs."""
+        spec = self._service_spec(service)
+        if not spec.min_replicas <= replicas <= spec.max_replicas:
+            raise ValueError(f"replicas={replicas} outside [{spec.min_replicas}, {spec.max_replicas}] of '{service}'")
+        self.overrides[service] = (replicas, until)
+
+    def clear_override(self, service: str) -> None:
+        self.overrides.pop(service, None)
+
+    def pin_layout(self, job: str, layout: Layout | None) -> None:
+        """Force ``job`` onto ``layout`` (validated by the caller with the planner); None unpins."""
+        if job not in self._throughput:
+            raise KeyError(job)
+        if layout is None:
+            self.pinned.pop(job, None)
+        else:
+            tps = self._throughput[job].get(layout.world_size, (str(layout), 1.0))[1]
+            self.pinned[job] = {layout.world_size: (str(layout), max(tps, 1.0))}
+
+    def _service_spec(self, service: str) -> Any:
+        for s in self.cfg.services:
+            if s.name == service:
+                return s
+        raise KeyError(service)
 
     def run_forever(self) -> None:
         while not self._stop.is_set():
@@ -180,26 +265,35 @@ class Controller:
             return TickResult(now, False, "Paused", "controller paused by an operator")
         # 1. observe
         nodes = self.backend.inventory()
-        previous = self._observed_allocation()
-        samples = {s.name: self._sample(s.name, now) for s in self.cfg.services}
         runtimes = {j.name: self.backend.job_runtime(j.name) for j in self.cfg.jobs}
+        # a failed job's workers are gone or stuck: its GPUs are reclaimed in step 3a, so the
+        # plan already treats it as not running (it starts afresh when GPUs allow)
+        failed = {n: rt for n, rt in runtimes.items() if rt is not None and rt.phase == "Failed"}
+        previous = self._observed_allocation(exclude=set(failed))
+        samples = {s.name: self._sample(s.name, now) for s in self.cfg.services}
+        runtimes.update(dict.fromkeys(failed))
         # 2. decide
         replica_decisions = self._decide_replicas(now, previous, samples)
         plan = schedule(self._snapshot(now, nodes, previous, replica_decisions, runtimes))
-        # 3. apply
-        applied, error = self._apply(now, plan)
+        # 3. apply: 3a. reclaim failed jobs, 3b. the plan's ordered steps
+        applied, error = self._reap_failed(now, failed)
+        if error is None:
+            steps, error = self._apply(now, plan)
+            applied += steps
         # 4. record
         self._record(now, plan, replica_decisions, samples, applied, error)
         return TickResult(now, True, plan.reason, plan.message, plan, replica_decisions, applied, error)
 
     # ---- 1. observe -----------------------------------------------------------------------------
-    def _observed_allocation(self) -> Allocation:
+    def _observed_allocation(self, exclude: set[str] | None = None) -> Allocation:
         hold: dict[str, tuple[GPU, ...]] = {}
         for s in self.cfg.services:
             g = self.backend.service_gpus(s.name)
             if g:
                 hold[s.name] = g
         for j in self.cfg.jobs:
+            if exclude and j.name in exclude:
+                continue
             rt = self.backend.job_runtime(j.name)
             if rt and rt.gpus:
                 hold[j.name] = rt.gpus
@@ -226,6 +320,12 @@ class Controller:
             current = len(previous.gpus_of(s.name)) // s.gpus_per_replica
             ctx = PolicyContext.from_sample(s, current, samples[s.name], now, self.policy_state[s.name])
             decision, self.policy_state[s.name] = policy_decide(ctx)
+            pin = self.overrides.get(s.name)
+            if pin is not None and now < pin[1]:
+                decision = replace(decision, replicas=pin[0], reason="Override",
+                                   message=f"pinned to {pin[0]} replicas by an operator (policy said {decision.replicas})")
+            elif pin is not None:
+                del self.overrides[s.name]
             out[s.name] = decision
         return out
 
@@ -235,7 +335,7 @@ class Controller:
             ServiceDemand(s.name, replicas[s.name].replicas, s.gpus_per_replica, s.priority, s.min_replicas)
             for s in self.cfg.services)
         jobs = tuple(
-            JobState(j.name, self._throughput[j.name], j.min_gpus, j.max_gpus, j.priority,
+            JobState(j.name, self.pinned.get(j.name, self._throughput[j.name]), j.min_gpus, j.max_gpus, j.priority,
                      layout=(runtimes[j.name].layout if runtimes[j.name] else None),
                      last_rescale_at=self.last_rescale.get(j.name),
                      status="running" if runtimes[j.name] else "pending")
@@ -243,6 +343,26 @@ class Controller:
         return Snapshot(now, nodes, services, jobs, previous, Knobs.from_pool(self.cfg.pool))
 
     # ---- 3. apply -------------------------------------------------------------------------------
+    def _reap_failed(self, now: float, failed: dict[str, JobRuntime]) -> tuple[list[str], str | None]:
+        """Stop each failed job so its GPUs return to the pool; the failure reason goes on record."""
+        done: list[str] = []
+        specs = {j.name: j for j in self.cfg.jobs}
+        for name, rt in failed.items():
+            why = rt.error or "no reason reported"
+            action_id = db.begin_action(self.store, pool=self.pool, kind="stop_failed_training", workload=name,
+                                        payload={"gpus": [str(g) for g in rt.gpus], "reason": why}, now=_dt(now))
+            log.error("job %s failed on %s at step %d (%s); reclaiming its %d GPUs", name, rt.layout, rt.step, why,
+                      len(rt.gpus))
+            try:
+                self.backend.set_job_gpus(specs[name], (), None)
+            except BackendError as e:
+                db.finish_action(self.store, action_id, error=str(e), now=_dt(self.clock()))
+                return done, f"stop_failed_training {name}: {e}"
+            db.finish_action(self.store, action_id, now=_dt(self.clock()))
+            self.last_rescale.pop(name, None)
+            done.append(f"stop_failed_training {name}: {why}")
+        return done, None
+
     def _apply(self, now: float, plan: SchedulePlan) -> tuple[list[str], str | None]:
         applied: list[str] = []
         specs = {s.name: s for s in self.cfg.services} | {j.name: j for j in self.cfg.jobs}
@@ -285,16 +405,11 @@ class Controller:
                 db.finish_reshard(self.store, rid, bytes_moved=None, pause_seconds=None, error=str(e))
             raise
         if rid is not None:
+            # planned and lower-bound bytes are known only once the workers planned at the boundary
             db.finish_reshard(self.store, rid, bytes_moved=out.bytes_moved, pause_seconds=out.pause_seconds,
-                              now=_dt(self.clock()))
-            self._reshard_bytes(rid, out)
+                              now=_dt(self.clock()), bytes_planned=out.bytes_planned,
+                              bytes_lower_bound=out.bytes_lower_bound)
         self.last_rescale[spec.name] = now
-
-    def _reshard_bytes(self, rid: int, out: Any) -> None:
-        """Planned and lower-bound bytes are known only after the plan ran: store them too."""
-        setter = getattr(db, "set_reshard_plan_bytes", None)
-        if setter is not None:
-            setter(self.store, rid, bytes_planned=out.bytes_planned, bytes_lower_bound=out.bytes_lower_bound)
 
     # ---- 4. record ------------------------------------------------------------------------------
     def _record(self, now: float, plan: SchedulePlan, replicas: dict[str, ReplicaDecision],

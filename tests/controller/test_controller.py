@@ -77,6 +77,7 @@ def test_load_rise_shrinks_training_before_inference_grows_and_fall_reverses(env
     reshards = db.list_reshards(store, job="pretrain")
     assert len(reshards) >= 2
     assert all(r.status == "done" and r.bytes_moved and r.pause_seconds is not None for r in reshards)
+    assert all(r.bytes_planned == r.bytes_moved and r.bytes_lower_bound for r in reshards)
     # no GPU double-booked in the recorded allocation
     alloc = db.current_allocation(store, "p")
     alloc.check_disjoint()

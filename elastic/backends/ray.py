@@ -1,0 +1,778 @@
+"""Ray backend: inference replicas and training workers as Ray actors with ``num_gpus=1``.
+
+The embedded default (``make demo``) starts a local Ray with logical GPUs; on a real Ray
+cluster the same code places actors on the nodes the allocation chose (node affinity).
+Ray enforces the GPU counts: a replica started before the training shrink that frees its
+GPU would simply wait, which is why the controller applies steps in order and this
+backend returns from a shrink only once Ray reports the leavers' GPUs free again.
+
+GPU identities (``GPU(node, index)``) are the controller's bookkeeping; with logical GPUs
+Ray decides which device id an actor sees. Node names are ``node-<i>`` in the order of
+Ray's node ids (``local`` for a single-node embedded Ray).
+
+Two modes:
+
+* **embedded** (``detached=False``, the demo): actors belong to this process's Ray driver
+  and die with it; training jobs run through the trainer's ``TrainingJobHandle`` with the
+  coordinator in this process.
+* **detached** (``detached=True``, ``elastic serve`` against a Ray cluster): every actor is
+  ``lifetime="detached"`` and named in the pool's namespace (``replica:<service>:<node>:<i>``,
+  ``worker:<job>:<worker>``, ``coordinator:<job>``) and each job's rendezvous coordinator
+  runs in its own detached actor (:class:`RayJobHandle`). A controller process that dies
+  (even mid-rescale) takes none of them with it: the workers finish the directive they were
+  given, and a restarted controller re-attaches by name (``_adopt``), waits for an in-flight
+  rescale to settle, kills actors no generation uses, and carries on from the backend's truth.
+
+What it must not do: decide placements or layouts (the controller does), or leave an actor
+holding a GPU that no workload's bookkeeping accounts for.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from elastic.backends.base import BackendError, BackendUnavailable, JobRuntime, RescaleOutcome
+from elastic.model import GPU, InferenceSpec, Layout, PoolSpec, SpecError, TrainingSpec, load_model
+from elastic.train.launch import JobHandle
+
+log = logging.getLogger("elastic.backends.ray")
+
+
+@dataclass
+class _Replica:
+    gpu: GPU
+    actor: Any
+    url: str
+    started_at: float
+
+
+@dataclass
+class _Job:
+    handle: Any
+    workers: dict[GPU, str] = field(default_factory=dict)  # GPU -> worker id
+    next_id: int = 0
+    phase: str = "Running"
+    error: str | None = None
+    last: RescaleOutcome | None = None
+
+
+class RayBackend:
+    """``Backend`` over a Ray cluster (see module docstring)."""
+
+    name = "ray"
+
+    def __init__(self, pool: PoolSpec, *, replica_config: Any = None, train_options: Any = None,
+                 trainer_config: Callable[[TrainingSpec], Any] | None = None, local: bool = True,
+                 drain_seconds: float = 2.0, detached: bool = False, namespace: str | None = None) -> None:
+        import ray
+
+        self.pool = pool
+        self.detached = detached
+        self.replica_config = replica_config
+        self.train_options = train_options
+        self.trainer_config = trainer_config or default_trainer_config
+        self.drain_seconds = drain_seconds
+        if not ray.is_initialized():
+            if not local:
+                raise BackendUnavailable("Ray is not initialised; call ray.init(address=...) first")
+            from elastic.train.ray_handle import init_local_ray
+
+            init_local_ray(num_gpus=pool.total_gpus)
+        self.namespace = namespace or ray.get_runtime_context().namespace
+        self._nodes = self._discover_nodes()
+        self.replicas: dict[str, list[_Replica]] = {}
+        self.jobs: dict[str, _Job] = {}
+        self._lock = threading.RLock()
+        self.adopted: list[str] = []  # what _adopt found (for the controller's recovery notes)
+        if detached:
+            self.adopted = self._adopt()
+
+    # ---- inventory ------------------------------------------------------------------------------
+    def _discover_nodes(self) -> dict[str, tuple[str, int]]:
+        import ray
+
+        alive = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("GPU", 0) >= 1]
+        alive.sort(key=lambda n: n["NodeID"])
+        if len(alive) == 1:
+            return {"local": (alive[0]["NodeID"], int(alive[0]["Resources"]["GPU"]))}
+        return {f"node-{i}": (n["NodeID"], int(n["Resources"]["GPU"])) for i, n in enumerate(alive)}
+
+    def ping(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            raise BackendUnavailable("Ray is not running")
+        try:
+            ray.cluster_resources()
+        except Exception as e:  # noqa: BLE001 - any failure to reach the GCS
+            raise BackendUnavailable(f"Ray unreachable: {e}") from e
+
+    def inventory(self) -> dict[str, int]:
+        return {name: gpus for name, (_, gpus) in self._nodes.items()}
+
+    def _strategy(self, node: str) -> Any:
+        if len(self._nodes) == 1:
+            return None
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        return NodeAffinitySchedulingStrategy(node_id=self._nodes[node][0], soft=False)
+
+    # ---- inference ------------------------------------------------------------------------------
+    def service_gpus(self, service: str) -> tuple[GPU, ...]:
+        with self._lock:
+            return tuple(r.gpu for r in self.replicas.get(service, []))
+
+    def ready_replicas(self, service: str) -> int:
+        with self._lock:
+            return len(self.replicas.get(service, []))
+
+    def service_targets(self, service: str) -> list[str]:
+        with self._lock:
+            return [r.url for r in self.replicas.get(service, [])]
+
+    def set_service_gpus(self, spec: InferenceSpec, gpus: tuple[GPU, ...]) -> None:
+        import ray
+
+        from elastic.serve.ray_replica import start_replica
+
+        want = set(gpus[:: spec.gpus_per_replica]) if spec.gpus_per_replica > 1 else set(gpus)
+        with self._lock:
+            current = list(self.replicas.get(spec.name, []))
+            keep = [r for r in current if r.gpu in want]
+            leave = [r for r in current if r.gpu not in want]
+            # 1. drain: out of the load balancer's targets first, then stop
+            self.replicas[spec.name] = keep
+        for r in leave:
+            self._drain(r)
+        for r in leave:
+            try:
+                ray.get(r.actor.stop.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - the actor is killed below anyway
+                pass
+            ray.kill(r.actor, no_restart=True)
+        if leave:
+            self._wait_gpus_free(len(leave) * spec.gpus_per_replica)
+        # 2. start the missing replicas (in parallel: each loads its model)
+        have = {r.gpu for r in keep}
+        started: list[_Replica] = []
+        for g in sorted(want - have, key=str):
+            opts: dict[str, Any] = {"num_gpus": spec.gpus_per_replica, "num_cpus": 0}
+            if self.detached:
+                opts.update(name=replica_name(spec.name, g), lifetime="detached", namespace=self.namespace)
+            strat = self._strategy(g.node)
+            if strat is not None:
+                opts["scheduling_strategy"] = strat
+            try:
+                actor, url = self._start_replica(start_replica, opts)
+            except Exception as e:  # noqa: BLE001 - surfaced as a failed step with the reason
+                raise BackendError(f"{spec.name}: replica on {g} failed to start: {e}") from e
+            started.append(_Replica(g, actor, url, time.time()))
+        with self._lock:
+            self.replicas[spec.name] = keep + started
+
+    def _start_replica(self, start: Callable[..., tuple[Any, str]], opts: dict[str, Any]) -> tuple[Any, str]:
+        """Start one replica actor. A detached name is released only once Ray has buried the previous
+        actor of that GPU (``ray.kill`` is asynchronous): retry a taken name for a few seconds."""
+        deadline = time.monotonic() + 15.0
+        while True:
+            try:
+                return start(self.replica_config, **opts)
+            except ValueError as e:
+                if "name" not in opts or "already" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def _drain(self, r: _Replica) -> None:
+        """Wait (bounded) until the replica has no running or waiting request."""
+        import httpx
+
+        deadline = time.monotonic() + self.drain_seconds
+        while time.monotonic() < deadline:
+            try:
+                text = httpx.get(f"{r.url}/metrics", timeout=1.0).text
+            except Exception:  # noqa: BLE001 - an unreachable replica has nothing to drain
+                return
+            busy = 0.0
+            for line in text.splitlines():
+                if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
+                    busy += float(line.rsplit(" ", 1)[-1])
+            if busy == 0:
+                return
+            time.sleep(0.1)
+
+    def _wait_gpus_free(self, n: int, timeout: float = 10.0) -> None:
+        import ray
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if ray.available_resources().get("GPU", 0.0) >= n - 1e-9:
+                return
+            time.sleep(0.02)
+        log.warning("Ray still shows fewer than %d GPUs free after stopping replicas", n)
+
+    # ---- training -------------------------------------------------------------------------------
+    def job_runtime(self, job: str) -> JobRuntime | None:
+        with self._lock:
+            j = self.jobs.get(job)
+            if j is None:
+                return None
+            st = j.handle.status()
+            gpus = tuple(sorted(j.workers, key=lambda g: (g.node, g.index)))
+            last = j.last
+            if last is None and st.last_rescale is not None and st.last_rescale.ok:
+                rec = st.last_rescale  # adopted job: the coordinator remembers the last rescale
+                last = RescaleOutcome(job, rec.from_layout, rec.to_layout, rec.generation,
+                                      pause_seconds=rec.pause_seconds or 0.0, bytes_moved=rec.bytes_moved,
+                                      bytes_planned=rec.planned_bytes, bytes_lower_bound=rec.lower_bound_bytes,
+                                      step=rec.switch_step)
+            phase = {"running": "Running", "rescaling": "Rescaling", "failed": "Failed", "starting": "Pending",
+                     "stopping": "Stopping", "stopped": "Stopped", "finished": "Finished"}.get(st.phase, st.phase)
+            return JobRuntime(job, phase, st.layout, gpus, st.generation, max(st.step, 0), st.loss,
+                              st.tokens_per_second or 0.0, st.error,
+                              last.pause_seconds if last else None, last.bytes_moved if last else None)
+
+    def set_job_gpus(self, spec: TrainingSpec, gpus: tuple[GPU, ...], layout: Layout | None) -> RescaleOutcome:
+        with self._lock:
+            j = self.jobs.get(spec.name)
+        if not gpus:
+            return self._stop_job(spec, j)
+        assert layout is not None
+        if layout.world_size != len(gpus):
+            raise BackendError(f"{spec.name}: layout {layout} needs {layout.world_size} GPUs, got {len(gpus)}")
+        if j is None:
+            return self._start_job(spec, gpus, layout)
+        return self._rescale_job(spec, j, gpus, layout)
+
+    def _new_handle(self, spec: TrainingSpec) -> Any:
+        kw = {"options": self.train_options, "hardware": self.pool.hardware, "gpus_per_node": self.pool.gpus_per_node}
+        if self.detached:
+            return RayJobHandle(spec.name, self.trainer_config(spec), namespace=self.namespace,
+                                spec_doc=spec.model_dump(mode="json"), **kw)
+        return _embedded_handle_class()(spec.name, self.trainer_config(spec), **kw)
+
+    def _start_job(self, spec: TrainingSpec, gpus: tuple[GPU, ...], layout: Layout) -> RescaleOutcome:
+        try:
+            handle = self._new_handle(spec)
+        except Exception as e:  # noqa: BLE001 - e.g. a coordinator actor that cannot be placed
+            raise BackendError(f"{spec.name}: cannot create the job's handle: {e}") from e
+        j = _Job(handle)
+        for g in gpus:
+            j.workers[g] = f"{spec.name}-w{j.next_id}"
+            j.next_id += 1
+        _remember_gpus(handle, j)
+        try:
+            res = handle.start(layout, [j.workers[g] for g in gpus])
+        except (SpecError, Exception) as e:  # noqa: BLE001 - surfaced as a failed step
+            try:
+                handle.stop()
+            except Exception:  # noqa: BLE001
+                pass
+            raise BackendError(f"{spec.name}: start on {layout} failed: {e}") from e
+        with self._lock:
+            self.jobs[spec.name] = j
+        out = RescaleOutcome(spec.name, None, str(layout), res.generation, pause_seconds=0.0,
+                             total_seconds=res.wall_seconds, step=res.switch_step)
+        j.last = out
+        return out
+
+    def _rescale_job(self, spec: TrainingSpec, j: _Job, gpus: tuple[GPU, ...], layout: Layout) -> RescaleOutcome:
+        before = j.handle.status()
+        new_workers: dict[GPU, str] = {}
+        nxt = j.next_id
+        for g in gpus:
+            if g in j.workers:
+                new_workers[g] = j.workers[g]
+            else:
+                new_workers[g] = f"{spec.name}-w{nxt}"
+                nxt += 1
+        # Before the directive: a controller that dies mid-rescale leaves this map behind, so its
+        # successor knows which GPU each worker of either generation holds.
+        _remember_gpus(j.handle, _Job(j.handle, {**j.workers, **new_workers}, nxt))
+        try:
+            res = j.handle.rescale(layout, [new_workers[g] for g in gpus])
+        except Exception as e:  # noqa: BLE001 - refused/abandoned: the job continues on its old layout
+            raise BackendError(f"{spec.name}: rescale {before.layout} -> {layout} failed: {e}") from e
+        with self._lock:
+            j.workers, j.next_id = new_workers, nxt
+        out = RescaleOutcome(spec.name, before.layout, str(layout), res.generation,
+                             pause_seconds=res.pause_seconds or 0.0, total_seconds=res.wall_seconds,
+                             bytes_moved=res.bytes_moved, bytes_planned=res.planned_bytes,
+                             bytes_lower_bound=res.lower_bound_bytes, step=res.switch_step)
+        j.last = out
+        return out
+
+    def _stop_job(self, spec: TrainingSpec, j: _Job | None) -> RescaleOutcome:
+        if j is None:
+            return RescaleOutcome(spec.name, None, None, 0)
+        st = j.handle.status()
+        try:
+            j.handle.stop()
+        except Exception as e:  # noqa: BLE001
+            raise BackendError(f"{spec.name}: stop failed: {e}") from e
+        with self._lock:
+            self.jobs.pop(spec.name, None)
+        return RescaleOutcome(spec.name, st.layout, None, st.generation, step=max(st.step, 0))
+
+    def shutdown(self) -> None:
+        import ray
+
+        for name in list(self.jobs):
+            try:
+                self.jobs[name].handle.stop()
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+        for reps in self.replicas.values():
+            for r in reps:
+                try:
+                    ray.kill(r.actor, no_restart=True)
+                except Exception:  # noqa: BLE001
+                    pass
+        self.replicas.clear()
+        self.jobs.clear()
+
+    def detach(self) -> None:
+        """Forget the actors without stopping them (detached mode): a successor adopts them."""
+        for j in self.jobs.values():
+            j.handle.detach()
+        self.replicas.clear()
+        self.jobs.clear()
+
+    # ---- re-attach after a controller restart (detached mode) ---------------------------------
+    def _adopt(self) -> list[str]:
+        """Find this pool's named actors and rebuild the bookkeeping from them. Returns notes.
+
+        1. replicas: each ``replica:<service>:<node>:<i>`` that still answers is kept;
+        2. jobs: each ``coordinator:<job>`` is asked for its status; an in-flight rescale is
+           waited for (its workers finish it without us); a failed/stopped job is cleaned up;
+        3. strays: any worker actor the job's current generation does not list is killed, so
+           no GPU is held by something nobody accounts for.
+        """
+        import ray
+
+        notes: list[str] = []
+        names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                       if a.get("namespace") == self.namespace)
+        workers = [n for n in names if n.startswith("worker:")]
+        for name in names:
+            kind, _, rest = name.partition(":")
+            if kind == "replica":
+                notes.append(self._adopt_replica(name, rest))
+            elif kind == "coordinator":
+                notes.append(self._adopt_job(rest, [w for w in workers if w.startswith(f"worker:{rest}:")]))
+        owned = {f"worker:{job}:{w}" for job, j in self.jobs.items() for w in j.workers.values()}
+        for name in workers:
+            if name not in owned:
+                _kill_named(name, self.namespace)
+                notes.append(f"removed worker actor {name}: in no job's current generation "
+                             "(a leaver still exiting, or a joiner of an abandoned rescale)")
+        return notes
+
+    def _adopt_replica(self, name: str, rest: str) -> str:
+        import ray
+
+        service, node, index = rest.rsplit(":", 2)
+        try:
+            actor = ray.get_actor(name, namespace=self.namespace)
+            url = ray.get(actor.url.remote(), timeout=30)
+        except Exception as e:  # noqa: BLE001 - a dead or wedged replica is not adopted
+            _kill_named(name, self.namespace)
+            return f"replica {name} did not answer ({type(e).__name__}); killed"
+        if url is None:
+            _kill_named(name, self.namespace)
+            return f"replica {name} had no server; killed"
+        with self._lock:
+            self.replicas.setdefault(service, []).append(_Replica(GPU(node, int(index)), actor, url, time.time()))
+        return f"adopted replica {service} on {node}:{index}"
+
+    def _adopt_job(self, job: str, worker_names: list[str]) -> str:
+        try:
+            handle = RayJobHandle.adopt(job, self.namespace, self.trainer_config, options=self.train_options,
+                                        hardware=self.pool.hardware, gpus_per_node=self.pool.gpus_per_node)
+        except Exception as e:  # noqa: BLE001 - an unreadable coordinator: clean the job up
+            for n in [f"coordinator:{job}", *worker_names]:
+                _kill_named(n, self.namespace)
+            return f"job {job}: coordinator unusable ({type(e).__name__}: {e}); its actors were killed"
+        st = handle.settle(self.train_options.rescale_timeout_s if self.train_options else 120.0)
+        if st.phase not in ("running", "rescaling"):
+            handle.stop(timeout=10.0)
+            return f"job {job} was {st.phase} ({st.error or st.reason}); stopped and cleaned up"
+        gpus = handle.meta.get("gpus", {})
+        unknown = [w for w in st.workers if w not in gpus]
+        if unknown:  # cannot say which GPUs it holds: stopping it is the only safe bookkeeping
+            handle.stop(timeout=10.0)
+            return f"job {job}: no GPU on record for worker(s) {', '.join(unknown)}; stopped it (it restarts fresh)"
+        j = _Job(handle, next_id=int(handle.meta.get("next_id", 0)))
+        for w in st.workers:
+            node, index = gpus[w]
+            j.workers[GPU(node, int(index))] = w
+        handle.forget_except(st.workers)
+        with self._lock:
+            self.jobs[job] = j
+        return f"adopted job {job}: {st.layout} generation {st.generation} at step {st.step}"
+
+
+@functools.cache
+def _worker_actor(num_gpus: float) -> Any:
+    import ray
+
+    return ray.remote(num_gpus=num_gpus, num_cpus=0, max_concurrency=2, max_restarts=0)(_TrainWorker)
+
+
+def _embedded_handle_class() -> type:
+    """The trainer's ``TrainingJobHandle`` with our worker actor and minus a start-up race.
+
+    Workers run in :class:`_TrainWorker` (a leaver ends the actor cleanly instead of ``os._exit``).
+
+    ``JobHandle._launch`` marks a worker spawned before ``_spawn`` has created its actor; the
+    launcher's watcher thread can look in between, get "was never started" from
+    ``_exit_reason`` and fail the whole job (seen on a 3 -> 4 grow). A worker that is marked
+    but not yet created is starting, not gone.
+    """
+    from elastic.train.ray_handle import TrainingJobHandle
+
+    class EmbeddedJobHandle(TrainingJobHandle):
+        def _spawn(self, worker: str, env: dict[str, str]) -> None:
+            # our worker actor: a leaver ends through exit_actor(), not os._exit (no "SYSTEM_ERROR" noise)
+            actor = _worker_actor(self._gpus_per_worker).remote()
+            self.actors[worker] = actor
+            self._runs[worker] = actor.run.remote(env)
+
+        def _exit_reason(self, worker: str) -> str | None:
+            if worker not in self._runs:
+                return None
+            return super()._exit_reason(worker)
+
+    return EmbeddedJobHandle
+
+
+def default_trainer_config(spec: TrainingSpec) -> Any:
+    """The reference trainer's config for a job spec (fp32 on CPU)."""
+    from elastic.train.engine import TrainConfig
+
+    return TrainConfig(model=load_model(spec.model), global_batch=spec.global_batch, micro_batch=spec.micro_batch)
+
+
+# ---- detached mode: names, the coordinator actor, the worker actor, the job handle ------------
+
+
+def replica_name(service: str, gpu: GPU) -> str:
+    return f"replica:{service}:{gpu.node}:{gpu.index}"
+
+
+def _kill_named(name: str, namespace: str) -> None:
+    import ray
+
+    try:
+        ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+    except Exception:  # noqa: BLE001 - already gone
+        pass
+
+
+def _remember_gpus(handle: Any, j: _Job) -> None:
+    """Store worker -> GPU with the job (detached mode: in its coordinator actor)."""
+    remember = getattr(handle, "remember", None)
+    if remember is not None:
+        remember({w: [g.node, g.index] for g, w in j.workers.items()}, j.next_id)
+
+
+class _LeftJob(BaseException):
+    """Raised in place of the agent's process exit when a worker leaves (see ``_TrainWorker.run``)."""
+
+
+def _leave_instead_of_exit(code: int = 0) -> None:
+    raise _LeftJob(code)
+
+
+class _TrainWorker:
+    """One training worker as a detached actor: runs the agent, then ends the actor cleanly.
+
+    The agent ends a leaver with ``os._exit`` (``elastic.reshard.execute.fast_exit``) so its
+    GPU frees at once; inside a Ray actor that reads as a crash ("worker died ... SYSTEM_ERROR")
+    and would take the exit code with it. Here the leave becomes an exception that unwinds to
+    ``run``, which then calls ``ray.actor.exit_actor()``: an intended exit that frees the GPU
+    with no controller around to kill the actor (it may be dead: that is the point of detached).
+    """
+
+    def __init__(self) -> None:
+        self.code: int | None = None
+
+    def run(self, env: dict[str, str]) -> int:
+        import os
+
+        import ray
+
+        import elastic.reshard.execute as execute
+
+        os.environ.update(env)
+        execute.fast_exit = _leave_instead_of_exit  # this actor process only; see the class docstring
+        from elastic.train.worker import main
+
+        left = False
+        try:
+            self.code = main({**os.environ, **env})
+        except _LeftJob:
+            self.code, left = 0, True
+        if left:
+            ray.actor.exit_actor()
+        return self.code
+
+    def exit_code(self) -> int | None:
+        return self.code
+
+
+class _CoordinatorActor:
+    """A job's rendezvous coordinator in its own detached actor (it outlives the controller)."""
+
+    def __init__(self, job: str, config: dict[str, Any], settings: dict[str, Any], meta: dict[str, Any]) -> None:
+        import ray
+
+        from elastic.train.rendezvous import Coordinator
+
+        host = settings.pop("host", None) or ray.util.get_node_ip_address()
+        self.meta = dict(meta)
+        self.coordinator = Coordinator(job, config, host=host, **settings).start()
+
+    def call(self, method: str, *args: Any, **kw: Any) -> Any:
+        return getattr(self.coordinator, method)(*args, **kw)
+
+    def url(self) -> str:
+        return self.coordinator.url
+
+    def get_meta(self) -> dict[str, Any]:
+        return dict(self.meta)
+
+    def update_meta(self, **kw: Any) -> None:
+        self.meta.update(kw)
+
+
+class _RemoteCoordinator:
+    """The part of :class:`~elastic.train.rendezvous.Coordinator` a JobHandle uses, over Ray."""
+
+    def __init__(self, actor: Any, job: str) -> None:
+        import ray
+
+        self.actor = actor
+        self.job = job
+        self.url = ray.get(actor.url.remote(), timeout=60)
+
+    def _call(self, method: str, *args: Any, timeout: float = 60.0, **kw: Any) -> Any:
+        import ray
+
+        from elastic.train.rendezvous import JobFailed
+
+        try:
+            return ray.get(self.actor.call.remote(method, *args, **kw), timeout=timeout)
+        except ray.exceptions.RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            raise (cause if isinstance(cause, BaseException) else RuntimeError(str(e))) from None
+        except ray.exceptions.RayActorError as e:
+            raise JobFailed(f"job {self.job}: its coordinator actor is gone ({type(e).__name__})") from None
+
+    def start(self) -> _RemoteCoordinator:
+        return self  # the actor started serving when it was created
+
+    def directive(self, generation: int, layout: Any, members: Any, **kw: Any) -> Any:
+        return self._call("directive", generation, str(layout), list(members), **kw)
+
+    def wait_generation(self, generation: int, timeout: float) -> Any:
+        return self._call("wait_generation", generation, timeout, timeout=timeout + 30)
+
+    def wait_step(self, step: int, timeout: float) -> Any:
+        return self._call("wait_step", step, timeout, timeout=timeout + 30)
+
+    def status(self) -> Any:
+        return self._call("status")
+
+    def history(self) -> Any:
+        return self._call("history")
+
+    def registered(self, worker: str) -> bool:
+        return self._call("registered", worker)
+
+    def has_left(self, worker: str) -> bool:
+        return self._call("has_left", worker)
+
+    def fail(self, reason: str) -> None:
+        self._call("fail", reason)
+
+    def request_stop(self, reason: str = "stopped by the controller") -> None:
+        self._call("request_stop", reason)
+
+    def stop(self) -> None:
+        self._call("stop")
+
+
+def _coordinator_settings(opts: Any) -> dict[str, Any]:
+    return {"heartbeat_interval_s": opts.heartbeat_interval_s, "heartbeat_timeout_s": opts.heartbeat_timeout_s,
+            "join_timeout_s": opts.join_timeout_s, "max_steps": opts.max_steps}
+
+
+class RayJobHandle(JobHandle):
+    """A training job whose coordinator and workers are detached, named Ray actors.
+
+    Same contract as :class:`~elastic.train.launch.JobHandle` (``start``/``rescale``/``status``/
+    ``stop``); in addition ``adopt`` re-attaches to a running job by name after a controller
+    restart, ``settle`` waits for a rescale the previous controller left in flight, and
+    ``detach`` lets go without stopping anything.
+    """
+
+    def __init__(self, job: str, cfg: Any, *, namespace: str, spec_doc: dict[str, Any] | None = None,
+                 actor: Any = None, **kw: Any) -> None:
+        import ray
+
+        super().__init__(job, cfg, **kw)  # builds an unstarted in-process Coordinator, replaced below
+        self.namespace = namespace
+        self.meta: dict[str, Any] = {"spec": spec_doc or {}, "gpus": {}, "next_id": 0}
+        if actor is None:
+            from elastic.train.agent import config_json
+
+            cls = ray.remote(num_cpus=0, max_concurrency=32, max_restarts=0)(_CoordinatorActor)
+            actor = cls.options(name=f"coordinator:{job}", namespace=namespace, lifetime="detached").remote(
+                job, config_json(cfg), _coordinator_settings(self.opts), self.meta)
+        self.coordinator = _RemoteCoordinator(actor, job)  # type: ignore[assignment]
+        self._actor = actor
+        self._wcls = _worker_actor(1)
+        self.actors: dict[str, Any] = {}
+        self._runs: dict[str, Any] = {}
+        self._gpus_free_before = 0.0
+
+    @classmethod
+    def adopt(cls, job: str, namespace: str, trainer_config: Callable[[TrainingSpec], Any], **kw: Any
+              ) -> RayJobHandle:
+        """Re-attach to ``coordinator:<job>`` and its ``worker:<job>:*`` actors."""
+        import ray
+
+        actor = ray.get_actor(f"coordinator:{job}", namespace=namespace)
+        meta = ray.get(actor.get_meta.remote(), timeout=60)
+        spec = TrainingSpec.model_validate(meta["spec"])
+        h = cls(job, trainer_config(spec), namespace=namespace, spec_doc=meta["spec"], actor=actor, **kw)
+        h.meta = meta
+        for w in meta.get("gpus", {}):
+            try:
+                h.actors[w] = ray.get_actor(f"worker:{job}:{w}", namespace=namespace)
+            except ValueError:
+                continue  # gone (a leaver that exited)
+            h._spawned.add(w)
+        h._watcher = threading.Thread(target=h._watch, name=f"launcher-{job}", daemon=True)
+        h._watcher.start()
+        return h
+
+    def remember(self, gpus: dict[str, list[Any]], next_id: int) -> None:
+        import ray
+
+        self.meta["gpus"] = {**self.meta.get("gpus", {}), **gpus}
+        self.meta["next_id"] = next_id
+        ray.get(self._actor.update_meta.remote(gpus=self.meta["gpus"], next_id=next_id), timeout=60)
+
+    def settle(self, timeout: float) -> Any:
+        """Wait for a rescale left in flight (its members finish it without a controller)."""
+        from elastic.train.rendezvous import JobFailed, RescaleFailed
+
+        st = self.coordinator.status()
+        rec = st.last_rescale
+        if rec is not None and rec.ok is None and st.phase in ("rescaling", "starting"):
+            try:
+                self.coordinator.wait_generation(rec.generation, timeout)
+            except (RescaleFailed, JobFailed, TimeoutError) as e:
+                log.warning("job %s: the rescale in flight at adoption ended: %s", self.job, e)
+            st = self.coordinator.status()
+        return st
+
+    def forget_except(self, workers: list[str]) -> None:
+        """Kill the job's actors that the current generation does not use (leavers that lingered)."""
+        for w in [w for w in self.actors if w not in workers]:
+            self._kill(w)
+            self.actors.pop(w, None)
+            with self._lock:
+                self._gone.add(w)
+
+    def detach(self) -> None:
+        self._watching.set()
+
+    # ---- JobHandle launcher hooks -------------------------------------------------------------
+    def _spawn(self, worker: str, env: dict[str, str]) -> None:
+        actor = self._wcls.options(name=f"worker:{self.job}:{worker}", namespace=self.namespace,
+                                   lifetime="detached").remote()
+        self.actors[worker] = actor
+        self._runs[worker] = actor.run.remote(env)
+
+    def _exit_reason(self, worker: str) -> str | None:
+        import ray
+
+        ref = self._runs.get(worker)
+        actor = self.actors.get(worker)
+        if ref is None and actor is None:
+            return None  # marked spawned by JobHandle._launch, actor not created yet: starting, not gone
+        try:
+            if ref is not None:  # we started it: its run() result is ours to wait on
+                ready, _ = ray.wait([ref], timeout=0)
+                return f"exited with code {ray.get(ref)}" if ready else None
+            code = ray.get(actor.exit_code.remote(), timeout=30)  # adopted: ask the actor
+            return None if code is None else f"exited with code {code}"
+        except ray.exceptions.RayActorError as e:
+            return f"actor ended ({_first_line(e)})"
+        except ray.exceptions.GetTimeoutError:
+            return None
+        except Exception as e:  # noqa: BLE001 - any other task error ends the worker too
+            return f"failed ({type(e).__name__}: {_first_line(e)})"
+
+    def _kill(self, worker: str) -> None:
+        import ray
+
+        actor = self.actors.get(worker)
+        if actor is not None:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+    def _before_directive(self) -> None:
+        import ray
+
+        self._gpus_free_before = ray.available_resources().get("GPU", 0.0)
+
+    def _after_gone(self, workers: Sequence[str], timeout: float) -> None:
+        """Leavers' actors dead and Ray counting their GPUs free before inference may take them."""
+        import ray
+
+        workers = [w for w in workers if w in self.actors]
+        if not workers:
+            return
+        for w in workers:
+            self._kill(w)
+            self.actors.pop(w, None)
+            self._runs.pop(w, None)
+        target = self._gpus_free_before + len(workers)
+        deadline = time.monotonic() + timeout
+        while ray.available_resources().get("GPU", 0.0) < target - 1e-9:
+            if time.monotonic() > deadline:
+                log.warning("job %s: Ray shows %.1f GPUs free, expected >= %.1f after %d workers left", self.job,
+                            ray.available_resources().get("GPU", 0.0), target, len(workers))
+                return
+            time.sleep(0.02)
+
+    def stop(self, timeout: float | None = None) -> Any:
+        """Stop the workers at a step boundary, then remove every actor of the job, coordinator included."""
+        self._before_directive()
+        try:
+            st = super().stop(timeout)
+        finally:
+            self._after_gone(list(self.actors), 10.0)
+            try:
+                import ray
+
+                ray.kill(self._actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        return st
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return s[0][:300] if s else type(e).__name__

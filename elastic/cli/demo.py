@@ -1,0 +1,26 @@
+"""``elastic demo``: the whole product on a local Ray with 8 logical GPUs (see elastic.demo)."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("demo")
+    def demo(
+        minutes: float = typer.Option(5.0, help="length of the compressed day"),
+        tick_seconds: float = typer.Option(2.0, help="controller tick interval"),
+        db: str = typer.Option("sqlite:///./elastic.db", envvar="ELASTIC_DB_URL", help="state database URL"),
+        summary_json: str = typer.Option("demo-summary.json", help="write the summary JSON here"),
+        plot: str = typer.Option("demo-timeline.png", help="write the timeline plot here"),
+        live: bool = typer.Option(True, help="show the live table"),
+        peak_rps: float = typer.Option(11.0, help="request rate at the day's peak"),
+    ) -> None:
+        """Run a compressed day: inference follows the load, training takes the rest and reshards in place."""
+        from elastic.cli import fail
+        from elastic.demo import run_demo
+
+        if minutes <= 0 or tick_seconds <= 0:
+            fail(f"--minutes={minutes} and --tick-seconds={tick_seconds} must be > 0")
+        run_demo(minutes, tick_seconds=tick_seconds, db_url=db, summary_json=summary_json, plot=plot, live=live,
+                 peak_rps=peak_rps)

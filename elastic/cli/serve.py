@@ -1,0 +1,206 @@
+"""``elastic serve``: the controller loop for one pool on Ray, with the admin API and ``/metrics``.
+
+What it is for: run the production loop from a config file (``examples/pool.yaml``):
+
+1. load and validate the config, and check that every job has a layout within its GPU bounds
+   (a bad file is one line on stderr, exit 2, nothing started);
+2. migrate and open the state DB (SQLite file by default, PostgreSQL by URL);
+3. connect the Ray backend: ``--ray-address`` joins a running Ray cluster in *detached*
+   mode (actors outlive this process; a restarted controller adopts them, see
+   ``elastic.backends.ray``); without it an embedded local Ray with the pool's GPUs as
+   logical GPUs is started (actors die with this process);
+4. build one metric source per service from its ``metric`` spec (Prometheus, or a direct
+   scrape of the service's replicas);
+5. serve the admin API and ``/metrics`` (when ``elastic.api`` is installed), then tick
+   every ``controller.tick_seconds`` until SIGTERM/SIGINT (or ``--ticks``).
+
+The DB lease makes a second ``elastic serve`` on the same pool stand by until the first
+one's lease expires. What it must not do: decide anything itself (the Controller does) or
+start work before the config has been validated.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import typer
+
+log = logging.getLogger("elastic.serve")
+
+
+@dataclass
+class Served:
+    """What ``build`` wired together (tests and ``run`` use it)."""
+
+    cfg: Any
+    store: Any
+    backend: Any
+    controller: Any
+    exporter: Any = None
+
+
+def default_owner() -> str:
+    """A controller's lease identity: stable across restarts of the same host/pod (``HOSTNAME``)."""
+    return os.environ.get("ELASTIC_CONTROLLER_ID") or socket.gethostname()
+
+
+def connect_ray(pool: Any, ray_address: str | None) -> tuple[Any, bool]:
+    """``ray.init`` for ``pool``: (ray module, detached?). Loopback only for the embedded Ray."""
+    from elastic.train.ray_handle import LOCAL_RAY_ENV, init_local_ray
+
+    for k, v in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(k, v)
+    import ray
+
+    if ray_address is None:
+        return init_local_ray(num_gpus=pool.total_gpus), False
+    if not ray.is_initialized():
+        ray.init(address=ray_address, namespace=f"elastic-{pool.name}", log_to_driver=False)
+    return ray, True
+
+
+def build(cfg: Any, *, db_url: str, ray_address: str | None = None, owner: str | None = None,
+          sources: Mapping[str, Any] | None = None, replica_config: Any = None, train_options: Any = None,
+          clock: Callable[[], float] | None = None, throughput: Mapping[str, Any] | None = None) -> Served:
+    """Steps 1b-4 of the module docstring. ``sources`` overrides the metric sources (tests);
+    ``throughput``: the jobs' planner tables if the caller already computed them."""
+    from elastic import store as db
+    from elastic.backends.base import BackendUnavailable
+    from elastic.backends.ray import RayBackend
+    from elastic.controller import Controller, check_feasible, job_throughput_tables
+    from elastic.metrics import build_source
+
+    # 1b. every job must have a layout within its bounds (the planner; before anything starts)
+    tables = dict(throughput) if throughput is not None else job_throughput_tables(cfg)
+    check_feasible(cfg, tables)
+
+    # 2. state
+    db.upgrade(db_url)
+    store = db.Store.from_url(db_url)
+    # 3. cluster
+    try:
+        ray, detached = connect_ray(cfg.pool, ray_address)
+    except Exception as e:  # noqa: BLE001 - an unreachable cluster is a user-facing error, one line
+        raise BackendUnavailable(f"cannot connect to Ray at {ray_address or 'a new local instance'}: {e}") from e
+    backend = RayBackend(cfg.pool, replica_config=replica_config, train_options=train_options,
+                         local=ray_address is None, detached=detached,
+                         namespace=ray.get_runtime_context().namespace if detached else None)
+    # 4. metric sources
+    if sources is None:
+        sources = {s.name: build_source(s.metric, targets=backend.service_targets)
+                   for s in cfg.services if s.metric is not None}
+    kw = {"clock": clock} if clock is not None else {}
+    ctl = Controller(cfg, backend, store, sources, owner=owner or default_owner(), throughput=tables, **kw)
+    exporter = None
+    try:
+        from elastic.metrics.exporter import Exporter
+
+        exporter = Exporter()
+    except ImportError:  # pragma: no cover - the exporter ships with the package
+        pass
+    return Served(cfg, store, backend, ctl, exporter)
+
+
+def start_api(served: Served, port: int, token_file: str | None) -> int | None:
+    """Step 5a: the admin API on 127.0.0.1:``port`` (0 = any free port). Returns the port, None if absent."""
+    try:
+        from elastic.api.app import create_app
+        from elastic.api.auth import TokenSet
+        from elastic.api.server import serve_api
+    except ImportError:  # pragma: no cover
+        log.warning("elastic.api is not installed: no admin API")
+        return None
+    tokens = TokenSet.load(token_file)
+    app = create_app(served.store, served.controller, tokens=tokens,
+                     registry=served.exporter.registry if served.exporter is not None else None)
+    server, _ = serve_api(app, "127.0.0.1", port)
+    return int(getattr(server, "port", port))
+
+
+def run(served: Served, *, ticks: int | None = None, stop: threading.Event | None = None,
+        on_tick: Callable[[Any], None] | None = None) -> int:
+    """Step 5b: tick until ``stop`` is set (or ``ticks`` ticks). Returns the number of ticks."""
+    ctl = served.controller
+    stop = stop or threading.Event()
+    n = 0
+    while not stop.is_set():
+        started = ctl.clock()
+        res = ctl.tick()
+        n += 1
+        if served.exporter is not None:
+            try:
+                served.exporter.observe_tick(res, ctl)
+            except Exception:  # noqa: BLE001 - metrics must never stop the loop
+                log.exception("exporter failed")
+        if on_tick is not None:
+            on_tick(res)
+        if res.error:
+            log.warning("tick: %s: %s", res.reason, res.error)
+        if ticks is not None and n >= ticks:
+            break
+        stop.wait(max(0.0, ctl.cfg.controller.tick_seconds - (ctl.clock() - started)))
+    return n
+
+
+def close(served: Served) -> None:
+    """Release the lease; stop embedded workloads, leave detached ones to the next controller."""
+    from elastic import store as db
+
+    ctl = served.controller
+    if ctl.is_leader:
+        try:
+            db.release_lease(served.store, ctl.pool, ctl.owner)
+        except Exception:  # noqa: BLE001 - the lease expires on its own
+            pass
+    if served.backend.detached:
+        served.backend.detach()
+    else:
+        served.backend.shutdown()
+    served.store.dispose()
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("serve")
+    def serve(
+        config: Path = typer.Option(..., "--config", "-c", help="pool/services/jobs YAML (see examples/pool.yaml)"),
+        db_url: str = typer.Option("sqlite:///./elastic.db", "--db", envvar="ELASTIC_DB_URL",
+                                   help="state database URL (SQLite file or postgresql+psycopg://...)"),
+        api_port: int = typer.Option(8080, "--api-port", help="admin API and /metrics port on 127.0.0.1; -1 = none"),
+        token_file: str | None = typer.Option(None, "--token-file", help="admin API bearer tokens file"),
+        ray_address: str | None = typer.Option(None, "--ray-address", envvar="ELASTIC_RAY_ADDRESS",
+                                               help="join this Ray cluster (detached actors); none = embedded"),
+        owner: str | None = typer.Option(None, "--owner", help="lease identity (default: $ELASTIC_CONTROLLER_ID "
+                                                               "or the host name)"),
+        ticks: int | None = typer.Option(None, "--ticks", min=1, help="stop after this many ticks"),
+    ) -> None:
+        """Run the controller loop: observe -> decide -> apply -> record, every tick_seconds."""
+        from elastic.cli import console
+        from elastic.config import load_config
+        from elastic.controller import check_feasible, job_throughput_tables
+
+        # 1. the config is validated before anything starts (SpecError -> one line, exit 2)
+        cfg = load_config(config)
+        tables = job_throughput_tables(cfg)
+        check_feasible(cfg, tables)
+        logging.basicConfig(level=os.environ.get("ELASTIC_LOG_LEVEL", "INFO"),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        served = build(cfg, db_url=db_url, ray_address=ray_address, owner=owner, throughput=tables)
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        try:
+            port = start_api(served, api_port, token_file) if api_port >= 0 else None
+            console.print(f"elastic serve: pool {cfg.pool.name} ({cfg.pool.total_gpus} GPUs), "
+                          f"{len(cfg.services)} service(s), {len(cfg.jobs)} job(s), owner {served.controller.owner}"
+                          + (f", API on http://127.0.0.1:{port}" if port else ""))
+            run(served, ticks=ticks, stop=stop)
+        finally:
+            close(served)

@@ -1,0 +1,323 @@
+"""``elastic demo``: the whole product on one machine, on a compressed day.
+
+A local Ray with 8 logical GPUs; one inference service of reference replicas (1 GPU
+each, min 1, max 6) under the load generator's diurnal day compressed to ``--minutes``;
+one training job of a small GPT that starts on whatever is free and is rescaled in place
+as traffic moves; the controller ticking in between, SQLite state in ``./elastic.db``.
+
+GPU utilisation is measured as DESIGN.md defines it, sampled every ``sample_seconds``:
+each ready replica counts ``min(1, running / max_running)`` (its load over its batch
+capacity), each training GPU counts 1 while the job is Running (not while rescaling,
+starting or stopped), idle GPUs count 0; the sum over time divided by 8 x elapsed time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+for _k, _v in (("RAY_AUTH_MODE", "disabled"), ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"),
+               ("RAY_USAGE_STATS_ENABLED", "0"), ("GLOO_SOCKET_IFNAME", "lo"), ("MASTER_ADDR", "127.0.0.1")):
+    os.environ.setdefault(_k, _v)
+
+log = logging.getLogger("elastic.demo")
+
+SERVICE = "chat"
+JOB = "gpt-tiny"
+GPUS = 8
+
+
+def demo_config(minutes: float, tick_seconds: float) -> dict[str, Any]:
+    return {
+        "pool": {"name": "local", "nodes": 1, "gpus_per_node": GPUS, "hardware": "h100-80g",
+                 # a compressed day: rescale at most every few ticks, and only for a real gain
+                 "rescale_interval_seconds": 3 * tick_seconds, "gain_threshold": 0.05},
+        "services": [{
+            "name": SERVICE, "gpus_per_replica": 1, "min_replicas": 1, "max_replicas": 6, "priority": 100,
+            "metric": {"preset": "vllm-requests", "target": 6.5},
+            "startup_seconds": 3.0, "forecast": "trend", "forecast_window_seconds": max(10.0, 6 * tick_seconds),
+            "behavior": {
+                "scaleUp": {"stabilizationWindowSeconds": 0,
+                            "policies": [{"type": "Pods", "value": 2, "periodSeconds": 1}]},
+                "scaleDown": {"stabilizationWindowSeconds": int(max(4, 3 * tick_seconds)),
+                              "policies": [{"type": "Pods", "value": 1, "periodSeconds": 1}]},
+            },
+        }],
+        # global batch 420 = lcm(1..7): every GPU count training can get (inference keeps >= 1) has a layout
+        "jobs": [{"name": JOB, "model": "tiny", "min_gpus": 1, "max_gpus": GPUS - 1, "priority": 0,
+                  "global_batch": 420, "micro_batch": 1}],
+        "controller": {"tick_seconds": tick_seconds, "lease_seconds": max(15.0, 5 * tick_seconds)},
+    }
+
+
+@dataclass
+class Sample:
+    t: float
+    rate: float
+    replicas: int
+    inference_busy: float
+    training_gpus: int
+    training_busy: int
+    layout: str | None
+    step: int
+    loss: float | None
+    tokens_per_second: float
+
+
+@dataclass
+class DemoRun:
+    samples: list[Sample] = field(default_factory=list)
+    reshards: list[dict[str, Any]] = field(default_factory=list)
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    warmup: float = 0.0
+
+
+def _replica_running(url: str) -> float:
+    import httpx
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=0.5).text
+    except Exception:  # noqa: BLE001 - an unreachable replica is not busy
+        return 0.0
+    for line in text.splitlines():
+        if line.startswith("vllm:num_requests_running"):
+            return float(line.rsplit(" ", 1)[-1])
+    return 0.0
+
+
+def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "sqlite:///./elastic.db",
+             summary_json: str | None = None, plot: str | None = None, live: bool = True,
+             api_port: int | None = 0, slo_ttft_seconds: float = 1.0, peak_rps: float = 11.0,
+             seed: int = 0) -> dict[str, Any]:
+    from rich.console import Console
+    from rich.live import Live
+
+    from elastic import store as db
+    from elastic.backends.ray import RayBackend
+    from elastic.config import load_config
+    from elastic.controller import Controller
+    from elastic.metrics import build_source
+    from elastic.serve.loadgen import LoadGenerator
+    from elastic.serve.profiles import DiurnalProfile, rate_at
+    from elastic.serve.server import ReplicaConfig
+    from elastic.train.launch import LaunchOptions
+
+    console = Console()
+    day = minutes * 60.0
+    cfg = load_config(data=demo_config(minutes, tick_seconds))
+    # A request holds a batch slot for ~max_tokens / tokens_per_second = 3.2 s; a replica's
+    # capacity is its 8 slots, the policy's target 6.5 (running + waiting) per replica.
+    replica_cfg = ReplicaConfig(model="tiny", max_running=8, max_waiting=64, tokens_per_second=10.0)
+    # 1. state and cluster
+    console.print(f"[bold]elastic demo[/]: {GPUS} logical GPUs, a day in {minutes:g} min, state in {db_url}")
+    db.upgrade(db_url)
+    store = db.Store.from_url(db_url)
+    backend = RayBackend(cfg.pool, replica_config=replica_cfg, trainer_config=_trainer_config,
+                         train_options=LaunchOptions(heartbeat_timeout_s=60.0, join_timeout_s=90.0))
+    source = build_source(cfg.services[0].metric, targets=lambda s: backend.service_targets(s))
+    ctl = Controller(cfg, backend, store, {SERVICE: source}, owner=f"demo-{os.getpid()}")
+    api = None
+    if api_port is not None:
+        api = _start_api(store, ctl, api_port)
+        if api:
+            console.print(f"controller API and /metrics on http://127.0.0.1:{api[2]}")
+    # 2. the first tick places the minimum replica and the job before traffic starts
+    ctl.tick()
+    # The day starts at 03:00: night trough, morning ramp, plateau, evening descent in steps.
+    # A warm-up at the night load comes first (as the simulator starts every policy warm):
+    # the controller sizes the service from real metrics before the measured day begins.
+    warmup = max(15.0, 5 * tick_seconds)
+    profile = DiurnalProfile(peak=peak_rps, day_seconds=day, start_fraction=0.125 - warmup / day)
+    lg = LoadGenerator(lambda: backend.service_targets(SERVICE), profile, duration=warmup + day,
+                       max_requests=int(peak_rps * day * 1.2) + 100, max_tokens=32, seed=seed, timeout=20.0)
+    lg_thread = threading.Thread(target=lambda: asyncio.run(lg.run()), name="loadgen", daemon=True)
+    run = DemoRun(warmup=warmup)
+    stop = threading.Event()
+    t0 = time.monotonic()
+    sampler = threading.Thread(target=_sample_loop, args=(backend, ctl, profile, t0, run, stop, rate_at,
+                                                           replica_cfg.max_running), daemon=True)
+    lg_thread.start()
+    sampler.start()
+    # 3. the loop: tick, show
+    try:
+        with Live(_table(run, ctl, minutes), console=console, refresh_per_second=2,
+                  transient=False) if live else _Null() as view:
+            while time.monotonic() - t0 < warmup + day:
+                started = time.monotonic()
+                res = ctl.tick()
+                if res.error:
+                    log.warning("tick: %s", res.error)
+                _collect_reshards(ctl, run)
+                if live:
+                    view.update(_table(run, ctl, minutes))
+                time.sleep(max(0.0, tick_seconds - (time.monotonic() - started)))
+    finally:
+        stop.set()
+        lg.stop()
+        lg_thread.join(timeout=30)
+        sampler.join(timeout=5)
+        _collect_reshards(ctl, run)
+        rt = backend.job_runtime(JOB)
+        backend.shutdown()
+        if api:
+            api[0].should_exit = True
+    # 4. summary
+    summary = _summary(run, lg.report, slo_ttft_seconds, rt, day, warmup)
+    console.print_json(json.dumps(summary))
+    if summary_json:
+        Path(summary_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(summary_json).write_text(json.dumps(summary, indent=2))
+    if plot:
+        _plot(run, plot, profile, rate_at)
+        console.print(f"plot written to {plot}")
+    store.dispose()
+    return summary
+
+
+def _trainer_config(spec: Any) -> Any:
+    """fp32 on CPU; per-layout micro-batches (same samples per step) keep a step short at any dp."""
+    from elastic.model import load_model
+    from elastic.train.engine import TrainConfig
+
+    return TrainConfig(model=load_model(spec.model), global_batch=spec.global_batch, micro_batch=spec.micro_batch,
+                       micro_batch_cap=64)
+
+
+class _Null:
+    def __enter__(self) -> _Null:
+        return self
+
+    def __exit__(self, *a: Any) -> None:
+        return None
+
+    def update(self, *_: Any) -> None:
+        return None
+
+
+def _start_api(store: Any, ctl: Any, port: int) -> tuple[Any, Any, int] | None:
+    try:
+        from elastic.api.app import TokenSet, create_app
+        from elastic.api.server import serve_api
+    except ImportError:
+        return None
+    app = create_app(store, ctl, tokens=TokenSet.from_env())
+    server, thread = serve_api(app, "127.0.0.1", port)
+    return server, thread, getattr(server, "port", port)
+
+
+def _sample_loop(backend: Any, ctl: Any, profile: Any, t0: float, run: DemoRun, stop: threading.Event,
+                 rate_at: Any, capacity: int, every: float = 1.0) -> None:
+    while not stop.wait(every):
+        t = time.monotonic() - t0
+        urls = backend.service_targets(SERVICE)
+        busy = sum(min(1.0, _replica_running(u) / capacity) for u in urls)
+        rt = backend.job_runtime(JOB)
+        tg = len(rt.gpus) if rt else 0
+        tbusy = tg if rt and rt.phase == "Running" else 0
+        if rt and rt.loss is not None and (not run.losses or run.losses[-1][0] != rt.step):
+            run.losses.append((rt.step, rt.loss))
+        run.samples.append(Sample(t, rate_at(profile, t), len(urls), busy, tg, tbusy, rt.layout if rt else None,
+                                  rt.step if rt else 0, rt.loss if rt else None,
+                                  rt.tokens_per_second if rt else 0.0))
+
+
+def _collect_reshards(ctl: Any, run: DemoRun) -> None:
+    from elastic import store as db
+
+    seen = {r["id"] for r in run.reshards}
+    for r in db.list_reshards(ctl.store, job=JOB, limit=500):
+        if r.id not in seen and r.status in ("done", "failed"):
+            run.reshards.append({"id": r.id, "from": r.from_layout, "to": r.to_layout, "status": r.status,
+                                 "pause_seconds": r.pause_seconds, "bytes_moved": r.bytes_moved,
+                                 "at": r.finished_at.isoformat() if r.finished_at else None})
+
+
+def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup: float) -> dict[str, Any]:
+    s = [x for x in run.samples if x.t >= warmup]
+    if len(s) >= 2:
+        dt = [(s[i + 1].t - s[i].t) for i in range(len(s) - 1)] + [s[-1].t - s[-2].t]
+        busy = sum((x.inference_busy + x.training_busy) * d for x, d in zip(s, dt, strict=True))
+        total = GPUS * sum(dt)
+        inf = sum(x.inference_busy * d for x, d in zip(s, dt, strict=True)) / total
+        trn = sum(x.training_busy * d for x, d in zip(s, dt, strict=True)) / total
+    else:
+        busy, total, inf, trn = 0.0, 1.0, 0.0, 0.0
+    done = [r for r in run.reshards if r["status"] == "done" and r["pause_seconds"] is not None]
+    pauses = [r["pause_seconds"] for r in done]
+    requests = sum(1 for r in report.results if r.sent_at >= warmup)
+    return {
+        "gpu_utilization": round(busy / total, 4),
+        "inference_busy_fraction": round(inf, 4),
+        "training_busy_fraction": round(trn, 4),
+        "slo_attainment": round(report.slo_attainment(slo, since=warmup), 4) if requests else 0.0,
+        "slo_ttft_seconds": slo,
+        "requests": requests,
+        "reshards": len(done),
+        "reshards_failed": sum(1 for r in run.reshards if r["status"] == "failed"),
+        "mean_reshard_pause_seconds": round(sum(pauses) / len(pauses), 3) if pauses else 0.0,
+        "max_reshard_pause_seconds": round(max(pauses), 3) if pauses else 0.0,
+        "training_steps": rt.step if rt else (run.losses[-1][0] if run.losses else 0),
+        "loss_first": run.losses[0][1] if run.losses else None,
+        "loss_last": run.losses[-1][1] if run.losses else None,
+        "day_seconds": day,
+        "warmup_seconds": warmup,
+    }
+
+
+def _table(run: DemoRun, ctl: Any, minutes: float) -> Any:
+    from rich.table import Table
+
+    t = Table(title="elastic demo — one compressed day", expand=False)
+    for c in ("time of day", "req/s", "replicas", "training", "GPUs", "step", "loss", "tokens/s", "last reshard"):
+        t.add_column(c, justify="right")
+    if run.samples:
+        x = run.samples[-1]
+        hour = (3 + 24 * (x.t - run.warmup) / (minutes * 60)) % 24
+        last = run.reshards[-1] if run.reshards else None
+        t.add_row(f"{int(hour):02d}:{int(hour % 1 * 60):02d}", f"{x.rate:.1f}", str(x.replicas), x.layout or "-",
+                  str(x.training_gpus), str(x.step), f"{x.loss:.3f}" if x.loss is not None else "-",
+                  f"{x.tokens_per_second:.0f}",
+                  f"{last['from']}→{last['to']} {last['pause_seconds'] or 0:.2f}s" if last else "-")
+    return t
+
+
+def _plot(run: DemoRun, path: str, profile: Any, rate_at: Any) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = run.samples
+    if not s:
+        return
+    t = [x.t - run.warmup for x in s]
+    fig, ax = plt.subplots(figsize=(11, 5))
+    ax.stackplot(t, [x.replicas for x in s], [x.training_gpus for x in s], labels=["inference GPUs", "training GPUs"],
+                 colors=["#4c72b0", "#55a868"], alpha=0.6, step="post")
+    ax.set_ylim(0, GPUS + 0.5)
+    ax.axvspan(t[0], 0, color="grey", alpha=0.1, label="warm-up (not counted)")
+    ax.set_xlabel("seconds into the compressed day (03:00 at 0; the shaded warm-up is not counted)")
+    ax.set_ylabel("GPUs")
+    ax2 = ax.twinx()
+    ax2.plot(t, [x.rate for x in s], color="#c44e52", label="request rate (req/s)")
+    ax2.set_ylabel("requests / s")
+    prev = None
+    for x in s:
+        if x.layout and x.layout != prev:
+            ax.annotate(x.layout, (x.t - run.warmup, x.replicas + x.training_gpus), fontsize=7, rotation=60)
+            ax.axvline(x.t - run.warmup, color="grey", lw=0.5, ls=":")
+            prev = x.layout
+    ax.legend(loc="upper left")
+    ax2.legend(loc="upper right")
+    ax.set_title("elastic demo: inference follows the day, training takes the rest and reshards in place")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,138 @@
+"""The controller on real local Ray (8 logical GPUs): training shrinks in place before inference grows,
+and inference drains before training grows back. Real replicas, real training workers (gloo), real
+SQLite store; only the load is pushed (``InProcessSource``) and the decision clock injected."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from elastic import store as db
+from elastic.config import load_config
+from elastic.controller import Controller
+from elastic.metrics import InProcessSource
+from elastic.model import Layout
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+CONFIG = {
+    "pool": {"name": "ray-local", "nodes": 1, "gpus_per_node": 8, "hardware": "h100-80g",
+             "rescale_interval_seconds": 0, "gain_threshold": 0.0},
+    "services": [{"name": "chat", "gpus_per_replica": 1, "min_replicas": 1, "max_replicas": 6,
+                  "metric": {"preset": "vllm-running", "target": 10}, "startup_seconds": 0,
+                  "behavior": {"scaleUp": {"stabilizationWindowSeconds": 0},
+                               "scaleDown": {"stabilizationWindowSeconds": 0}}}],
+    # global batch 840 = 2^3*3*5*7: every dp from 1 to 8 divides it, so every GPU count has a layout
+    "jobs": [{"name": "tiny-job", "model": "tiny", "min_gpus": 1, "max_gpus": 4, "global_batch": 840,
+              "micro_batch": 1}],
+    "controller": {"tick_seconds": 1, "metrics_max_age_seconds": 3600},
+}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 2_000_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    from elastic.train.ray_handle import init_local_ray
+
+    ray = init_local_ray(num_gpus=8, num_cpus=2)
+    yield ray
+    ray.shutdown()
+
+
+def _spy_backend(pool):
+    """The real RayBackend, recording when each actuator call began and ended."""
+    from elastic.backends.ray import RayBackend
+    from elastic.serve.server import ReplicaConfig
+    from elastic.train.launch import LaunchOptions
+
+    class Spy(RayBackend):
+        calls: list[tuple[str, int, float, float]] = []
+
+        def set_service_gpus(self, spec, gpus):
+            t0 = time.monotonic()
+            super().set_service_gpus(spec, gpus)
+            self.calls.append(("service", len(gpus), t0, time.monotonic()))
+
+        def set_job_gpus(self, spec, gpus, layout):
+            t0 = time.monotonic()
+            out = super().set_job_gpus(spec, gpus, layout)
+            self.calls.append(("job", len(gpus), t0, time.monotonic()))
+            return out
+
+    return Spy(pool, replica_config=ReplicaConfig(model="tiny", max_running=4),
+               train_options=LaunchOptions(pg_timeout_s=90, heartbeat_timeout_s=60, join_timeout_s=120),
+               drain_seconds=0.5)
+
+
+def _tick(ctl, source, clock, load):
+    clock.t += 30
+    source.set("chat", load, clock.t)
+    res = ctl.tick()
+    assert res.error is None, res.error
+    return res
+
+
+def test_shrink_in_place_before_inference_grows_and_the_reverse(ray_local, tmp_path) -> None:
+    url = f"sqlite:///{tmp_path}/state.db"
+    db.upgrade(url)
+    store = db.Store.from_url(url)
+    cfg = load_config(data=CONFIG)
+    backend = _spy_backend(cfg.pool)
+    source, clock = InProcessSource(max_age=3600), Clock()
+    ctl = Controller(cfg, backend, store, {"chat": source}, owner="t", clock=clock)
+    ray = ray_local
+    try:
+        # 1. load at target for one replica: training takes its maximum of 4 GPUs
+        _tick(ctl, source, clock, 10.0)
+        rt0 = backend.job_runtime("tiny-job")
+        assert len(backend.service_gpus("chat")) == 1 and rt0 is not None and len(rt0.gpus) == 4
+        handle = backend.jobs["tiny-job"].handle
+        handle.wait_step(rt0.step + 2, timeout=120)  # it trains
+        step_before = backend.job_runtime("tiny-job").step
+        backend.calls.clear()
+
+        # 2. load rises to 5 replicas' worth: the job shrinks 4 -> 3 in place, THEN chat grows 1 -> 5
+        res = _tick(ctl, source, clock, 50.0)
+        assert [c[:2] for c in backend.calls] == [("job", 3), ("service", 5)], backend.calls
+        shrink, grow = backend.calls
+        assert shrink[3] <= grow[2], "inference started before the training shrink had finished"
+        rt1 = backend.job_runtime("tiny-job")
+        assert backend.jobs["tiny-job"].handle is handle, "the job was restarted, not resharded in place"
+        assert rt1.generation == rt0.generation + 1 and len(rt1.gpus) == 3
+        assert rt1.step >= step_before, (rt1.step, step_before)
+        assert ray.available_resources().get("GPU", 0) == 0  # 5 replicas + 3 workers, nothing double-booked
+        assert any(a.startswith("shrink_training") for a in res.applied)
+
+        # 3. load falls back: chat drains 5 -> 1 first, THEN the job grows 3 -> 4, same job again
+        backend.calls.clear()
+        _tick(ctl, source, clock, 10.0)
+        assert [c[:2] for c in backend.calls] == [("service", 1), ("job", 4)], backend.calls
+        assert backend.calls[0][3] <= backend.calls[1][2]
+        rt2 = backend.job_runtime("tiny-job")
+        assert backend.jobs["tiny-job"].handle is handle
+        assert rt2.generation == rt1.generation + 1 and len(rt2.gpus) == 4 and rt2.step >= rt1.step
+        steps = [r.step for r in handle.history()]
+        assert steps == list(range(steps[0], steps[0] + len(steps))), "a step was lost or repeated"
+
+        # 4. the record: every decision with its reason, every reshard with bytes and seconds
+        decisions = db.list_decisions(store, limit=50, pool="ray-local")
+        assert len(decisions) == 3 and all(d.reason and d.message for d in decisions)
+        reshards = db.list_reshards(store, job="tiny-job")
+        sizes = [(Layout.parse(r.from_layout).world_size, Layout.parse(r.to_layout).world_size, r.status)
+                 for r in reshards]
+        assert sizes == [(4, 3, "done"), (3, 4, "done")], sizes
+        assert all(r.bytes_moved and r.bytes_moved > 0 and r.pause_seconds is not None for r in reshards)
+        db.current_allocation(store, "ray-local").check_disjoint()
+        print("reshards:", [(r.from_layout, r.to_layout, r.bytes_moved, round(r.pause_seconds, 3))
+                            for r in reshards])
+    finally:
+        backend.shutdown()
+        store.dispose()

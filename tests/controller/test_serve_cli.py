@@ -1,0 +1,98 @@
+"""``elastic serve`` as a user runs it (a subprocess): bad configs are one line and exit 2 before anything
+starts; a good one serves the admin API (``/readyz`` ready after a tick) and stops cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from elastic import store as db
+
+ROOT = Path(__file__).resolve().parents[2]
+ELASTIC = str(Path(sys.executable).with_name("elastic"))
+
+BASE = yaml.safe_load((ROOT / "examples" / "pool.yaml").read_text())
+
+
+def _with(**patch) -> dict:
+    return {**BASE, **patch}
+
+
+@pytest.mark.parametrize("data, needle", [
+    (_with(services=[{**BASE["services"][0], "min_replicas": 9, "max_replicas": 9}]),
+     "inference minimum chat 9x1 = 9 GPUs exceeds the pool's 1x8 = 8 GPUs"),
+    (_with(jobs=[{**BASE["jobs"][0], "min_gpus": 8}]),
+     "jobs[0].min_gpus=8 cannot fit next to the inference minimum of 1 GPUs"),
+    (_with(jobs=[{**BASE["jobs"][0], "model": "gpt-9000"}]), "jobs[0].model: unknown model 'gpt-9000'"),
+    (_with(jobs=[{**BASE["jobs"][0], "model": "gpt3-175b"}]),
+     "jobs[0] 'gpt-tiny': no layout of model gpt3-175b with global_batch=840 fits h100-80g GPUs"),
+    (_with(pool={**BASE["pool"], "hardware": "tpu-v9"}), "hardware"),
+    (_with(controller={"tick_seconds": 0}), "controller.tick_seconds"),
+    ("pool: [1, 2", "not valid YAML"),
+])
+def test_bad_config_is_one_line_and_exit_2(tmp_path: Path, data, needle: str) -> None:
+    cfg = tmp_path / "pool.yaml"
+    cfg.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    p = subprocess.run([ELASTIC, "serve", "--config", str(cfg), "--db", f"sqlite:///{tmp_path}/x.db"],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "400"})
+    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
+    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and needle in lines[0], p.stderr
+    assert not (tmp_path / "x.db").exists(), "nothing may start before the config is valid"
+
+
+def test_missing_config_file_is_one_line(tmp_path: Path) -> None:
+    p = subprocess.run([ELASTIC, "serve", "--config", str(tmp_path / "nope.yaml")], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "COLUMNS": "400"})
+    assert p.returncode == 2 and "cannot read" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_serve_runs_the_loop_with_the_api_and_stops_on_sigterm(tmp_path: Path) -> None:
+    cfg = tmp_path / "pool.yaml"
+    # inference only: one replica on an embedded local Ray keeps this quick
+    cfg.write_text(yaml.safe_dump(_with(jobs=[], controller={"tick_seconds": 1, "lease_seconds": 5})))
+    url = f"sqlite:///{tmp_path}/state.db"
+    out = tmp_path / "out.log"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "COLUMNS": "400"}
+    proc = subprocess.Popen([ELASTIC, "serve", "--config", str(cfg), "--db", url, "--api-port", "0",
+                             "--owner", "serve-test"], stdout=open(out, "w"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        port = None
+        while port is None:
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()[-3000:]
+            m = re.search(r"API on http://127\.0\.0\.1:(\d+)", out.read_text())
+            port = int(m.group(1)) if m else None
+            time.sleep(0.5)
+        ready = None
+        while time.monotonic() < deadline:
+            ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5)
+            if ready.status_code == 200:
+                break
+            time.sleep(0.5)
+        assert ready is not None and ready.status_code == 200, ready.text if ready else None
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        assert 'elastic_controller_ready{pool="local"} 1.0' in metrics
+        store = db.Store.from_url(url)
+        assert db.list_decisions(store, limit=5, pool="local")
+        assert db.lease_holder(store, "local").owner == "serve-test"
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(60) == 0, out.read_text()[-3000:]
+        assert db.lease_holder(store, "local") is None, "a clean stop releases the lease"
+        store.dispose()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
