@@ -111,8 +111,13 @@ class Controller:
 
     def __init__(self, cfg: ControllerConfig, backend: Backend, store: db.Store, sources: Mapping[str, MetricSource],
                  *, owner: str, clock: Callable[[], float] = time.time,
-                 throughput: Mapping[str, Mapping[int, tuple[str, float]]] | None = None) -> None:
+                 throughput: Mapping[str, Mapping[int, tuple[str, float]]] | None = None,
+                 async_grow: bool = False) -> None:
         self.cfg = cfg
+        # A training grow waits for joiners to start (seconds); with async_grow the tick does not
+        # wait for it: the job holds its target GPUs meanwhile and a later shrink of it waits.
+        self.async_grow = async_grow
+        self._growing: dict[str, tuple[threading.Thread, tuple[GPU, ...], list[str]]] = {}
         self.backend = backend
         self.store = store
         self.sources = dict(sources)
@@ -191,6 +196,14 @@ class Controller:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait for grows still running in the background; True when none is left."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for job in list(self._growing):
+            t = self._growing[job][0]
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(g[0].is_alive() for g in self._growing.values())
 
     # ---- operator interventions (admin API) -------------------------------------------------------
     def pause(self) -> None:
@@ -294,10 +307,43 @@ class Controller:
         for j in self.cfg.jobs:
             if exclude and j.name in exclude:
                 continue
+            if self._grow_in_flight(j.name):
+                hold[j.name] = self._growing[j.name][1]  # reserved for the joiners starting now
+                continue
             rt = self.backend.job_runtime(j.name)
             if rt and rt.gpus:
                 hold[j.name] = rt.gpus
         return Allocation(hold)
+
+    def _grow_in_flight(self, job: str) -> bool:
+        g = self._growing.get(job)
+        if g is None:
+            return False
+        if g[0].is_alive():
+            return True
+        del self._growing[job]
+        return False
+
+    def _wait_grow(self, job: str) -> None:
+        g = self._growing.pop(job, None)
+        if g is not None:
+            g[0].join()
+
+    def _grow_async(self, step: PlanStep, spec: Any, gpus: tuple[GPU, ...], now: float, action_id: int) -> None:
+        errors: list[str] = []
+
+        def run() -> None:
+            try:
+                self._apply_step(step, spec, gpus, now)
+                db.finish_action(self.store, action_id, now=_dt(self.clock()))
+            except Exception as e:  # noqa: BLE001 - recorded; the next tick observes the job as it is
+                errors.append(str(e))
+                log.error("grow of %s failed: %s", spec.name, e)
+                db.finish_action(self.store, action_id, error=str(e), now=_dt(self.clock()))
+
+        t = threading.Thread(target=run, name=f"grow-{spec.name}", daemon=True)
+        self._growing[spec.name] = (t, gpus, errors)
+        t.start()
 
     def _sample(self, service: str, now: float) -> MetricSample | None:
         src = self.sources.get(service)
@@ -370,9 +416,18 @@ class Controller:
             if step.action == "noop":
                 continue
             gpus = plan.allocation.gpus_of(step.workload)
+            if self._grow_in_flight(step.workload):
+                if step.action == "grow_training":
+                    applied.append(f"{step.action} {step.workload} (in flight)")
+                    continue
+                self._wait_grow(step.workload)  # a shrink of a growing job waits for the grow to land
             action_id = db.begin_action(self.store, pool=self.pool, kind=step.action, workload=step.workload,
                                         payload={"gpus": [str(g) for g in gpus], "reason": step.reason},
                                         now=_dt(now))
+            if step.action == "grow_training" and self.async_grow:
+                self._grow_async(step, specs[step.workload], gpus, now, action_id)
+                applied.append(f"{step.action} {step.workload} (started)")
+                continue
             try:
                 self._apply_step(step, specs[step.workload], gpus, now)
             except BackendError as e:

@@ -147,3 +147,45 @@ def test_bad_config_is_rejected_at_load(patch, needle) -> None:
     with pytest.raises(SpecError) as e:
         load_config(data=data)
     assert needle in str(e.value)
+
+
+def test_async_grow_reserves_its_gpus_and_a_later_shrink_waits_for_it(db_url: str) -> None:
+    """With async_grow the tick does not wait for joiners; nothing is double-booked meanwhile."""
+    import threading
+
+    class SlowGrow(FakeBackend):
+        def __init__(self, nodes: dict[str, int]) -> None:
+            super().__init__(nodes)
+            self.release = threading.Event()
+
+        def set_job_gpus(self, spec, gpus, layout):
+            before = self.jobs.get(spec.name)
+            if before is not None and len(gpus) > len(before.gpus):
+                assert self.release.wait(30), "grow never released"
+            return super().set_job_gpus(spec, gpus, layout)
+
+    db.upgrade(db_url)
+    store = db.Store.from_url(db_url)
+    clock = Clock()
+    backend = SlowGrow({"n0": 4, "n1": 4})
+    source = InProcessSource(max_age=60)
+    ctl = Controller(load_config(data=CONFIG), backend, store, {"chat": source}, owner="a", clock=clock,
+                     async_grow=True)
+    _tick(ctl, source, clock, 10.0)
+    ctl.wait_idle(5)
+    _tick(ctl, source, clock, 10.0)
+    _tick(ctl, source, clock, 40.0)  # 4 replicas: the job shrinks to 4
+    assert len(backend.jobs["pretrain"].gpus) == 4
+    res = _tick(ctl, source, clock, 10.0)  # load falls: inference drains, training grows in the background
+    assert any("(started)" in a for a in res.applied), res.applied
+    assert len(backend.jobs["pretrain"].gpus) == 4  # joiners not there yet
+    res = _tick(ctl, source, clock, 10.0)  # the next tick sees the job holding its target GPUs
+    held = ctl._observed_allocation()
+    held.check_disjoint()
+    assert len(held.gpus_of("pretrain")) > 4
+    assert len(backend.service_gpus("chat")) + len(held.gpus_of("pretrain")) <= 8
+    threading.Timer(0.5, backend.release.set).start()
+    _tick(ctl, source, clock, 40.0)  # load rises again: the shrink waits for the grow to land first
+    assert ctl.wait_idle(5)
+    assert len(backend.jobs["pretrain"].gpus) == 4 and len(backend.service_gpus("chat")) == 4
+    store.dispose()
