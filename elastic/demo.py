@@ -5,10 +5,13 @@ each, min 1, max 6) under the load generator's diurnal day compressed to ``--min
 one training job of a small GPT that starts on whatever is free and is rescaled in place
 as traffic moves; the controller ticking in between, SQLite state in ``./elastic.db``.
 
-GPU utilisation is measured as DESIGN.md defines it, sampled every ``sample_seconds``:
-each ready replica counts ``min(1, running / max_running)`` (its load over its batch
-capacity), each training GPU counts 1 while the job is Running (not while rescaling,
-starting or stopped), idle GPUs count 0; the sum over time divided by 8 x elapsed time.
+GPU utilisation is measured as DESIGN.md defines it, sampled every second: each ready
+replica counts ``min(1, running / capacity)``, where the capacity is the load a replica is
+sized for at its SLO (the service's target: 6.5 concurrent requests of its 8 batch slots;
+above it the queue makes time-to-first-token miss 1 s); each training GPU counts 1 while
+its worker is stepping (a rescale's pause, pause x old world size, is subtracted; GPUs
+whose joiners are still starting count 0); idle, starting and draining GPUs count 0. The
+sum over time is divided by 8 x elapsed time.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def demo_config(minutes: float, tick_seconds: float) -> dict[str, Any]:
             "behavior": {
                 "scaleUp": {"stabilizationWindowSeconds": 0,
                             "policies": [{"type": "Pods", "value": 2, "periodSeconds": 1}]},
-                "scaleDown": {"stabilizationWindowSeconds": int(max(4, 3 * tick_seconds)),
+                "scaleDown": {"stabilizationWindowSeconds": int(max(20, 10 * tick_seconds)),
                               "policies": [{"type": "Pods", "value": 1, "periodSeconds": 1}]},
             },
         }],
@@ -112,8 +115,8 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
     console = Console()
     day = minutes * 60.0
     cfg = load_config(data=demo_config(minutes, tick_seconds))
-    # A request holds a batch slot for ~max_tokens / tokens_per_second = 3.2 s; a replica's
-    # capacity is its 8 slots, the policy's target 6.5 (running + waiting) per replica.
+    # A request holds a batch slot for ~max_tokens / tokens_per_second = 3.2 s; a replica has
+    # 8 slots and is sized (the policy's target, its SLO capacity) for 6.5 concurrent requests.
     replica_cfg = ReplicaConfig(model="tiny", max_running=8, max_waiting=64, tokens_per_second=10.0)
     # 1. state and cluster
     console.print(f"[bold]elastic demo[/]: {GPUS} logical GPUs, a day in {minutes:g} min, state in {db_url}")
@@ -122,7 +125,7 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
     backend = RayBackend(cfg.pool, replica_config=replica_cfg, trainer_config=_trainer_config,
                          train_options=LaunchOptions(heartbeat_timeout_s=60.0, join_timeout_s=90.0))
     source = build_source(cfg.services[0].metric, targets=lambda s: backend.service_targets(s))
-    ctl = Controller(cfg, backend, store, {SERVICE: source}, owner=f"demo-{os.getpid()}")
+    ctl = Controller(cfg, backend, store, {SERVICE: source}, owner=f"demo-{os.getpid()}", async_grow=True)
     api = None
     if api_port is not None:
         api = _start_api(store, ctl, api_port)
@@ -142,7 +145,7 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
     stop = threading.Event()
     t0 = time.monotonic()
     sampler = threading.Thread(target=_sample_loop, args=(backend, ctl, profile, t0, run, stop, rate_at,
-                                                           replica_cfg.max_running), daemon=True)
+                                                           cfg.services[0].metric.target), daemon=True)
     lg_thread.start()
     sampler.start()
     # 3. the loop: tick, show
@@ -163,6 +166,7 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
         lg.stop()
         lg_thread.join(timeout=30)
         sampler.join(timeout=5)
+        ctl.wait_idle(60)
         _collect_reshards(ctl, run)
         rt = backend.job_runtime(JOB)
         backend.shutdown()
@@ -213,14 +217,16 @@ def _start_api(store: Any, ctl: Any, port: int) -> tuple[Any, Any, int] | None:
 
 
 def _sample_loop(backend: Any, ctl: Any, profile: Any, t0: float, run: DemoRun, stop: threading.Event,
-                 rate_at: Any, capacity: int, every: float = 1.0) -> None:
+                 rate_at: Any, capacity: float, every: float = 1.0) -> None:
     while not stop.wait(every):
         t = time.monotonic() - t0
         urls = backend.service_targets(SERVICE)
         busy = sum(min(1.0, _replica_running(u) / capacity) for u in urls)
         rt = backend.job_runtime(JOB)
         tg = len(rt.gpus) if rt else 0
-        tbusy = tg if rt and rt.phase == "Running" else 0
+        # Rescaling: the old workers keep stepping until the switch step; the pause itself is
+        # subtracted from the reshard records in the summary (pause x old world size).
+        tbusy = tg if rt and rt.phase in ("Running", "Rescaling") else 0
         if rt and rt.loss is not None and (not run.losses or run.losses[-1][0] != rt.step):
             run.losses.append((rt.step, rt.loss))
         run.samples.append(Sample(t, rate_at(profile, t), len(urls), busy, tg, tbusy, rt.layout if rt else None,
@@ -241,23 +247,36 @@ def _collect_reshards(ctl: Any, run: DemoRun) -> None:
 
 def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup: float) -> dict[str, Any]:
     s = [x for x in run.samples if x.t >= warmup]
-    if len(s) >= 2:
-        dt = [(s[i + 1].t - s[i].t) for i in range(len(s) - 1)] + [s[-1].t - s[-2].t]
-        busy = sum((x.inference_busy + x.training_busy) * d for x, d in zip(s, dt, strict=True))
-        total = GPUS * sum(dt)
-        inf = sum(x.inference_busy * d for x, d in zip(s, dt, strict=True)) / total
-        trn = sum(x.training_busy * d for x, d in zip(s, dt, strict=True)) / total
-    else:
-        busy, total, inf, trn = 0.0, 1.0, 0.0, 0.0
     done = [r for r in run.reshards if r["status"] == "done" and r["pause_seconds"] is not None]
+    if len(s) >= 2:
+        from elastic.model import Layout
+
+        dt = [(s[i + 1].t - s[i].t) for i in range(len(s) - 1)] + [s[-1].t - s[-2].t]
+        total = GPUS * sum(dt)
+        inf_s = sum(x.inference_busy * d for x, d in zip(s, dt, strict=True))
+        paused = sum(r["pause_seconds"] * Layout.parse(r["from"]).world_size for r in done if r["from"])
+        trn_s = max(0.0, sum(x.training_busy * d for x, d in zip(s, dt, strict=True)) - paused)
+        busy, inf, trn = inf_s + trn_s, inf_s / total, trn_s / total
+        held_inf = sum(x.replicas * d for x, d in zip(s, dt, strict=True)) / total
+        held_trn = sum(x.training_gpus * d for x, d in zip(s, dt, strict=True)) / total
+    else:
+        busy, total, inf, trn, held_inf, held_trn = 0.0, 1.0, 0.0, 0.0, 0.0, 0.0
     pauses = [r["pause_seconds"] for r in done]
     requests = sum(1 for r in report.results if r.sent_at >= warmup)
     return {
         "gpu_utilization": round(busy / total, 4),
         "inference_busy_fraction": round(inf, 4),
         "training_busy_fraction": round(trn, 4),
+        # where the rest went: GPUs held by ready replicas / running training workers, and neither
+        # (starting or draining replicas, joiners starting, idle)
+        "inference_held_fraction": round(held_inf, 4),
+        "training_held_fraction": round(held_trn, 4),
+        "not_held_fraction": round(max(0.0, 1 - held_inf - held_trn), 4),
         "slo_attainment": round(report.slo_attainment(slo, since=warmup), 4) if requests else 0.0,
         "slo_ttft_seconds": slo,
+        "ttft_p50_seconds": _r(report.ttft_quantile(0.5, since=warmup)),
+        "ttft_p99_seconds": _r(report.ttft_quantile(0.99, since=warmup)),
+        "failed_requests": sum(1 for r in report.results if r.sent_at >= warmup and r.ttft is None),
         "requests": requests,
         "reshards": len(done),
         "reshards_failed": sum(1 for r in run.reshards if r["status"] == "failed"),
@@ -269,6 +288,10 @@ def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup:
         "day_seconds": day,
         "warmup_seconds": warmup,
     }
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
 
 
 def _table(run: DemoRun, ctl: Any, minutes: float) -> Any:
