@@ -123,7 +123,12 @@ def _sqlite_on_begin(conn: sa.Connection) -> None:
     # a read-then-write (set_allocation, start_reshard, migrations) cannot interleave with
     # another writer, and a second writer waits (busy timeout) instead of failing with
     # SQLITE_BUSY half-way. Transactions here are milliseconds long, so the cost is small.
-    conn.exec_driver_sql("BEGIN IMMEDIATE")
+    # Read-only sessions (the admin API's reads) take a plain deferred BEGIN: under WAL they
+    # read a snapshot without queueing behind the controller's writes.
+    if conn.get_execution_options().get("elastic_read_only"):
+        conn.exec_driver_sql("BEGIN")
+    else:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 class Store:
@@ -138,6 +143,7 @@ class Store:
         self.engine = engine
         self.url = mask_url(engine.url)
         self._sessions = sessionmaker(engine, expire_on_commit=False)
+        self._read_sessions = sessionmaker(engine.execution_options(elastic_read_only=True), expire_on_commit=False)
 
     @classmethod
     def from_url(cls, url: str, *, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT, echo: bool = False) -> Store:
@@ -177,10 +183,11 @@ class Store:
             raise StoreUnavailable(f"database {self.url} is unavailable: {first_line(e)}") from e
 
     @contextmanager
-    def session(self) -> Iterator[Session]:
-        """One transaction: commit on success, roll back on error."""
+    def session(self, read_only: bool = False) -> Iterator[Session]:
+        """One transaction: commit on success, roll back on error. ``read_only``: a snapshot
+        read that never waits for writers (SQLite; PostgreSQL reads never do)."""
         with self.translate_errors():
-            with self._sessions.begin() as s:
+            with (self._read_sessions if read_only else self._sessions).begin() as s:
                 yield s
 
     session_scope = session

@@ -161,12 +161,12 @@ def _record(cls: type[R], row: Base, **override: Any) -> R:
 
 
 @contextmanager
-def _tx(db: DB) -> Iterator[Session]:
-    """A session: the caller's (no commit here) or a fresh one-call transaction."""
+def _tx(db: DB, read: bool = False) -> Iterator[Session]:
+    """A session: the caller's (no commit here) or a fresh one-call transaction (``read``: read-only)."""
     if isinstance(db, Session):
         yield db
     else:
-        with db.session() as s:
+        with db.session(read_only=read) as s:
             yield s
 
 
@@ -237,13 +237,13 @@ def upsert_pool(db: DB, name: str, spec: Any, now: datetime | None = None) -> Po
 
 
 def get_pool(db: DB, name: str) -> PoolRecord | None:
-    with _tx(db) as s:
+    with _tx(db, read=True) as s:
         row = s.get(Pool, name)
         return _record(PoolRecord, row) if row else None
 
 
 def list_pools(db: DB) -> list[PoolRecord]:
-    with _tx(db) as s:
+    with _tx(db, read=True) as s:
         return [_record(PoolRecord, r) for r in s.scalars(sa.select(Pool).order_by(Pool.name))]
 
 
@@ -278,7 +278,7 @@ def _set_status(db: DB, table: type[InferenceService] | type[TrainingJob], name:
 
 
 def _get_workload(db: DB, table: type[InferenceService] | type[TrainingJob], name: str) -> WorkloadRecord | None:
-    with _tx(db) as s:
+    with _tx(db, read=True) as s:
         row = s.get(table, name)
         return _record(WorkloadRecord, row) if row else None
 
@@ -287,7 +287,7 @@ def _list_workloads(db: DB, table: type[InferenceService] | type[TrainingJob], p
     stmt = sa.select(table).order_by(table.name)
     if pool is not None:
         stmt = stmt.where(table.pool == pool)
-    with _tx(db) as s:
+    with _tx(db, read=True) as s:
         return [_record(WorkloadRecord, r) for r in s.scalars(stmt)]
 
 
@@ -411,7 +411,7 @@ def current_allocations(db: DB, pool: str) -> dict[str, AllocationRecord]:
     """Open allocations of a pool: workload name -> record (sorted by name)."""
     stmt = (sa.select(AllocationRow).where(AllocationRow.pool == pool, AllocationRow.valid_to.is_(None))
             .order_by(AllocationRow.workload))
-    with _tx(db) as s:
+    with _tx(db, read=True) as s:
         return {r.workload: _alloc_record(r) for r in s.scalars(stmt)}
 
 
@@ -425,7 +425,7 @@ def allocation_history(db: DB, pool: str, workload: str | None = None, *, limit:
     stmt = sa.select(AllocationRow).where(AllocationRow.pool == pool)
     if workload is not None:
         stmt = stmt.where(AllocationRow.workload == workload)
-    with _tx(db) as s:
+    with _tx(db, read=True) as s:
         return [_alloc_record(r) for r in s.scalars(_page(stmt, AllocationRow.id, limit, after_id, newest_first))]
 
 
@@ -446,7 +446,7 @@ def record_decision(db: DB, *, pool: str, tick_at: datetime, reason: str, messag
 
 
 def get_decision(db: DB, decision_id: int) -> DecisionRecord | None:
-    with _tx(db) as s:
+    with _tx(db, read=True) as s:
         row = s.get(DecisionRow, decision_id)
         return _record(DecisionRecord, row) if row else None
 
@@ -457,7 +457,7 @@ def list_decisions(db: DB, limit: int = 50, after_id: int | None = None, *, pool
     stmt = sa.select(DecisionRow)
     if pool is not None:
         stmt = stmt.where(DecisionRow.pool == pool)
-    with _tx(db) as s:
+    with _tx(db, read=True) as s:
         return [_record(DecisionRecord, r) for r in s.scalars(_page(stmt, DecisionRow.id, limit, after_id, newest_first))]
 
 
@@ -529,7 +529,7 @@ def finish_reshard(db: DB, reshard_id: int, *, bytes_moved: int | None, pause_se
 
 
 def get_reshard(db: DB, reshard_id: int) -> ReshardRecord | None:
-    with _tx(db) as s:
+    with _tx(db, read=True) as s:
         row = s.get(ReshardEvent, reshard_id)
         return _record(ReshardRecord, row) if row else None
 
@@ -539,7 +539,7 @@ def list_reshards(db: DB, job: str | None = None, limit: int = 50, after_id: int
     stmt = sa.select(ReshardEvent)
     if job is not None:
         stmt = stmt.where(ReshardEvent.job == job)
-    with _tx(db) as s:
+    with _tx(db, read=True) as s:
         return [_record(ReshardRecord, r) for r in s.scalars(_page(stmt, ReshardEvent.id, limit, after_id, newest_first))]
 
 
@@ -548,7 +548,7 @@ def in_flight_reshards(db: DB, pool: str | None = None) -> list[ReshardRecord]:
     stmt = sa.select(ReshardEvent).where(ReshardEvent.status.in_(IN_FLIGHT)).order_by(ReshardEvent.id)
     if pool is not None:
         stmt = stmt.where(ReshardEvent.pool == pool)
-    with _tx(db) as s:
+    with _tx(db, read=True) as s:
         return [_record(ReshardRecord, r) for r in s.scalars(stmt)]
 
 
@@ -588,7 +588,7 @@ def open_actions(db: DB, pool: str | None = None) -> list[ActionRecord]:
     stmt = sa.select(PendingAction).where(PendingAction.status.in_(IN_FLIGHT)).order_by(PendingAction.id)
     if pool is not None:
         stmt = stmt.where(PendingAction.pool == pool)
-    with _tx(db) as s:
+    with _tx(db, read=True) as s:
         return [_record(ActionRecord, r) for r in s.scalars(stmt)]
 
 
@@ -608,7 +608,7 @@ def record_audit(db: DB, *, actor: str, action: str, detail: Any = None, target:
 
 
 def list_audit(db: DB, limit: int = 50, after_id: int | None = None, *, newest_first: bool = False) -> list[AuditRecord]:
-    with _tx(db) as s:
+    with _tx(db, read=True) as s:
         stmt = _page(sa.select(AuditEntry), AuditEntry.id, limit, after_id, newest_first)
         return [_record(AuditRecord, r) for r in s.scalars(stmt)]
 
@@ -673,7 +673,7 @@ def release_lease(db: DB, pool: str, owner: str) -> bool:
 def lease_holder(db: DB, pool: str, now: datetime | None = None) -> LeaseRecord | None:
     """The current, unexpired lease of the pool, or None."""
     t = _now(now)
-    with _tx(db) as s:
+    with _tx(db, read=True) as s:
         row = s.get(Lease, pool, populate_existing=True)
         if row is None or row.expires_at < t:
             return None
