@@ -10,7 +10,13 @@ rescale reports:
   step boundary to the moment the last new worker began the first step of the new layout
   (meeting, the reshard itself, tearing down and rebuilding the process groups and engine);
 * ``pause_x_step``: that pause as a multiple of the new layout's step time;
-* ``bytes_moved`` (sent over gloo) vs the plan's lower bound.
+* ``bytes_moved`` (sent over gloo) vs the plan's lower bound;
+* the pause's breakdown: per phase, the slowest worker's seconds (``RescaleRecord.worker_stats``):
+  ``meet`` (arrive -> go, of the last member to arrive), ``group`` (the reshard process group; 0 when no worker joins: the old
+  default group carries the exchange), ``exchange`` (the bytes), ``close`` (old engine and
+  groups), ``init_pg`` (the new default group; 0 when the ranks do not change), ``engine`` (the
+  new engine and its TP/DP/PP groups);
+* ``leave_seconds``: new layout running -> every leaver's process gone.
 
 Prints a table and writes ``benchmarks/results/train.json``. Run: ``make bench-train``.
 Figures on the 2-core project VMs are dominated by CPU sharing between the workers; on
@@ -59,6 +65,20 @@ def _steps_of(h: ProcessJobHandle, generation: int) -> list[float]:
     return [r.seconds for r in h.history() if r.generation == generation]
 
 
+PHASES = ("meet", "group", "exchange", "close", "init_pg", "engine")
+
+
+def _phases(worker_stats: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Per phase of the transition, the slowest worker's seconds; for ``meet`` the fastest one's
+    (the last member to arrive waits least: its meet is the decision latency, the others' include
+    waiting for it -- a joiner arrives long before the old members reach the boundary)."""
+    def pick(p: str) -> float:
+        vals = [float(s.get(f"{p}_seconds", 0.0)) for s in worker_stats.values()]
+        return (min if p == "meet" else max)(vals, default=0.0)
+
+    return {p: pick(p) for p in PHASES}
+
+
 def run_model(name: str, steps: int, timeout: float) -> dict[str, Any]:
     global_batch, layouts = SCENARIOS[name]
     cfg = TrainConfig(model=load_model(name), global_batch=global_batch, micro_batch=1)
@@ -86,7 +106,8 @@ def run_model(name: str, steps: int, timeout: float) -> dict[str, Any]:
                     "pause_x_step": (res.pause_seconds or 0.0) / step_s, "bytes_moved": res.bytes_moved,
                     "planned_bytes": res.planned_bytes, "lower_bound_bytes": res.lower_bound_bytes,
                     "joiners": len(res.record.joiners), "leavers": len(res.record.leavers),
-                    "wall_seconds": res.wall_seconds,
+                    "wall_seconds": res.wall_seconds, "leave_seconds": res.leave_seconds,
+                    "phases": _phases(res.record.worker_stats),
                 })
     finally:
         st = h.stop()
@@ -107,6 +128,10 @@ def _print(results: dict[str, Any]) -> None:
             print(f"  {x['from'] + ' -> ' + x['to']:<28}{x['pause_seconds']:>9.3f}{x['pause_x_step']:>8.2f}"
                   f"{x['bytes_moved'] / 1e6:>10.1f}{x['lower_bound_bytes'] / 1e6:>10.1f}"
                   f"{str(x['joiners']) + '/' + str(x['leavers']):>11}")
+        print(f"  {'pause breakdown, ms':<28}" + "".join(f"{p:>9}" for p in PHASES) + f"{'leave':>9}")
+        for x in r["rescales"]:
+            print(f"  {x['from'] + ' -> ' + x['to']:<28}" + "".join(f"{x['phases'][p] * 1e3:>9.1f}" for p in PHASES)
+                  + f"{x['leave_seconds'] * 1e3:>9.1f}")
 
 
 def main(argv: list[str] | None = None) -> int:

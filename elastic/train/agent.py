@@ -7,17 +7,24 @@ stop. A rescale directive is always applied at a step boundary:
 
 1. The coordinator announces the directive one step early (``pending``); the agent plans
    the reshard (``plan_reshard``, a pure function every member computes identically) and
-   ``prepare``s its receive buffers in a background thread while that step still runs.
+   ``prepare``s its receive buffers (per-kind dtypes: bf16 ``param``, fp32 master and
+   moments) in a background thread while that step still runs. A planning or preparing
+   error is not raised: it travels to the meeting point instead.
 2. At the boundary (``switch``) every member of old union new meets at the coordinator
-   with a digest of its plan. The coordinator answers ``go`` (all there, same plan) or
-   ``abandoned`` (a joiner never came, plans differ); abandoned means nothing moved and
-   the old engine simply continues.
-3. On ``go``: a transient gloo group over all members (keys under
-   ``<job>/g<generation>/reshard`` in the job's TCPStore) runs ``execute``; then the old
-   engine is closed, leavers report and ``os._exit`` (their GPUs are free at once), and the
-   new layout's members form the new default process group (``<job>/g<generation>/train``,
-   layout rank = group rank) and build ``TrainEngine(cfg, layout, rank, state=new_state)``,
-   continuing at the same step. Joiners arrive with no state and receive theirs.
+   with a digest of its plan (or its error), long-polling for the answer. The coordinator
+   answers ``go`` (all there, same plan) or ``abandoned`` (a member could not plan or
+   prepare, a joiner never came, plans differ); abandoned means nothing moved and the old
+   engine simply continues on its intact state.
+3. On ``go``: the bytes move over a group of all members -- the old default group when
+   no worker joins (every member is already in it), else a transient gloo group (keys
+   under ``<job>/g<generation>/reshard`` in the job's TCPStore) -- through ``execute``;
+   then the old engine is closed, leavers report and leave (``os._exit``, or return from
+   ``run()`` inside a Ray actor: ``AgentOptions.exit_on_leave``), and the new layout's
+   members form the new default process group (``<job>/g<generation>/train``, layout rank
+   = group rank; kept as it is when no rank changes) and build
+   ``TrainEngine(cfg, layout, rank, state=new_state)``, continuing at the same step.
+   Joiners arrive with no state and receive theirs. Old process groups are destroyed by a
+   background thread (a used gloo group's destructor blocks ~20 ms).
 
 Failures are reported, never hung on: a step that raises (a peer died: gloo sees the
 closed socket or times out after ``pg_timeout_s``) is posted to the coordinator as the
@@ -137,13 +144,28 @@ def config_kinds(config: dict[str, Any]) -> tuple[str, ...]:
     return MIXED_KINDS if config_dtype(config) == torch.bfloat16 else FP32_KINDS
 
 
+def config_kind_dtypes(config: dict[str, Any]) -> dict[str, torch.dtype]:
+    """Kind -> dtype of the job's state tensors (bf16: bf16 ``param``, fp32 master and moments)."""
+    return {k: train_config(config).kind_dtype(k) for k in config_kinds(config)}
+
+
+_REASK_S = 0.005  # between two long polls that both came back "wait"
+
+FAILED_JOB_GRACE_S = 3.0
+"""A worker still running this long after its job failed exits on its own (see ``_heartbeat``)."""
+
+
 @dataclass(frozen=True)
 class AgentOptions:
     pg_timeout_s: float = 120.0  # a silent peer fails a collective after this long
     coordinator_timeout_s: float = 30.0  # exit when the coordinator is unreachable this long
-    poll_interval_s: float = 0.05  # joiners and the meeting point poll this often
+    long_poll_s: float = 2.0  # joiners and the meeting point wait this long per request for an answer
     device: str = "cpu"
     verify_reshard: bool = False  # checksum every reshard message (slower; for tests)
+    # A leaver ends its process with os._exit once its bytes have landed (no interpreter teardown
+    # of GBs of tensors; the launcher sees the process go). False: run() returns instead, for
+    # hosts that must end the process themselves (a Ray actor: os._exit there reads as a crash).
+    exit_on_leave: bool = True
 
 
 @dataclass
@@ -156,6 +178,7 @@ class _Prep:
     digest: str
     plan_info: dict[str, Any]
     old_state: State
+    error: str = ""  # planning or preparing failed: the rescale must be abandoned (nothing moved)
 
 
 class WorkerAgent:
@@ -173,6 +196,7 @@ class WorkerAgent:
         self.layout: Layout | None = None
         self._store: Any = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"prepare-{worker}")
+        self._reaper = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"reaper-{worker}")
         self._prep: Future[_Prep] | None = None
         self._prep_gen = 0
         self._stop = threading.Event()
@@ -180,7 +204,10 @@ class WorkerAgent:
 
     # ---- entry ----------------------------------------------------------------------------
     def run(self) -> int:
-        """1. register, 2. heartbeat, 3. wait for a generation that includes us, 4. train. Returns an exit code."""
+        """1. preload, 2. register, 3. heartbeat, 4. wait for a generation that includes us, 5. train.
+
+        Returns an exit code."""
+        _preload(self.factory)  # before registering: the launcher waits for this, the rescale pause does not
         try:
             reg = self.client.call("register", pid=os.getpid(), host=socket.gethostname())
         except RendezvousError as e:
@@ -206,6 +233,9 @@ class WorkerAgent:
             return 1
         finally:
             self._stop.set()
+            self._pool.shutdown(wait=False)
+            self._reaper.shutdown(wait=False)
+            self.client.close()
 
     def _main(self) -> int:
         d = self._wait_for_directive()
@@ -219,14 +249,14 @@ class WorkerAgent:
     def _wait_for_directive(self) -> Directive | None:
         """A worker with no generation yet polls until a directive lists it (or the job ends)."""
         while True:
-            resp = self.client.call("poll")
+            resp = self.client.call("poll", wait_s=self.opts.long_poll_s)  # long poll: answered on the event
             if resp["action"] == "join":
                 return Directive.from_json(resp["directive"])
             if resp["action"] == "exit":
                 log.info("worker %s: exiting without joining (%s)", self.worker, resp.get("reason"))
                 self._exit_notice()
                 return None
-            time.sleep(self.opts.poll_interval_s)
+            time.sleep(_REASK_S)  # never spin on a coordinator that answers "wait" at once (shutting down)
 
     # ---- step loop ----------------------------------------------------------------------------
     def _train(self, step: int) -> int:
@@ -270,7 +300,7 @@ class WorkerAgent:
         if fut is not None and self._prep_gen == d.generation:
             prep = fut.result()
             now = self.engine.state() if self.engine is not None else {}
-            if _same_tensors(prep.old_state, now):
+            if prep.error or _same_tensors(prep.old_state, now):
                 return prep
             log.warning("worker %s: engine replaced its state tensors after prepare; preparing again", self.worker)
         return self._prepare_now(d)
@@ -280,112 +310,194 @@ class WorkerAgent:
         return self._plan_and_prepare(d, state)
 
     def _plan_and_prepare(self, d: Directive, old_state: State) -> _Prep:
+        """Plan and prepare; a failure here is reported at the meeting (the rescale is abandoned), never raised.
+
+        Nothing has moved yet and ``prepare`` never writes the old state, so whatever went wrong
+        (an impossible plan, a staging cap, memory for the receive buffers), the job can go on
+        on its old layout.
+        """
         if not d.old_ranks:  # the first generation: nothing to move, everyone starts fresh
             return _Prep(d, None, None, "", {"new_ranks": {w: i for i, w in enumerate(d.workers)}}, {})
+        try:
+            return self._plan_and_prepare_or_raise(d, old_state)
+        except Exception as e:  # noqa: BLE001 - any error before a byte moves abandons instead of failing
+            log.warning("worker %s: cannot reshard to generation %d (%s)", self.worker, d.generation, e,
+                        exc_info=not isinstance(e, SpecError))
+            return _Prep(d, None, None, "", {}, old_state, error=f"{type(e).__name__}: {_short(e)}")
+
+    def _plan_and_prepare_or_raise(self, d: Directive, old_state: State) -> _Prep:
         from elastic.reshard.execute import prepare
         from elastic.reshard.plan import plan_reshard
 
         model = config_model(self.config)
         dtype = config_dtype(self.config)
+        kinds = config_kinds(self.config)
         t0 = time.perf_counter()
         plan = plan_reshard(model, Layout.parse(d.old_layout or ""), d.old_ranks, Layout.parse(d.layout),
-                            list(d.workers), kinds=config_kinds(self.config),
+                            list(d.workers), kinds=kinds,
                             bytes_per_element=torch.empty((), dtype=dtype).element_size(), remap=d.remap)
         plan_s = time.perf_counter() - t0
-        prepared = prepare(plan, self.worker, dict(old_state), device=self.opts.device, dtype=dtype)
+        prepared = prepare(plan, self.worker, dict(old_state), device=self.opts.device,
+                           dtypes=config_kind_dtypes(self.config))
         info = {"new_ranks": dict(plan.new_ranks), "planned_bytes": plan.bytes_planned,
                 "lower_bound_bytes": plan.bytes_lower_bound, "plan_seconds": plan_s}
         return _Prep(d, plan, prepared, plan_digest(plan), info, old_state)
 
     def _transition(self, d: Directive, prep: _Prep) -> int | None:
-        """Meet, move the bytes, rebuild. Returns the step to continue at, or None when this worker leaves."""
-        t0 = time.perf_counter()
+        """Meet, move the bytes, rebuild. Returns the step to continue at, or None when this worker leaves.
+
+        Per-phase seconds go to the coordinator with the result (``RescaleRecord.worker_stats``):
+        meet, group (the reshard group), exchange, close (old engine), init_pg (the new default
+        group: when a worker joins it is built during group + exchange, and this is only the
+        wait beyond them), engine (the new engine); ``execute_seconds`` = group + exchange,
+        ``rebuild_seconds`` = close + init_pg + engine.
+        """
+        clock = _Phases()
         # 1. meet: the coordinator decides go / abandoned before any byte moves
         decision, reason = self._meet(d, prep)
+        clock.mark("meet")
         if decision != "go":
             log.warning("worker %s: rescale to generation %d abandoned: %s", self.worker, d.generation, reason)
             if self.engine is None:  # a joiner: nothing to continue
                 self._exit_notice()
                 return None
             return d.switch_step
-        t_meet = time.perf_counter()
-        # 2. move the bytes over a transient group of old union new
-        new_state, stats = self._execute(d, prep)
-        t_exec = time.perf_counter()
-        # 3. the old engine and its groups go
-        self._close_engine()
         new_ranks = {str(k): int(v) for k, v in prep.plan_info["new_ranks"].items()}
-        if self.worker not in new_ranks:
-            self._report_result(d, {**stats, "meet_seconds": t_meet - t0, "execute_seconds": t_exec - t_meet})
-            self._leave()
-            return None
-        # 4. the new layout's default group and engine
-        layout = Layout.parse(d.layout)
-        rank = new_ranks[self.worker]
-        self._init_default_group(d, layout, rank)
+        layout, rank = Layout.parse(d.layout), new_ranks.get(self.worker)
+        keep_default = self._keeps_default_group(d, new_ranks)
+        old_group = prep.prepared is not None and self._old_group_is_members(d, prep)
+        new_pg: Future[None] | None = None
+        if prep.prepared is not None and not old_group:
+            # 2a. a transient group will carry the bytes (someone joins): the old groups are idle
+            # already, so drop them now and build the new default group while the bytes move
+            self._close_engine()
+            clock.mark("close")
+            if rank is not None:
+                new_pg = self._pool.submit(self._init_default_group, d, layout, rank, own_store=True)
+        # 2. move the bytes over a group of old union new (the old default group when it is exactly that)
+        new_state, stats = self._execute(d, prep, clock, old_group=old_group)
+        # 3. the old engine and its groups go (if still there)
+        if self.engine is not None or (dist.is_initialized() and new_pg is None):
+            self._close_engine(keep_default=keep_default)
+        clock.mark("close")
+        if rank is None:
+            self._report_result(d, {**stats, **clock.report()})
+            return self._leave()
+        # 4. the new layout's default group (or what is left of building it) and engine
+        if new_pg is not None:
+            new_pg.result()
+        elif not keep_default:
+            self._init_default_group(d, layout, rank)
+        clock.mark("init_pg")
         self.engine = self.factory(self.config, layout, rank, new_state if d.old_ranks else None)
         self.generation, self.layout = d.generation, layout
-        t_ready = time.perf_counter()
-        self._report_result(d, {**stats, "rank": rank, "meet_seconds": t_meet - t0,
-                                "execute_seconds": t_exec - t_meet, "rebuild_seconds": t_ready - t_exec})
+        clock.mark("engine")
+        self._report_result(d, {**stats, "rank": rank, **clock.report()})
         return d.switch_step
 
     def _meet(self, d: Directive, prep: _Prep) -> tuple[str, str]:
+        """Arrive with the plan digest (or the preparation error) and long-poll for the decision."""
         while True:
-            resp = self.client.call("arrive", generation=d.generation, digest=prep.digest, plan=prep.plan_info)
+            resp = self.client.call("arrive", generation=d.generation, digest=prep.digest, plan=prep.plan_info,
+                                    error=prep.error, wait_s=self.opts.long_poll_s)
             if resp["decision"] != "wait":
                 return resp["decision"], resp.get("reason", "")
-            time.sleep(self.opts.poll_interval_s)
+            time.sleep(_REASK_S)
 
-    def _execute(self, d: Directive, prep: _Prep) -> tuple[State, dict[str, Any]]:
+    def _old_group_is_members(self, d: Directive, prep: _Prep) -> bool:
+        """Every member of the reshard is an old member (no joiner) and the old default group exists."""
+        return (dist.is_initialized() and set(prep.plan.members) == set(d.old_ranks)
+                and dist.get_world_size() == len(d.old_ranks))
+
+    def _keeps_default_group(self, d: Directive, new_ranks: dict[str, int]) -> bool:
+        """Same workers on the same ranks: the old default group serves the new layout as it is."""
+        return dist.is_initialized() and new_ranks == d.old_ranks and dist.get_world_size() == len(new_ranks)
+
+    def _execute(self, d: Directive, prep: _Prep, clock: _Phases, *, old_group: bool) -> tuple[State, dict[str, Any]]:
         if prep.prepared is None:
+            clock.mark("group")
+            clock.mark("exchange")
             return {}, {}
         from elastic.reshard.execute import execute
 
-        members = list(prep.plan.members)
-        grank = {w: i for i, w in enumerate(members)}
-        store = dist.PrefixStore(f"{d.job}/g{d.generation}/reshard/", self._store_for(d))
-        pg = dist.ProcessGroupGloo(store, grank[self.worker], len(members), self._timeout())
+        pg: Any = None
+        if old_group:
+            # no joiner: the old default group already connects every member (saves a gloo rendezvous)
+            grank = dict(d.old_ranks)
+        else:
+            members = list(prep.plan.members)
+            grank = {w: i for i, w in enumerate(members)}
+            store = dist.PrefixStore(f"{d.job}/g{d.generation}/reshard/", self._store_for(d))
+            pg = dist.ProcessGroupGloo(store, grank[self.worker], len(members), self._timeout())
+        clock.mark("group")
         try:
             new_state = execute(prep.prepared, pg, grank, verify=self.opts.verify_reshard)
         finally:
-            _shutdown(pg)
+            if pg is not None:
+                _shutdown(pg)
+                self._retire([pg])
+        clock.mark("exchange")
         st = prep.prepared.stats
         return new_state, {"bytes_sent": st.bytes_sent, "bytes_received": st.bytes_received,
                            "prepare_seconds": st.prepare_seconds, "exchange_seconds": st.exchange_seconds}
 
-    def _init_default_group(self, d: Directive, layout: Layout, rank: int) -> None:
+    def _init_default_group(self, d: Directive, layout: Layout, rank: int, *, own_store: bool = False) -> None:
+        """The new layout's default group. ``own_store``: on a TCPStore connection of its own (it is
+        being built in the background while the main thread's exchange uses the shared one)."""
         if dist.is_initialized():
             dist.destroy_process_group()
         if layout.world_size == 1:
             return  # a 1-rank layout needs no process group (the engine uses solo communicators)
-        store = dist.PrefixStore(f"{d.job}/g{d.generation}/train/", self._store_for(d))
+        base = self._new_store(d) if own_store else self._store_for(d)
+        store = dist.PrefixStore(f"{d.job}/g{d.generation}/train/", base)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=layout.world_size,
                                 timeout=self._timeout())
 
     def _store_for(self, d: Directive) -> Any:
         if self._store is None:
-            self._store = dist.TCPStore(d.store_host, d.store_port, is_master=False, timeout=self._timeout(),
-                                        wait_for_workers=False)
+            self._store = self._new_store(d)
         return self._store
+
+    def _new_store(self, d: Directive) -> Any:
+        return dist.TCPStore(d.store_host, d.store_port, is_master=False, timeout=self._timeout(),
+                             wait_for_workers=False)
 
     def _timeout(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=self.opts.pg_timeout_s)
 
-    def _close_engine(self) -> None:
+    def _close_engine(self, *, keep_default: bool = False) -> None:
+        retired: list[Any] = []
         if self.engine is not None:
+            retired += _engine_backends(self.engine)
             self.engine.close()
             self.engine = None
-        if dist.is_initialized():
+        if dist.is_initialized() and not keep_default:
+            retired.append(dist.group.WORLD)
             dist.destroy_process_group()
+        self._retire(retired)
+
+    def _retire(self, groups: list[Any]) -> None:
+        """Drop shut-down process groups off the critical path.
+
+        Destroying a gloo group that has carried traffic blocks ~20 ms even after
+        ``shutdown()`` (its destructor tears down every pair); a rescale drops 2-5 of them
+        (old TP/DP/PP, old default, the reshard group): 40-100 ms of a ~150 ms pause. The
+        destructor releases the GIL, so a background thread does it while the new layout
+        starts. Holding a reference is all it takes to defer it.
+        """
+        if groups:
+            self._reaper.submit(groups.clear)
 
     def _leave(self) -> None:
         """A leaver's bytes have landed: free everything at once (the launcher sees the process go)."""
         log.info("worker %s: left at generation %d", self.worker, self.generation)
         self._exit_notice()
+        if not self.opts.exit_on_leave:
+            return None  # the host ends the process (Ray: the handle ray.kill()s the actor)
         from elastic.reshard.execute import fast_exit
 
         fast_exit(0)
+        return None
 
     # ---- coordinator I/O ------------------------------------------------------------------
     def _report_result(self, d: Directive, stats: dict[str, Any]) -> None:
@@ -421,15 +533,49 @@ class WorkerAgent:
                 continue
             if resp.get("failed"):
                 # The main thread may sit in a collective with a dead peer; give it a grace period
-                # to notice on its own, then leave so no process outlives its job.
+                # to notice on its own (and exit with its own reason), then leave so no process
+                # outlives its job. The job's reason is already recorded: a few seconds suffice.
                 failed_since = failed_since or now
-                if now - failed_since > min(self.opts.pg_timeout_s, 10.0):
+                if now - failed_since > min(self.opts.pg_timeout_s, FAILED_JOB_GRACE_S):
                     _hard_exit(1, f"worker {self.worker}: job failed ({resp.get('reason')}); exiting")
 
 
 # --------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------
+
+
+class _Phases:
+    """Seconds between successive ``mark``s, by phase name (the rescale's per-worker breakdown)."""
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+        self._last = now
+
+    def report(self) -> dict[str, float]:
+        s = self.seconds
+        out = {f"{k}_seconds": v for k, v in s.items()}
+        out["execute_seconds"] = s.get("group", 0.0) + s.get("exchange", 0.0)
+        out["rebuild_seconds"] = s.get("close", 0.0) + s.get("init_pg", 0.0) + s.get("engine", 0.0)
+        return out
+
+
+def _preload(factory: Any) -> None:
+    """Import what a rescale needs now, so that a joiner's first plan and engine do not pay for it.
+
+    On a loaded 2-core VM importing the planner (numpy/scipy) and the engine took ~0.3 s,
+    all of it inside the pause of the first rescale a joiner took part in.
+    """
+    import elastic.reshard.execute  # noqa: F401
+    import elastic.reshard.plan  # noqa: F401
+
+    if getattr(factory, "func", factory) is default_engine_factory:
+        import elastic.train.engine  # noqa: F401
 
 
 def plan_digest(plan: Any) -> str:
@@ -440,6 +586,13 @@ def plan_digest(plan: Any) -> str:
     h.update(repr(plan.local_copies).encode())
     h.update(repr(plan.new_shards).encode())
     return h.hexdigest()[:32]
+
+
+def _engine_backends(engine: Any) -> list[Any]:
+    """The communicators' backends of a ``TrainEngine`` (none for other engines), to retire after close()."""
+    groups = getattr(engine, "groups", None)
+    comms = [getattr(groups, axis, None) for axis in ("tp", "dp", "pp", "embed")]
+    return [b for c in comms if (b := getattr(c, "backend", None)) is not None]
 
 
 def _same_tensors(a: State, b: State) -> bool:

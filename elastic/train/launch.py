@@ -51,6 +51,7 @@ class RescaleResult:
     lower_bound_bytes: int
     wall_seconds: float  # the whole rescale() call: joiners' start-up, waiting for the boundary, first step
     record: RescaleRecord
+    leave_seconds: float = 0.0  # new layout running -> every leaver gone and its resources free (Ray: GPUs)
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ class JobHandle(ABC):
         self._watching = threading.Event()
         self._watcher: threading.Thread | None = None
         self._stopping = False
+        self.exit_reasons: dict[str, str] = {}  # worker -> how it ended ("exited with code 0"), first seen
 
     # ---- launcher specifics -------------------------------------------------------------------
     @abstractmethod
@@ -124,6 +126,10 @@ class JobHandle(ABC):
 
     @abstractmethod
     def _kill(self, worker: str) -> None: ...
+
+    def _reap(self, worker: str) -> None:
+        """Hook: ``worker``'s agent has finished; free what still holds its resources (Ray: the actor)."""
+        return None
 
     def _before_directive(self) -> None:
         """Hook: every worker of the job is up (snapshot the platform's free resources)."""
@@ -182,25 +188,34 @@ class JobHandle(ABC):
         t0 = time.perf_counter()
         old = set(self.coordinator.status().workers)
         joiners = [w for w in workers if w not in old]
-        # 1. launch the joiners and wait until they registered (their start-up stays out of the pause)
+        # 1. refuse early what the coordinator would refuse anyway (nobody launched for nothing)
+        self.coordinator.check_directive(generation)
+        # 2. launch the joiners and wait until they registered (their start-up stays out of the pause)
         for w in joiners:
             self._launch(w)
         self._wait_registered(joiners)
         self._before_directive()
-        # 2. post the directive; the coordinator picks the step boundary
-        self.coordinator.directive(generation, layout, workers, remap=remap)
-        # 3. wait for the new generation's first step
+        # 3. post the directive; the coordinator picks the step boundary
+        try:
+            self.coordinator.directive(generation, layout, workers, remap=remap)
+        except SpecError:
+            self._dismiss(joiners)  # refused meanwhile (e.g. the job neared max_steps while they started)
+            raise
+        # 4. wait for the new generation's first step
         try:
             rec = self.coordinator.wait_generation(generation, timeout or self.opts.rescale_timeout_s)
         except RescaleFailed:
             self._wait_gone(joiners, self.opts.exit_timeout_s, kill=True)  # they exit on their own; make sure
             raise
-        # 4. leavers are gone and their resources free again
+        # 5. leavers are gone and their resources free again
         leavers = sorted(old - set(workers))
+        t_run = time.perf_counter()
         self._wait_gone(leavers, self.opts.exit_timeout_s, kill=True)
         self._after_gone(leavers, self.opts.exit_timeout_s)
+        t_end = time.perf_counter()
         return RescaleResult(generation, rec.from_layout, rec.to_layout, rec.switch_step, rec.pause_seconds,
-                             rec.bytes_moved, rec.planned_bytes, rec.lower_bound_bytes, time.perf_counter() - t0, rec)
+                             rec.bytes_moved, rec.planned_bytes, rec.lower_bound_bytes, t_end - t0, rec,
+                             leave_seconds=t_end - t_run)
 
     def _launch(self, worker: str) -> None:
         env = {
@@ -221,6 +236,15 @@ class JobHandle(ABC):
             self._spawned.add(worker)
             self._gone.discard(worker)
 
+    def _dismiss(self, workers: Sequence[str]) -> None:
+        """Stop workers launched for a directive that was not posted (their exit is no failure)."""
+        for w in workers:
+            self.coordinator.worker_left(w)
+            self._kill(w)
+        with self._lock:
+            self._gone.update(workers)
+        self._after_gone(workers, self.opts.exit_timeout_s)
+
     def _wait_registered(self, workers: Sequence[str]) -> None:
         deadline = time.monotonic() + self.opts.register_timeout_s
         while True:
@@ -236,6 +260,14 @@ class JobHandle(ABC):
                 raise RescaleFailed(f"job {self.job}: worker(s) {', '.join(missing)} {why}; nothing changed")
             time.sleep(0.05)
 
+    def _observe_exit(self, worker: str) -> str | None:
+        """``_exit_reason``; the first time a worker is seen gone, remember why and reap what is left of it."""
+        reason = self._exit_reason(worker)
+        if reason is not None and worker not in self.exit_reasons:
+            self.exit_reasons[worker] = reason
+            self._reap(worker)
+        return reason
+
     def _live(self) -> list[str]:
         with self._lock:
             return sorted(self._spawned - self._gone)
@@ -244,9 +276,9 @@ class JobHandle(ABC):
         deadline = time.monotonic() + timeout
         pending = list(workers)
         while pending and time.monotonic() < deadline:
-            pending = [w for w in pending if self._exit_reason(w) is None]
+            pending = [w for w in pending if self._observe_exit(w) is None]
             if pending:
-                time.sleep(0.05)
+                time.sleep(0.01)  # a leaver ends within ms of its last report; this is on rescale()'s path
         for w in pending:
             log.warning("job %s: worker %s did not exit within %.0f s; killing it", self.job, w, timeout)
             if kill:
@@ -258,7 +290,7 @@ class JobHandle(ABC):
         """An exit the coordinator did not expect (not a leaver, joiner or stop) fails the job."""
         while not self._watching.wait(0.2):
             for w in self._live():
-                reason = self._exit_reason(w)
+                reason = self._observe_exit(w)
                 if reason is None:
                     continue
                 with self._lock:

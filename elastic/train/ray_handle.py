@@ -5,9 +5,12 @@ starts, rescales and stops elastic training jobs through this handle. Each worke
 actor with ``num_gpus=1`` (Ray assigns and isolates the device) and ``num_cpus=0`` by
 default (so 8 workers fit a 2-CPU local Ray; give real CPUs on a cluster). The actor runs
 the worker agent (:mod:`elastic.train.agent`) in its own process, exactly as a Kubernetes
-pod runs ``python -m elastic.train.worker``; a leaver's agent ``os._exit``s after its bytes
-have landed, so Ray reports its GPU free at once, and the handle ``ray.kill``s any actor
-that is still there after that.
+pod runs ``python -m elastic.train.worker``, except for how it ends: ``os._exit`` inside an
+actor reads to Ray as a crash ("A worker died or was killed while executing a task by an
+unexpected system error", once per leaver), so the agent runs with ``exit_on_leave`` off and
+``run()`` simply returns its exit code. The handle then ``ray.kill``s the finished actor
+(:meth:`TrainingJobHandle._reap`, from the rescale and from the watcher thread): the process
+ends without an interpreter teardown, Ray records an intended kill, and the GPU is free.
 
 What it must not do: choose layouts or placements (the controller does), or start Ray
 behind the caller's back (call :func:`init_local_ray` or ``ray.init`` first).
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -49,10 +53,15 @@ def _worker_actor_class(num_gpus: float, num_cpus: float) -> Any:
         """One training worker: runs the agent until the job stops or this worker leaves."""
 
         def run(self, env: dict[str, str]) -> int:
+            """Train until the job stops or this worker leaves; returns the exit code (the handle kills us then)."""
+            env = {**env, "ELASTIC_EXIT_ON_LEAVE": "0"}
             os.environ.update(env)
             from elastic.train.worker import main
 
-            return main({**os.environ, **env})
+            code = main({**os.environ, **env})
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            return code
 
         def pid(self) -> int:
             return os.getpid()
@@ -105,6 +114,10 @@ class TrainingJobHandle(JobHandle):
         if actor is not None:
             ray.kill(actor, no_restart=True)
 
+    def _reap(self, worker: str) -> None:
+        """``run()`` returned: the actor only holds its GPU now; end it (an intended kill, not a crash)."""
+        self._kill(worker)
+
     def _before_directive(self) -> None:
         import ray
 
@@ -128,6 +141,7 @@ class TrainingJobHandle(JobHandle):
         deadline = time.monotonic() + timeout
         for w in workers:
             ray.wait([self._runs[w]], timeout=max(0.0, deadline - time.monotonic()))
+            self._observe_exit(w)
             self.actors.pop(w, None)
             self._runs.pop(w, None)
         target = self._gpus_free_before + len(workers) * self._gpus_per_worker
@@ -136,7 +150,7 @@ class TrainingJobHandle(JobHandle):
                 log.warning("job %s: Ray shows %.1f GPUs free, expected >= %.1f after %d workers left",
                             self.job, ray.available_resources().get("GPU", 0.0), target, len(workers))
                 return
-            time.sleep(0.02)
+            time.sleep(0.005)
 
     def stop(self, timeout: float | None = None) -> Any:
         self._before_directive()

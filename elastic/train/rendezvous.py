@@ -13,9 +13,12 @@ see identically:
    step lets every member see the directive one step early and prepare its receive buffers
    while it still trains.
 2. **Whether the rescale goes ahead.** Members of old and new layout arrive at ``/v1/arrive``
-   with a digest of the reshard plan they computed. ``go`` once all have arrived with equal
-   digests; ``abandoned`` when the join deadline passes first (a joiner never came) or the
-   digests differ. Both are decided before any byte moves, and are final.
+   with a digest of the reshard plan they computed, or the error that kept them from
+   planning or preparing it. ``go`` once all have arrived with equal digests; ``abandoned``
+   when a member reports an error, the join deadline passes first (a joiner never came) or
+   the digests differ. Both are decided before any byte moves, and are final. Arrivals and
+   joiners' polls are long polls (``wait_s``): the answer leaves the moment it is decided.
+   A directive whose switch step would come at or after ``max_steps`` is refused.
 3. **Whether the job is alive.** Missing heartbeats, a worker's own failure report or a
    launcher's report (process exit) turn the job ``failed`` with a reason; every later
    request from a worker is answered ``stop``.
@@ -30,12 +33,13 @@ does; :meth:`Coordinator.directive` only validates and sequences them).
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import math
 import threading
 import time
-import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -50,6 +54,8 @@ from elastic.train.telemetry import TrainingMetrics
 log = logging.getLogger(__name__)
 
 API = "/v1"
+LONG_POLL_MAX_S = 5.0
+"""Longest a long-polling request (``wait_s``) is held; well under the client's HTTP timeout."""
 
 
 class RendezvousError(RuntimeError):
@@ -324,6 +330,7 @@ class Coordinator:
             old_ranks = dict(cur.ranks) if cur else {}
             start = cur.start_step if cur else 0
             switch = max(self._max_begun + 1 + self.lookahead_steps, start) if cur else 0
+            self._check_before_max_steps(generation, switch)
             d = Directive(
                 job=self.job, generation=generation, layout=str(lay), workers=tuple(members), remap=remap,
                 old_layout=cur.layout if cur else None, old_ranks=old_ranks, switch_step=switch,
@@ -350,6 +357,27 @@ class Coordinator:
         if generation != expected:
             raise SpecError(f"job {self.job}: directive generation={generation}, expected {expected} "
                             "(generations count up by one from the current one)")
+
+    def check_directive(self, generation: int) -> None:
+        """Refuse (SpecError) now what :meth:`directive` would refuse for sequencing reasons, so a launcher
+        need not start joiners for it: job not running, another rescale in flight, wrong generation, or
+        the job's ``max_steps`` coming before the earliest switch step."""
+        with self._cv:
+            self._check_can_post(generation)
+            if self._current is not None:
+                switch = max(self._max_begun + 1 + self.lookahead_steps, self._current.start_step)
+                self._check_before_max_steps(generation, switch)
+
+    def _check_before_max_steps(self, generation: int, switch: int) -> None:
+        """A rescale must switch before the job's last step, or the old layout finishes first and the
+        joiners wait for a boundary that never comes."""
+        if self.max_steps is None or generation == 1 or switch < self.max_steps:
+            return
+        raise SpecError(
+            f"job {self.job}: generation {generation} would switch at step {switch} (after the step in progress "
+            f"and {self.lookahead_steps} lookahead step(s)), but the job ends at max_steps={self.max_steps} "
+            f"(last step {self.max_steps - 1}); nothing changed: the job finishes on its current layout"
+        )
 
     def status(self) -> JobStatus:
         with self._cv:
@@ -382,7 +410,7 @@ class Coordinator:
 
         def done() -> bool:
             rec = self._rescales.get(generation)
-            return self._phase in ("failed", "stopped") or (rec is not None and rec.ok is not None)
+            return self._phase in ("failed", "stopped", "finished") or (rec is not None and rec.ok is not None)
 
         with self._cv:
             if not self._cv.wait_for(done, timeout):
@@ -567,14 +595,30 @@ class Coordinator:
         return {"phase": self._phase, "failed": self._phase == "failed", "reason": self._error or ""}
 
     def _h_poll(self, b: dict[str, Any]) -> dict[str, Any]:
-        """A worker without a generation asks whether a directive includes it."""
+        """A worker without a generation asks whether a directive includes it (``wait_s``: long poll)."""
         w = str(b["worker"])
         self._touch(w)
+        wait_s = min(float(b.get("wait_s") or 0.0), LONG_POLL_MAX_S)
+        answer: dict[str, Any] = {}
+
+        def decided() -> bool:
+            answer.clear()
+            answer.update(self._poll_answer_locked(w))
+            return answer["action"] != "wait" or self._closing.is_set()
+
+        if not decided() and wait_s > 0:
+            self._cv.wait_for(decided, wait_s)
+        return answer
+
+    def _poll_answer_locked(self, w: str) -> dict[str, Any]:
         if self._phase in ("failed", "stopping", "stopped", "finished"):
             return {"action": "exit", "reason": self._error or self._reason or self._phase}
         p = self._pending
         if p is not None and p.decision is None and w in p.directive.workers:
             return {"action": "join", "directive": p.directive.to_json()}
+        if p is not None and p.decision == "abandoned" and w in p.directive.joiners:
+            # launched for a rescale that will not happen: leave now rather than wait to be killed
+            return {"action": "exit", "reason": p.record.reason}
         return {"action": "wait"}
 
     def _h_step(self, b: dict[str, Any]) -> dict[str, Any]:
@@ -593,6 +637,9 @@ class Coordinator:
         if self.max_steps is not None and step >= self.max_steps:
             self._finished.add(w)
             if set(cur.ranks) <= self._finished:
+                if self._pending is not None and self._pending.decision is None:  # defensive: refused at post
+                    self._abandon_locked(f"the job reached max_steps={self.max_steps} before the switch step "
+                                         f"{self._pending.directive.switch_step}")
                 self._phase, self._reason = "finished", f"reached max_steps={self.max_steps}"
                 self._cv.notify_all()
             return {"action": "finish", "reason": f"reached max_steps={self.max_steps}"}
@@ -621,30 +668,47 @@ class Coordinator:
             p.record.pause_seconds = self._clock() - p.stopped_at
 
     def _h_arrive(self, b: dict[str, Any]) -> dict[str, Any]:
-        """A member is at the meeting point of ``generation`` with its plan digest; returns the decision."""
+        """A member is at the meeting point of ``generation`` with its plan digest; returns the decision.
+
+        ``error`` (optional): this member could not plan or prepare the reshard; the rescale is
+        abandoned for everyone before any byte moves. ``wait_s`` (optional): hold the answer up
+        to that long while the decision is still open (long poll: every member hears ``go`` the
+        moment the last one arrives, instead of on its next poll).
+        """
         w, gen = str(b["worker"]), int(b["generation"])
         self._touch(w)
+        p = self._pending
+        if gen not in self._decisions and (p is None or p.directive.generation != gen
+                                           or w not in p.directive.members):
+            return {"decision": "abandoned", "reason": f"worker {w} is not a member of generation {gen}"}
+        if gen not in self._decisions:
+            self._arrive_locked(w, b)
+        wait_s = min(float(b.get("wait_s") or 0.0), LONG_POLL_MAX_S)
+        if gen not in self._decisions and wait_s > 0:
+            self._cv.wait_for(lambda: gen in self._decisions or self._closing.is_set(), wait_s)
         if gen in self._decisions:
             decision, reason = self._decisions[gen]
             return {"decision": decision, "reason": reason}
+        return {"decision": "wait", "reason": ""}
+
+    def _arrive_locked(self, w: str, b: dict[str, Any]) -> None:
         p = self._pending
-        if p is None or p.directive.generation != gen or w not in p.directive.members:
-            return {"decision": "abandoned", "reason": f"worker {w} is not a member of generation {gen}"}
+        assert p is not None
+        if b.get("error"):
+            self._abandon_locked(f"worker {w} could not plan or prepare the reshard: {b['error']}; nothing moved, "
+                                 "the job continues on its old layout")
+            return
         if w not in p.arrived:
             p.arrived[w] = str(b.get("digest", ""))
             if b.get("plan"):
                 p.plan_info = dict(b["plan"])
-        mismatch = sorted({dg for dg in p.arrived.values()})
-        if len(mismatch) > 1:
-            by = {dg: sorted(x for x, y in p.arrived.items() if y == dg) for dg in mismatch}
+        digests = sorted(set(p.arrived.values()))
+        if len(digests) > 1:
+            by = {dg: sorted(x for x, y in p.arrived.items() if y == dg) for dg in digests}
             self._abandon_locked(f"members computed different reshard plans {by}; the planner must be "
                                  "deterministic for equal inputs")
         elif set(p.directive.members) <= set(p.arrived):
             self._go_locked()
-        else:
-            return {"decision": "wait", "reason": ""}
-        decision, reason = self._decisions[gen]
-        return {"decision": decision, "reason": reason}
 
     def _h_result(self, b: dict[str, Any]) -> dict[str, Any]:
         """A member finished (or failed) its part of a rescale."""
@@ -749,6 +813,10 @@ def _check_members(layout: Layout, members: list[str]) -> None:
 def _make_handler(coord: Coordinator) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # The reply goes out as two writes (headers, body); with Nagle on, the body waits for the
+        # client's delayed ACK: +40 ms on every request (every training step, every meeting).
+        disable_nagle_algorithm = True
+        timeout = 300  # an idle kept-alive connection is dropped after this (its client reconnects)
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
             return
@@ -760,7 +828,16 @@ def _make_handler(coord: Coordinator) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(payload)
 
+        def _gone(self) -> bool:
+            """After ``stop()``: answer nothing on a kept-alive connection, as a closed port would."""
+            if coord._closing.is_set():
+                self.close_connection = True
+                return True
+            return False
+
         def do_GET(self) -> None:  # noqa: N802 - stdlib name
+            if self._gone():
+                return
             if self.path == "/metrics":
                 self._reply(200, generate_latest(coord.metrics.registry), "text/plain; version=0.0.4")
             elif self.path in (f"{API}/status", "/healthz"):
@@ -769,6 +846,8 @@ def _make_handler(coord: Coordinator) -> type[BaseHTTPRequestHandler]:
                 self._reply(404, b'{"error": "not found"}')
 
         def do_POST(self) -> None:  # noqa: N802 - stdlib name
+            if self._gone():
+                return
             try:
                 n = int(self.headers.get("Content-Length", "0"))
                 body = json.loads(self.rfile.read(n) or b"{}")
@@ -792,32 +871,74 @@ def _make_handler(coord: Coordinator) -> type[BaseHTTPRequestHandler]:
 
 
 class RendezvousClient:
-    """JSON calls to a :class:`Coordinator`. Retries connection errors for up to ``retry_s``."""
+    """JSON calls to a :class:`Coordinator`. Retries connection errors for up to ``retry_s``.
+
+    Keeps one HTTP/1.1 connection open across calls (a worker asks before every step: a new
+    TCP connection, and a new server thread, per step costs more than the answer), and
+    reconnects transparently when the coordinator closed it. Thread-safe (one call at a time).
+    """
 
     def __init__(self, url: str, worker: str, *, timeout_s: float = 10.0, retry_s: float = 30.0) -> None:
         self.url = url.rstrip("/")
         self.worker = worker
         self.timeout_s = timeout_s
         self.retry_s = retry_s
+        parts = urllib.parse.urlsplit(self.url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise SpecError(f"rendezvous URL {url!r}: expected http://HOST:PORT")
+        self._host, self._port = parts.hostname, parts.port or 80
+        self._conn: http.client.HTTPConnection | None = None
+        self._lock = threading.Lock()
 
     def call(self, route: str, **body: Any) -> dict[str, Any]:
+        """POST ``body`` (plus this worker's id) to ``route``; a long poll (``wait_s``) extends the read timeout."""
         data = json.dumps({"worker": self.worker, **body}).encode()
+        timeout = self.timeout_s + float(body.get("wait_s") or 0.0)
         deadline = time.monotonic() + self.retry_s
         delay = 0.05
-        while True:
-            req = urllib.request.Request(f"{self.url}{API}/{route}", data=data,
-                                         headers={"Content-Type": "application/json"}, method="POST")
+        with self._lock:
+            while True:
+                try:
+                    status, payload = self._post(f"{API}/{route}", data, timeout)
+                except (ConnectionError, TimeoutError, OSError, http.client.HTTPException) as e:
+                    self._close()
+                    if time.monotonic() + delay > deadline:
+                        raise RendezvousError(f"coordinator {self.url} unreachable for {self.retry_s:g} s "
+                                              f"({route}): {e}") from None
+                    time.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+                    continue
+                if status != 200:
+                    raise RendezvousError(f"coordinator {self.url} {route}: HTTP {status} {payload[:300]!r}")
+                return json.loads(payload or b"{}")
+
+    def _post(self, path: str, data: bytes, timeout: float) -> tuple[int, bytes]:
+        fresh = self._conn is None
+        for attempt in (0, 1):
+            if self._conn is None:
+                self._conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+            self._conn.timeout = timeout
+            if self._conn.sock is not None:
+                self._conn.sock.settimeout(timeout)
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
-                    return json.loads(r.read() or b"{}")
-            except urllib.error.HTTPError as e:
-                raise RendezvousError(f"coordinator {self.url} {route}: HTTP {e.code} {e.read()[:300]!r}") from None
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
-                if time.monotonic() + delay > deadline:
-                    raise RendezvousError(f"coordinator {self.url} unreachable for {self.retry_s:g} s "
-                                          f"({route}): {e}") from None
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                self._conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+                r = self._conn.getresponse()
+                return r.status, r.read()
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                # a kept-alive connection the server closed meanwhile: one retry on a new one
+                self._close()
+                if fresh or attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._close()
 
     def status(self) -> dict[str, Any]:
         with urllib.request.urlopen(f"{self.url}{API}/status", timeout=self.timeout_s) as r:

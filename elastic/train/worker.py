@@ -11,6 +11,8 @@ Environment:
   with it stops the worker with exit code 2 and a message naming the field.
 * ``ELASTIC_PG_TIMEOUT`` (seconds, default 120), ``ELASTIC_COORDINATOR_TIMEOUT`` (default 30),
   ``ELASTIC_DEVICE`` (default ``cpu``), ``ELASTIC_VERIFY_RESHARD`` (``1`` = checksum reshards).
+* ``ELASTIC_EXIT_ON_LEAVE`` (default ``1``): a leaver ends its process with ``os._exit`` once its
+  bytes have landed; ``0`` returns from :func:`main` instead (a Ray actor, whose process Ray ends).
 * ``ELASTIC_ENGINE_FACTORY`` (optional, ``module:function``): an engine other than
   ``elastic.train.engine.TrainEngine`` that implements :class:`elastic.train.agent.Engine`.
 
@@ -68,8 +70,18 @@ def options_from_env(env: Mapping[str, str]) -> AgentOptions:
         pg_timeout_s=_float(env, "ELASTIC_PG_TIMEOUT", 120.0),
         coordinator_timeout_s=_float(env, "ELASTIC_COORDINATOR_TIMEOUT", 30.0),
         device=env.get("ELASTIC_DEVICE", "cpu") or "cpu",
-        verify_reshard=env.get("ELASTIC_VERIFY_RESHARD", "0") == "1",
+        verify_reshard=_flag(env, "ELASTIC_VERIFY_RESHARD", False),
+        exit_on_leave=_flag(env, "ELASTIC_EXIT_ON_LEAVE", True),
     )
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    v = env.get(name, "").strip().lower()
+    if not v:
+        return default
+    if v not in ("0", "1", "true", "false"):
+        raise SpecError(f"{name}={env[name]!r}: use 1 or 0")
+    return v in ("1", "true")
 
 
 def load_factory(path: str) -> EngineFactory:

@@ -6,15 +6,19 @@ freezes mid-training surfaces as a failed status with the reason -- within a bou
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
+from dataclasses import replace
 
 import pytest
+from prometheus_client import CollectorRegistry
 
-from elastic.model import HardwareSpec, Layout, SpecError, load_model
-from elastic.train.engine import TrainConfig, TrainEngine
+from elastic.model import HardwareSpec, SpecError, load_model
+from elastic.train.engine import TrainConfig
 from elastic.train.launch import LaunchOptions, ProcessJobHandle
 from elastic.train.rendezvous import RescaleFailed
+from tests.train import _mp
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -23,8 +27,9 @@ OPTS = LaunchOptions(pg_timeout_s=60, heartbeat_interval_s=0.5, heartbeat_timeou
 
 
 def reference_losses(steps: int) -> list[float]:
-    eng = TrainEngine(CFG, Layout.parse("tp1.pp1.dp1"), 0)
-    return [eng.train_step(s).loss for s in range(steps)]
+    """The never-rescaled run: one process, one rank, one intra-op thread (two threads on a busy
+    2-core VM make these tiny matmuls ~10x slower: 20 s instead of 2 s for 50 steps)."""
+    return _mp.reference_losses(CFG, steps)
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +94,60 @@ def test_joiner_that_never_arrives_times_out_and_the_job_continues_with_its_stat
         assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step}"
 
 
+def test_member_that_cannot_prepare_abandons_the_rescale_and_the_job_keeps_its_state(tmp_path, monkeypatch) -> None:
+    # w0's engine hands the resharder a column-major tensor: prepare() refuses it on w0 only
+    monkeypatch.setenv("ELASTIC_TEST_FAULTY_WORKER", "w0")
+    reg = CollectorRegistry()
+    opts = replace(OPTS, engine_factory="tests.train._agent_engines:mislaid_state_on_one_worker")
+    h = ProcessJobHandle("prepare-fails", CFG, options=opts, registry=reg, log_dir=str(tmp_path))
+    try:
+        h.start("tp1.pp1.dp1", ["w0"], timeout=180)
+        h.wait_step(1, timeout=120)
+        with pytest.raises(RescaleFailed, match=r"worker w0 could not plan or prepare the reshard: ReshardError: "
+                                                r".*not contiguous.*nothing moved"):
+            h.rescale("tp1.pp1.dp2", ["w0", "w1"], timeout=120)
+        st = h.status()
+        assert (st.phase, st.generation, st.layout, st.workers) == ("running", 1, "tp1.pp1.dp1", ["w0"])
+        assert "abandoned" in st.reason and "w0 could not plan or prepare" in st.reason, st.reason
+        assert st.error is None and st.last_rescale is not None and st.last_rescale.ok is False
+        # the joiner was told and left on its own (the launcher did not have to kill it)
+        assert h.exit_reasons.get("w1") == "exited with code 0"
+        assert reg.get_sample_value("elastic_training_rescale_failures_total", {"job": "prepare-fails"}) == 1
+        h.wait_step(st.step + 3, timeout=120)  # training goes on, on the old layout, from intact state
+    finally:
+        final = h.stop()
+    assert final.error is None
+    hist = h.history()
+    assert [r.step for r in hist] == list(range(len(hist))) and {r.generation for r in hist} == {1}
+    for r, want in zip(hist, reference_losses(len(hist)), strict=True):
+        assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step}"
+
+
+def test_rescale_near_max_steps_completes_or_is_refused_and_never_hangs(tmp_path, monkeypatch) -> None:
+    """Every step takes 0.3 s. A shrink posted right after step 1 switches at step 4 or 5 (the step in
+    progress, one lookahead step) and completes before max_steps=14; a grow asked for after step 11
+    would switch at step 14 or later: refused, before any joiner is launched. The job then finishes."""
+    monkeypatch.setenv("ELASTIC_TEST_STEP_SECONDS", "0.3")
+    opts = replace(OPTS, max_steps=14, engine_factory="tests.train._agent_engines:slow_steps")
+    h = ProcessJobHandle("near-end", CFG, options=opts, log_dir=str(tmp_path))
+    try:
+        h.start("tp1.pp1.dp2", ["w0", "w1"], timeout=180)
+        h.wait_step(1, timeout=120)
+        shrink = h.rescale("tp1.pp1.dp1", ["w0"], timeout=60)
+        assert shrink.record.ok and shrink.switch_step < 14
+        h.wait_step(11, timeout=60)  # step 12 has begun everywhere: the earliest switch is 14
+        with pytest.raises(SpecError, match=r"would switch at step 1[4-9] .*max_steps=14"):
+            h.rescale("tp1.pp1.dp2", ["w0", "w2"], timeout=60)
+        assert sorted(h.procs) == ["w0", "w1"], "a refused rescale must not launch anyone"
+        assert h.coordinator.wait_phase(["finished"], timeout=60) == "finished"
+    finally:
+        final = h.stop()
+    assert final.phase == "finished" and final.error is None
+    hist = h.history()
+    assert [r.step for r in hist] == list(range(14))
+    assert [r.generation for r in hist] == [1] * shrink.switch_step + [2] * (14 - shrink.switch_step)
+
+
 def test_frozen_worker_fails_the_job_by_heartbeat_loss(job) -> None:
     os.kill(job.pid("w1"), signal.SIGSTOP)  # alive but silent: only the heartbeat can tell
     try:
@@ -112,7 +171,9 @@ def test_worker_killed_mid_step_fails_the_job_with_the_reason(tmp_path) -> None:
         os.kill(h.pid("w1"), signal.SIGKILL)
         assert h.coordinator.wait_phase(["failed"], timeout=60) == "failed"
         st = h.status()
-        assert any("w1" in f for f in st.failures) or "closed by peer" in (st.error or ""), st.failures
+        # the first reason is the launcher's or the survivor's (gloo: the socket was closed or reset)
+        assert any("w1" in f for f in st.failures) or re.search(r"(closed|reset) by peer", st.error or ""), \
+            st.failures
         assert any("worker w1 exited with signal 9" in f or "worker w1 lost" in f for f in _eventually(h)), \
             st.failures
         deadline = time.monotonic() + 40

@@ -5,13 +5,15 @@ One HTTP round trip at the end checks the wire and the ``/metrics`` endpoint.
 
 from __future__ import annotations
 
+import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from elastic.model import SpecError
-from elastic.train.rendezvous import Coordinator, RendezvousClient, RescaleFailed
+from elastic.train.rendezvous import Coordinator, JobFailed, RendezvousClient, RescaleFailed
 
 
 class Clock:
@@ -147,7 +149,8 @@ def test_joiner_that_never_arrives_abandons_the_rescale_before_anything_moves() 
     assert (st.phase, st.generation, st.layout) == ("running", 1, "tp1.pp1.dp2")
     assert "ghost" in st.reason and "did not arrive" in st.reason
     assert run_step(c, ["w0", "w1"], 1, d.switch_step) == ["go", "go"]  # the old layout continues
-    assert call(c, "poll", "w2")["action"] == "wait"
+    out = call(c, "poll", "w2")  # a joiner launched for the abandoned rescale leaves instead of idling
+    assert out["action"] == "exit" and "ghost" in out["reason"]
     with pytest.raises(RescaleFailed, match="ghost"):
         c.wait_generation(2, timeout=1)
     assert metric(reg, "elastic_training_rescale_failures_total") == 1
@@ -227,3 +230,111 @@ def test_http_round_trip_and_metrics_endpoint() -> None:
         c.stop()
     with pytest.raises(Exception, match="unreachable"):
         RendezvousClient(c.url, "w0", retry_s=0.2).call("heartbeat")
+
+
+@pytest.mark.parametrize(
+    "order, failing",
+    [
+        # (arrival order, the member whose plan/prepare failed)
+        (["w0", "w1", "w2"], "w0"),  # the first to arrive fails: the others hear at once
+        (["w0", "w2", "w1"], "w1"),  # the last old member fails after the joiner waited
+        (["w2", "w0", "w1"], "w2"),  # the joiner itself could not prepare
+    ],
+)
+def test_member_that_cannot_prepare_abandons_the_rescale_for_everyone(order, failing) -> None:
+    c, _, reg = started()
+    call(c, "register", "w2")
+    d = c.directive(2, "tp1.pp1.dp4", ["w0", "w1", "w2", "w3"])
+    call(c, "register", "w3")
+    run_step(c, ["w0", "w1"], 1, 2)
+    assert run_step(c, ["w0", "w1"], 1, d.switch_step) == ["switch", "switch"]
+    answers = {}
+    for w in order:
+        err = "ReshardError: staging cap 8 bytes is smaller than one row" if w == failing else ""
+        answers[w] = call(c, "arrive", w, generation=2, digest="same", error=err)["decision"]
+    # nobody before the failing one got an answer other than wait; from it on, everyone hears abandoned
+    first_bad = order.index(failing)
+    assert [answers[w] for w in order] == ["wait"] * first_bad + ["abandoned"] * (len(order) - first_bad)
+    assert call(c, "arrive", "w3", generation=2, digest="same")["decision"] == "abandoned"
+    st = c.status()
+    assert (st.phase, st.generation, st.layout, st.error) == ("running", 1, "tp1.pp1.dp2", None)
+    assert f"worker {failing} could not plan or prepare the reshard: ReshardError: staging cap" in st.reason
+    assert "nothing moved" in st.reason
+    assert run_step(c, ["w0", "w1"], 1, d.switch_step) == ["go", "go"]  # the old layout goes on
+    assert call(c, "poll", "w3")["action"] == "exit"  # a joiner that had not heard yet leaves too
+    with pytest.raises(RescaleFailed, match=f"worker {failing} could not plan"):
+        c.wait_generation(2, timeout=1)
+    assert metric(reg, "elastic_training_rescale_failures_total") == 1
+
+
+def test_long_poll_answers_each_waiting_member_when_the_decision_falls() -> None:
+    c, _, _ = started()
+    d = c.directive(2, "tp1.pp1.dp1", ["w0"])
+    run_step(c, ["w0", "w1"], 1, d.switch_step)
+    with ThreadPoolExecutor(1) as pool:
+        # w0 arrives first and holds its request open (wait_s) instead of polling
+        held = pool.submit(call, c, "arrive", "w0", generation=2, digest="d", wait_s=30)
+        time.sleep(0.2)
+        assert not held.done()
+        t0 = time.monotonic()
+        assert call(c, "arrive", "w1", generation=2, digest="d")["decision"] == "go"
+        assert held.result(timeout=10)["decision"] == "go"
+        assert time.monotonic() - t0 < 10  # answered by the decision, not by its 30 s timeout
+
+
+def test_long_poll_hands_a_waiting_joiner_its_directive_when_it_is_posted() -> None:
+    c, _, _ = started()
+    call(c, "register", "w2")
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(call, c, "poll", "w2", wait_s=30)
+        time.sleep(0.2)
+        assert not held.done()
+        c.directive(2, "tp1.pp1.dp1", ["w2"])
+        out = held.result(timeout=10)
+    assert out["action"] == "join" and out["directive"]["generation"] == 2
+
+
+@pytest.mark.parametrize(
+    "max_steps, outcome",
+    [
+        # started() leaves both members at step 1 (begun); lookahead 1 -> switch at step 3
+        (3, "refused"),  # step 3 would be the switch, but the job's last step is 2
+        (4, "completes"),  # one step (3) on the new layout, then finish
+        (10, "completes"),
+    ],
+)
+def test_rescale_near_max_steps_either_completes_or_is_refused(max_steps, outcome) -> None:
+    c, _, _ = started(max_steps=max_steps)
+    if outcome == "refused":
+        before = c.status()
+        with pytest.raises(SpecError, match=rf"would switch at step 3 .* max_steps={max_steps}"):
+            c.directive(2, "tp1.pp1.dp1", ["w0"])
+        assert c.status() == before and c.rescale_record(2) is None
+        assert run_step(c, ["w0", "w1"], 1, 2) == ["go", "go"]
+        assert run_step(c, ["w0", "w1"], 1, 3) == ["finish", "finish"]
+        assert c.status().phase == "finished"
+        return
+    d = c.directive(2, "tp1.pp1.dp1", ["w0"])
+    assert d.switch_step == 3 < max_steps
+    run_step(c, ["w0", "w1"], 1, 2)
+    assert run_step(c, ["w0", "w1"], 1, 3) == ["switch", "switch"]
+    for w in ("w0", "w1"):
+        call(c, "arrive", w, generation=2, digest="d", plan={"new_ranks": {"w0": 0}})
+        call(c, "result", w, generation=2, ok=True, stats={})
+    step = 3
+    while call(c, "step", "w0", generation=2, step=step,
+               result={"step": step - 1, "loss": 1.0, "tokens": 256, "seconds": 0.1} if step > 3 else None
+               )["action"] == "go":
+        step += 1
+    assert step == max_steps and c.status().phase == "finished"
+    rec = c.wait_generation(2, timeout=1)  # completed: the new layout ran its steps before the end
+    assert rec.ok is True
+
+
+def test_wait_generation_never_hangs_on_a_finished_job() -> None:
+    c, _, _ = started(max_steps=2)
+    assert run_step(c, ["w0", "w1"], 1, 2) == ["finish", "finish"]
+    t0 = time.monotonic()
+    with pytest.raises(JobFailed, match="is finished"):
+        c.wait_generation(2, timeout=5)
+    assert time.monotonic() - t0 < 4  # answered by the phase, not by the timeout

@@ -1,0 +1,68 @@
+"""Engine factories for the agent tests, loaded by worker processes through ``ELASTIC_ENGINE_FACTORY``.
+
+:func:`slow_steps`: the real engine, each step padded to a fixed wall time, so a test knows
+roughly where the job is (rescales near ``max_steps``).
+
+A fault at our own boundary (the :class:`elastic.train.agent.Engine` protocol), not a mock of
+the trainer: :func:`mislaid_state_on_one_worker` builds the real ``TrainEngine`` and trains
+with it unchanged; only the state it *hands to the resharder* on the worker named by
+``ELASTIC_TEST_FAULTY_WORKER`` has one tensor in column-major order, which
+``elastic.reshard.execute.prepare`` refuses (``ReshardError``) before anything moves.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from elastic.model import Layout
+from elastic.train.agent import State, default_engine_factory
+
+
+class _MislaidState:
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def state(self) -> State:
+        out = dict(self._engine.state())
+        key = next(k for k, t in out.items() if t.dim() == 2 and min(t.shape) > 1)
+        out[key] = out[key].t().contiguous().t()  # same shape and values, column-major: not the contract
+        return out
+
+    def train_step(self, step: int) -> Any:
+        return self._engine.train_step(step)
+
+    def close(self) -> None:
+        self._engine.close()
+
+
+def mislaid_state_on_one_worker(config: dict[str, Any], layout: Layout, rank: int, state: State | None) -> Any:
+    engine = default_engine_factory(config, layout, rank, state, timeout_s=60)
+    if os.environ.get("ELASTIC_WORKER_ID") == os.environ.get("ELASTIC_TEST_FAULTY_WORKER"):
+        return _MislaidState(engine)
+    return engine
+
+
+class _Slow:
+    """Every step takes at least ``ELASTIC_TEST_STEP_SECONDS``: a job whose progress a test can outpace."""
+
+    def __init__(self, engine: Any, seconds: float) -> None:
+        self._engine, self._seconds = engine, seconds
+
+    def state(self) -> State:
+        return self._engine.state()
+
+    def train_step(self, step: int) -> Any:
+        t0 = time.monotonic()
+        out = self._engine.train_step(step)
+        time.sleep(max(0.0, self._seconds - (time.monotonic() - t0)))
+        return out
+
+    def close(self) -> None:
+        self._engine.close()
+
+
+def slow_steps(config: dict[str, Any], layout: Layout, rank: int, state: State | None) -> Any:
+    engine = default_engine_factory(config, layout, rank, state, timeout_s=60)
+    return _Slow(engine, float(os.environ.get("ELASTIC_TEST_STEP_SECONDS", "0.3")))
