@@ -607,6 +607,19 @@ class _RemoteCoordinator:
     def stop(self) -> None:
         self._call("stop")
 
+    def check_directive(self, generation: int) -> None:
+        self._call("check_directive", generation)
+
+    def worker_left(self, worker: str) -> Any:
+        return self._call("worker_left", worker)
+
+    def __getattr__(self, method: str) -> Any:
+        # Any other Coordinator method a JobHandle calls goes to the actor too, so the
+        # launcher and this proxy cannot drift apart again.
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return lambda *args, **kw: self._call(method, *args, **kw)
+
 
 def _coordinator_settings(opts: Any) -> dict[str, Any]:
     return {"heartbeat_interval_s": opts.heartbeat_interval_s, "heartbeat_timeout_s": opts.heartbeat_timeout_s,
