@@ -34,8 +34,8 @@ def test_preset_parameter_count_matches_published_total(name: str) -> None:
                                   "megatron-145.6b", "megatron-1t"])
 def test_megatron_rows_match_the_paper_formula(name: str) -> None:
     m = MODEL_PRESETS[name]
-    l, h, V, s = m.layers, m.hidden, m.vocab, m.seq_len
-    formula = 12 * l * h * h * (1 + 13 / (12 * h) + (V + s) / (12 * l * h)) - s * h
+    n, h, V, s = m.layers, m.hidden, m.vocab, m.seq_len
+    formula = 12 * n * h * h * (1 + 13 / (12 * h) + (V + s) / (12 * n * h)) - s * h
     assert abs(m.total_params() / formula - 1) < 0.001
 
 
