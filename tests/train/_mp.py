@@ -272,3 +272,31 @@ def run_rescale_each(rank: int, world: int, scenarios: list[tuple[list[tuple[str
     """:func:`run_rescale` for each ``(generations, cfg kwargs)``, in the same processes (one
     spawn per test file)."""
     return [run_rescale(rank, world, gens, steps_per_gen, kw) for gens, kw in scenarios]
+
+
+# ---- shared assertions of the fidelity files ------------------------------------------------------
+
+FIDELITY_TOL = {"float64": 1e-9, "float32": 1e-4}
+
+
+def assert_matches_reference(results: list[dict], layout: str, kw: dict, steps: int, drop: dict[str, float]) -> None:
+    """Every rank's losses equal the single-process reference within the dtype's tolerance,
+    are the same on every rank, and fall by at least ``drop[model]`` nats over the run."""
+    import math
+
+    key = f"{layout}/{sorted(kw.items())}"
+    ref = results[0]["reference"][str(sorted(kw.items()))]
+    tol = FIDELITY_TOL[kw["dtype"]]
+    for rank, res in enumerate(results):
+        got = res["losses"][key]
+        assert len(got) == steps
+        for step, (a, b) in enumerate(zip(got, ref, strict=True)):
+            assert math.isclose(a, b, rel_tol=tol, abs_tol=0), f"rank {rank} step {step}: {a!r} vs reference {b!r}"
+    assert len({tuple(r["losses"][key]) for r in results}) == 1
+    assert ref[-1] < ref[0] - drop[kw.get("model", "tiny")], f"loss did not fall: {ref[0]:.3f} -> {ref[-1]:.3f}"
+
+
+def assert_state_bytes_equal_spec(results: list[dict], layout: str, kw: dict) -> None:
+    key = f"{layout}/{sorted(kw.items())}"
+    for res in results:
+        assert res["state_bytes"][key] == res["spec_bytes"][key] > 0

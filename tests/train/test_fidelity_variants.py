@@ -9,14 +9,11 @@ weight decay. All in float64 (1e-9 relative).
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
-from tests.train._mp import run_layouts, run_workers
+from tests.train._mp import assert_matches_reference, assert_state_bytes_equal_spec, run_layouts, run_workers
 
 STEPS = 12
-TOL = {"float64": 1e-9, "float32": 1e-4}
 DROP = {"tiny": 0.3, "tiny-gpt2": 0.05}  # nats the loss must fall over the run
 
 RUNS = [
@@ -36,22 +33,10 @@ def results() -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,kw", RUNS, ids=[f"{lay}-{'-'.join(f'{k}={v}' for k, v in kw.items())}" for lay, kw in RUNS])
 def test_layout_matches_single_process(results: list[dict], layout: str, kw: dict) -> None:
-    key = f"{layout}/{sorted(kw.items())}"
-    ref = results[0]["reference"][str(sorted(kw.items()))]
-    tol = TOL[kw["dtype"]]
-    for rank, res in enumerate(results):
-        got = res["losses"][key]
-        assert len(got) == STEPS
-        for step, (a, b) in enumerate(zip(got, ref, strict=True)):
-            assert math.isclose(a, b, rel_tol=tol, abs_tol=0), f"rank {rank} step {step}: {a!r} vs reference {b!r}"
-    # the loss is the same number on every rank, and training actually learns
-    assert len({tuple(r["losses"][key]) for r in results}) == 1
-    assert ref[-1] < ref[0] - DROP[kw.get("model", "tiny")], f"loss did not fall: {ref[0]:.3f} -> {ref[-1]:.3f}"
+    assert_matches_reference(results, layout, kw, STEPS, DROP)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,kw", RUNS, ids=[f"{lay}-{kw['dtype']}" for lay, kw in RUNS])
 def test_state_bytes_equal_spec(results: list[dict], layout: str, kw: dict) -> None:
-    key = f"{layout}/{sorted(kw.items())}"
-    for res in results:
-        assert res["state_bytes"][key] == res["spec_bytes"][key] > 0
+    assert_state_bytes_equal_spec(results, layout, kw)
