@@ -157,6 +157,11 @@ def engine_worker(a: argparse.Namespace) -> None:
     if me in plan.leavers:
         _write(f"{a.dir}/engine-{me}.json", out)
         fast_exit(0)
+    # The bitwise check is untimed, but on 2 cores it would steal the CPU the leavers need to
+    # exit (their exit is inside the pause): verify only once every leaver has written its
+    # result and had time to exit.
+    _wait_for_files([f"{a.dir}/engine-{w}.json" for w in plan.leavers], timeout=60)
+    time.sleep(0.3)
     pieces = sharding_spec(model, B, FP32_KINDS).rank_pieces(plan.new_ranks[me])
     out["correct"] = _expected_ok(new_state, pieces)  # untimed, after t_end
     _write(f"{a.dir}/engine-{me}.json", out)
@@ -298,6 +303,14 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float) -> dict[int, float]
                     q.kill()
                 raise SystemExit(f"a benchmark process exited with {p.returncode}; see its output above")
     return gone
+
+
+def _wait_for_files(paths: list[str], timeout: float) -> None:
+    deadline = time.time() + timeout
+    while not all(Path(p).exists() for p in paths):
+        if time.time() > deadline:
+            raise SystemExit(f"leavers did not report within {timeout:.0f} s: {paths}")
+        time.sleep(0.01)
 
 
 def _read(d: str, prefix: str) -> list[dict]:
