@@ -83,16 +83,9 @@ class DemoRun:
 
 
 def _replica_running(url: str) -> float:
-    import httpx
+    from elastic.metrics.scrape import scrape_sum
 
-    try:
-        text = httpx.get(f"{url}/metrics", timeout=0.5).text
-    except Exception:  # noqa: BLE001 - an unreachable replica is not busy
-        return 0.0
-    for line in text.splitlines():
-        if line.startswith("vllm:num_requests_running"):
-            return float(line.rsplit(" ", 1)[-1])
-    return 0.0
+    return scrape_sum(url, ("vllm:num_requests_running",), timeout=0.5) or 0.0  # unreachable: not busy
 
 
 def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "sqlite:///./elastic.db",

@@ -190,19 +190,12 @@ class RayBackend:
 
     def _drain(self, r: _Replica) -> None:
         """Wait (bounded) until the replica has no running or waiting request."""
-        import httpx
+        from elastic.metrics.scrape import scrape_sum
 
         deadline = time.monotonic() + self.drain_seconds
         while time.monotonic() < deadline:
-            try:
-                text = httpx.get(f"{r.url}/metrics", timeout=1.0).text
-            except Exception:  # noqa: BLE001 - an unreachable replica has nothing to drain
-                return
-            busy = 0.0
-            for line in text.splitlines():
-                if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
-                    busy += float(line.rsplit(" ", 1)[-1])
-            if busy == 0:
+            busy = scrape_sum(r.url, ("vllm:num_requests_running", "vllm:num_requests_waiting"))
+            if not busy:  # None: an unreachable replica has nothing to drain
                 return
             time.sleep(0.1)
 
@@ -606,12 +599,6 @@ class _RemoteCoordinator:
 
     def stop(self) -> None:
         self._call("stop")
-
-    def check_directive(self, generation: int) -> None:
-        self._call("check_directive", generation)
-
-    def worker_left(self, worker: str) -> Any:
-        return self._call("worker_left", worker)
 
     def __getattr__(self, method: str) -> Any:
         # Any other Coordinator method a JobHandle calls goes to the actor too, so the

@@ -34,6 +34,18 @@ def parse_metrics(text: str) -> Samples:
     return out
 
 
+def scrape_sum(url: str, names: Sequence[str], timeout: float = 1.0) -> float | None:
+    """Sum of the samples named ``names`` on one replica's ``/metrics`` (all label sets);
+    None when the replica does not answer. For one-off reads (drain checks, the demo's
+    accounting); the controller's metric source is :class:`Scrape`."""
+    try:
+        text = httpx.get(f"{url.rstrip('/')}/metrics", timeout=timeout).text
+    except httpx.HTTPError:
+        return None
+    samples = parse_metrics(text)
+    return sum(v for n in names for _, v in samples.get(n, []))
+
+
 def histogram_quantile(q: float, buckets: Mapping[float, float]) -> float | None:
     """Prometheus' interpolation over cumulative bucket counts {upper bound: count}."""
     bounds = sorted(buckets)

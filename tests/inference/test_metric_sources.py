@@ -164,3 +164,33 @@ class socket_closed_port:
 
     def __exit__(self, *exc) -> None:
         return None
+
+
+def test_scrape_sum_adds_every_label_set_and_reports_an_unreachable_replica_as_none() -> None:
+    import http.server
+    import threading
+
+    from elastic.metrics.scrape import scrape_sum
+
+    body = (b'vllm:num_requests_running{model_name="a"} 3\nvllm:num_requests_running{model_name="b"} 2\n'
+            b'vllm:num_requests_waiting{model_name="a"} 4\n')
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        assert scrape_sum(url, ("vllm:num_requests_running",)) == 5
+        assert scrape_sum(url, ("vllm:num_requests_running", "vllm:num_requests_waiting")) == 9
+        assert scrape_sum(url, ("vllm:absent",)) == 0
+    finally:
+        srv.shutdown()
+    assert scrape_sum(f"http://127.0.0.1:{srv.server_address[1]}", ("x",), timeout=0.5) is None
