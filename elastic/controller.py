@@ -62,24 +62,27 @@ def _dt(t: float) -> datetime:
 
 
 def throughput_table(model: ModelSpec, hardware: HardwareSpec, max_gpus: int, *, gpus_per_node: int,
-                     global_batch: int, micro_batch: int | None = None,
-                     allowed_tp: list[int] | None = None, allowed_pp: list[int] | None = None,
-                     zero: int = 0) -> dict[int, tuple[str, float]]:
-    """GPU count -> (best feasible layout, tokens/s), from the planner; honours allowed tp/pp."""
+                     global_batch: int, allowed_tp: list[int] | None = None,
+                     allowed_pp: list[int] | None = None, zero: int = 0) -> dict[int, tuple[str, float]]:
+    """GPU count -> (best feasible layout, tokens/s), from the planner; honours allowed tp/pp and
+    ``zero=1`` (ZeRO-1 wherever dp > 1; with 0 the planner chooses per layout)."""
     from elastic.parallel.planner import best_by_gpu_count, feasible_layouts
 
-    if not allowed_tp and not allowed_pp:
-        # vpp=1: the reference trainer runs non-interleaved 1F1B only
+    # vpp=1: the reference trainer runs non-interleaved 1F1B only
+    opts: dict[str, Any] = {"vpps": (1,)}
+    if not allowed_tp and not allowed_pp and not zero:
         best = best_by_gpu_count(model, hardware, max_gpus, gpus_per_node=gpus_per_node, global_batch=global_batch,
-                                 vpps=(1,))
+                                 **opts)
         out = {n: (str(p.layout), p.tokens_per_second) for n, p in best.items()}
         return {n: v for n, v in out.items() if Layout.parse(v[0]).world_size == n}
     out = {}
     for n in range(1, max_gpus + 1):
         for p in feasible_layouts(model, n, hardware, gpus_per_node=gpus_per_node, global_batch=global_batch,
-                                  vpps=(1,)):
+                                  **opts):
             L = p.layout
             if L.world_size != n or (allowed_tp and L.tp not in allowed_tp) or (allowed_pp and L.pp not in allowed_pp):
+                continue
+            if zero and L.dp > 1 and not L.zero:
                 continue
             out[n] = (str(L), p.tokens_per_second)
             break

@@ -189,3 +189,16 @@ def test_async_grow_reserves_its_gpus_and_a_later_shrink_waits_for_it(db_url: st
     assert ctl.wait_idle(5)
     assert len(backend.jobs["pretrain"].gpus) == 4 and len(backend.service_gpus("chat")) == 4
     store.dispose()
+
+
+def test_throughput_table_honours_the_jobs_zero_setting() -> None:
+    from elastic.controller import throughput_table
+    from elastic.model import Layout, load_hardware, load_model
+
+    t = throughput_table(load_model("gpt-1.3b"), load_hardware("h100-80g"), 8, gpus_per_node=8, global_batch=64,
+                         zero=1)
+    assert t, "no layout at all"
+    for n, (text, tps) in t.items():
+        L = Layout.parse(text)
+        assert L.world_size == n and tps > 0 and L.vpp == 1
+        assert L.zero == 1 or L.dp == 1, f"{text}: zero=1 asks for ZeRO-1 wherever dp > 1"
