@@ -161,6 +161,8 @@ class Metric(_CR):
     """Target value (per replica for ``AverageValue``)."""
     activation_threshold: float = Field(default=0.0, ge=0)
     """With ``minReplicas: 0``: leave zero only when the metric is above this value (KEDA semantics)."""
+    window_seconds: float = Field(default=0.0, ge=0, le=3600)
+    """Scale down on the mean of this many seconds of readings (scale up on the latest); 0 = off."""
 
 
 class ScalingPolicyCR(_CR):
@@ -600,7 +602,7 @@ def to_inference_spec(workload: str, spec: InferenceServiceSpec) -> InferenceSpe
         raise CRError("spec.metric.prometheus", "InvalidMetricPrometheus",
                       "a PromQL query needs metric.prometheus (the Prometheus base URL)")
     metric = MetricTarget(preset=m.preset, query=m.query, prometheus=m.prometheus, type=m.type, target=m.target,
-                          activation_threshold=m.activation_threshold)
+                          activation_threshold=m.activation_threshold, window_seconds=m.window_seconds)
     try:
         check_metric(metric)
     except MetricQueryError as e:

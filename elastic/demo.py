@@ -7,7 +7,7 @@ as traffic moves; the controller ticking in between, SQLite state in ``./elastic
 
 GPU utilisation is measured as DESIGN.md defines it, sampled every second: each ready
 replica counts ``min(1, running / capacity)``, where the capacity is the load a replica is
-sized for at its SLO (the service's target: 6.5 concurrent requests of its 8 batch slots;
+sized for at its SLO (the service's target: 13 concurrent requests of its 16 batch slots;
 above it the queue makes time-to-first-token miss 1 s); each training GPU counts 1 while
 its worker is stepping (a rescale's pause, pause x old world size, is subtracted; GPUs
 whose joiners are still starting count 0); idle, starting and draining GPUs count 0. The
@@ -35,6 +35,11 @@ log = logging.getLogger("elastic.demo")
 SERVICE = "chat"
 JOB = "gpt-tiny"
 GPUS = 8
+# A reference replica batches 16 requests; a request holds a slot for max_tokens /
+# tokens_per_second = 32 / 5 = 6.4 s. The service is sized (the policy's target, the
+# replica's SLO capacity) for 13 concurrent requests: above it the queue makes
+# time-to-first-token miss 1 s when few replicas run.
+SLOTS, TOKENS_PER_SECOND, MAX_TOKENS, TARGET = 16, 5.0, 32, 13.0
 
 
 def demo_config(minutes: float, tick_seconds: float) -> dict[str, Any]:
@@ -44,12 +49,14 @@ def demo_config(minutes: float, tick_seconds: float) -> dict[str, Any]:
                  "rescale_interval_seconds": 3 * tick_seconds, "gain_threshold": 0.05},
         "services": [{
             "name": SERVICE, "gpus_per_replica": 1, "min_replicas": 1, "max_replicas": 6, "priority": 100,
-            "metric": {"preset": "vllm-requests", "target": 6.5},
+            # shrink on the mean of 10 s of readings (grow on the latest): the running-requests
+            # gauge jitters by +-sqrt(load), and holding its peaks holds replicas nobody needs
+            "metric": {"preset": "vllm-requests", "target": TARGET, "windowSeconds": 10},
             "startup_seconds": 3.0, "forecast": "trend", "forecast_window_seconds": max(10.0, 6 * tick_seconds),
             "behavior": {
                 "scaleUp": {"stabilizationWindowSeconds": 0,
                             "policies": [{"type": "Pods", "value": 2, "periodSeconds": 1}]},
-                "scaleDown": {"stabilizationWindowSeconds": int(max(20, 10 * tick_seconds)),
+                "scaleDown": {"stabilizationWindowSeconds": int(max(6, 3 * tick_seconds)),
                               "policies": [{"type": "Pods", "value": 1, "periodSeconds": 1}]},
             },
         }],
@@ -72,6 +79,7 @@ class Sample:
     step: int
     loss: float | None
     tokens_per_second: float
+    running: float = 0.0  # requests being served by all ready replicas
 
 
 @dataclass
@@ -91,7 +99,7 @@ def _replica_running(url: str) -> float:
 def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "sqlite:///./elastic.db",
              summary_json: str | None = None, plot: str | None = None, live: bool = True,
              api_port: int | None = 0, slo_ttft_seconds: float = 1.0, peak_rps: float = 11.0,
-             seed: int = 0) -> dict[str, Any]:
+             seed: int = 0, timeline_csv: str | None = None) -> dict[str, Any]:
     from rich.console import Console
     from rich.live import Live
 
@@ -108,15 +116,15 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
     console = Console()
     day = minutes * 60.0
     cfg = load_config(data=demo_config(minutes, tick_seconds))
-    # A request holds a batch slot for ~max_tokens / tokens_per_second = 3.2 s; a replica has
-    # 8 slots and is sized (the policy's target, its SLO capacity) for 6.5 concurrent requests.
-    replica_cfg = ReplicaConfig(model="tiny", max_running=8, max_waiting=64, tokens_per_second=10.0)
+    replica_cfg = ReplicaConfig(model="tiny", max_running=SLOTS, max_waiting=128, tokens_per_second=TOKENS_PER_SECOND)
     # 1. state and cluster
     console.print(f"[bold]elastic demo[/]: {GPUS} logical GPUs, a day in {minutes:g} min, state in {db_url}")
     db.upgrade(db_url)
     store = db.Store.from_url(db_url)
     backend = RayBackend(cfg.pool, replica_config=replica_cfg, trainer_config=_trainer_config,
-                         train_options=LaunchOptions(heartbeat_timeout_s=60.0, join_timeout_s=90.0))
+                         # nice: the 8 "GPUs" share this machine's cores; training must not slow the
+                         # replicas it would never touch on separate GPUs
+                         train_options=LaunchOptions(heartbeat_timeout_s=60.0, join_timeout_s=90.0, nice=10))
     source = build_source(cfg.services[0].metric, targets=lambda s: backend.service_targets(s))
     ctl = Controller(cfg, backend, store, {SERVICE: source}, owner=f"demo-{os.getpid()}", async_grow=True)
     api = None
@@ -132,7 +140,7 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
     warmup = max(15.0, 5 * tick_seconds)
     profile = DiurnalProfile(peak=peak_rps, day_seconds=day, start_fraction=0.125 - warmup / day)
     lg = LoadGenerator(lambda: backend.service_targets(SERVICE), profile, duration=warmup + day,
-                       max_requests=int(peak_rps * day * 1.2) + 100, max_tokens=32, seed=seed, timeout=20.0)
+                       max_requests=int(peak_rps * day * 1.2) + 100, max_tokens=MAX_TOKENS, seed=seed, timeout=20.0)
     lg_thread = threading.Thread(target=lambda: asyncio.run(lg.run()), name="loadgen", daemon=True)
     run = DemoRun(warmup=warmup)
     stop = threading.Event()
@@ -171,6 +179,9 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
     if summary_json:
         Path(summary_json).parent.mkdir(parents=True, exist_ok=True)
         Path(summary_json).write_text(json.dumps(summary, indent=2))
+    if timeline_csv:
+        _write_timeline(run, timeline_csv)
+        console.print(f"timeline written to {timeline_csv}")
     if plot:
         _plot(run, plot, profile, rate_at)
         console.print(f"plot written to {plot}")
@@ -214,7 +225,8 @@ def _sample_loop(backend: Any, ctl: Any, profile: Any, t0: float, run: DemoRun, 
     while not stop.wait(every):
         t = time.monotonic() - t0
         urls = backend.service_targets(SERVICE)
-        busy = sum(min(1.0, _replica_running(u) / capacity) for u in urls)
+        running = [_replica_running(u) for u in urls]
+        busy = sum(min(1.0, r / capacity) for r in running)
         rt = backend.job_runtime(JOB)
         tg = len(rt.gpus) if rt else 0
         # Rescaling: the old workers keep stepping until the switch step; the pause itself is
@@ -224,7 +236,7 @@ def _sample_loop(backend: Any, ctl: Any, profile: Any, t0: float, run: DemoRun, 
             run.losses.append((rt.step, rt.loss))
         run.samples.append(Sample(t, rate_at(profile, t), len(urls), busy, tg, tbusy, rt.layout if rt else None,
                                   rt.step if rt else 0, rt.loss if rt else None,
-                                  rt.tokens_per_second if rt else 0.0))
+                                  rt.tokens_per_second if rt else 0.0, sum(running)))
 
 
 def _collect_reshards(ctl: Any, run: DemoRun) -> None:
@@ -281,6 +293,21 @@ def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup:
         "day_seconds": day,
         "warmup_seconds": warmup,
     }
+
+
+def _write_timeline(run: DemoRun, path: str) -> None:
+    """One row per second: the samples the summary is computed from (t = 0 at the day's start)."""
+    import csv
+    from dataclasses import astuple, fields
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow([x.name for x in fields(Sample)])
+        for x in run.samples:
+            row = list(astuple(x))
+            row[0] = round(x.t - run.warmup, 3)
+            w.writerow(row)
 
 
 def _r(x: float | None) -> float | None:

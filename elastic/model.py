@@ -529,6 +529,14 @@ class MetricTarget(_Spec):
     # KEDA's activationThreshold: with min_replicas=0 the service leaves zero only when the
     # metric is strictly above this value, and returns to zero when it is at or below it.
     activation_threshold: float = Field(default=0.0, ge=0, alias="activationThreshold")
+    # Shrink only on the mean of the readings of the last windowSeconds (grow on the latest
+    # reading as before): an instantaneous gauge such as requests running jitters by
+    # +-sqrt(load), and the scale-down window keeps the highest of those jitters, which holds
+    # replicas the load does not need. Decided value = max(latest, window mean). 0 = off
+    # (the HPA's behaviour: every reading on its own).
+    window_seconds: float = Field(default=0.0, ge=0, le=3600, alias="windowSeconds",
+                                  description="scale down on the mean of this many seconds of readings "
+                                              "(scale up on the latest); 0 = off")
 
     @model_validator(mode="after")
     def _one_source(self) -> MetricTarget:

@@ -15,6 +15,8 @@ def register(app: typer.Typer) -> None:
         plot: str = typer.Option("demo-timeline.png", help="write the timeline plot here"),
         live: bool = typer.Option(True, help="show the live table"),
         peak_rps: float = typer.Option(11.0, help="request rate at the day's peak"),
+        timeline_csv: str = typer.Option("", help="also write the per-second samples (load, replicas, "
+                                         "training GPUs, busy shares) as CSV here"),
     ) -> None:
         """Run a compressed day: inference follows the load, training takes the rest and reshards in place."""
         from elastic.cli import fail
@@ -23,4 +25,4 @@ def register(app: typer.Typer) -> None:
         if minutes <= 0 or tick_seconds <= 0:
             fail(f"--minutes={minutes} and --tick-seconds={tick_seconds} must be > 0")
         run_demo(minutes, tick_seconds=tick_seconds, db_url=db, summary_json=summary_json, plot=plot, live=live,
-                 peak_rps=peak_rps)
+                 peak_rps=peak_rps, timeline_csv=timeline_csv or None)

@@ -7,7 +7,8 @@ the HPA controller applies them, which is what users of ``behavior`` expect:
 1. bounds first when the current count is outside [min, max] (HPA: no metrics needed);
 2. fail-safe: a missing metric holds the current count (recorded as a recommendation, so
    a scale-down after the gap still waits out its stabilisation window);
-3. raw ratio, then tolerance; scale-to-zero activation (KEDA ``activationThreshold``);
+3. the metric's averaging window (``windowSeconds``), raw ratio, then tolerance;
+   scale-to-zero activation (KEDA ``activationThreshold``);
 4. forecast: ``max(reactive, forecast)`` - scale up ``startup_seconds`` ahead, never less;
 5. stabilisation windows over the recommendations;
 6. rate policies and bounds together (HPA ``convertDesiredReplicasWithBehaviorRate``);
@@ -58,9 +59,11 @@ def decide(ctx: PolicyContext) -> tuple[ReplicaDecision, PolicyState]:
         msg = f"metric missing; holding {cur} replicas (missing metrics never shrink a service)"
         return _finish(ctx, state, cur, Reason.METRICS_MISSING, msg, None, None)
 
-    # 3. Reactive answer: raw ratio, tolerance, activation.
-    reactive, reason, msg = _reactive(spec, cur, ctx.metric, up, down)
-    load = _load(spec, cur, ctx.metric)
+    # 3. Reactive answer on the (window-averaged) reading: raw ratio, tolerance, activation.
+    metric, state, note = _average(spec, state, now, ctx.metric)
+    reactive, reason, msg = _reactive(spec, cur, metric, up, down)
+    msg = note + msg
+    load = _load(spec, cur, metric)
     state = _observe(state, spec, now, load)
 
     # 4. Forecast: only ever adds replicas, only when the service is active.
@@ -98,6 +101,25 @@ def decide(ctx: PolicyContext) -> tuple[ReplicaDecision, PolicyState]:
 
 
 # ---- steps -----------------------------------------------------------------------------------
+
+
+def _average(spec: InferenceSpec, state: PolicyState, now: float, metric: float) -> tuple[float, PolicyState, str]:
+    """``max(latest, mean of the window's readings)``: the window slows shrinking, never growing.
+
+    A dip in a jittery gauge must not drain a replica the load still needs, but a rise is
+    answered on the latest reading (the SLO is at stake, and the scale-up side has no
+    window by default either).
+    """
+    assert spec.metric is not None
+    window = spec.metric.window_seconds
+    if window <= 0:
+        return metric, state, ""
+    readings = tuple(r for r in state.readings if r[0] > now - window) + ((now, metric),)
+    mean = sum(v for _, v in readings) / len(readings)
+    state = replace(state, readings=readings)
+    if mean <= metric or len(readings) == 1:
+        return metric, state, ""
+    return mean, state, f"mean of {len(readings)} readings over {window:g}s {mean:.4g} > latest {metric:g}; "
 
 
 def _reactive(spec: InferenceSpec, cur: int, metric: float, up: Rules, down: Rules) -> tuple[int, Reason, str]:
@@ -188,6 +210,8 @@ def _prune(state: PolicyState, now: float, up: Rules, down: Rules, spec: Inferen
         recommendations=tuple(r for r in state.recommendations if r[0] > now - keep_recs),
         events=tuple(e for e in state.events if e[0] > now - keep_events),
         samples=tuple(s for s in state.samples if s[0] >= now - spec.forecast_window_seconds),
+        readings=tuple(r for r in state.readings
+                       if spec.metric is not None and r[0] > now - spec.metric.window_seconds),
     )
 
 

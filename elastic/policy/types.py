@@ -70,12 +70,14 @@ class PolicyState:
     * ``events``: (t, change) replica changes this policy decided, for the rate policies.
     * ``samples``: (t, load) recent load, for the trend forecast.
     * ``holt``: Holt-Winters state, for the seasonal forecast.
+    * ``readings``: (t, metric) recent readings, for the metric's averaging window.
     """
 
     recommendations: tuple[tuple[float, int], ...] = ()
     events: tuple[tuple[float, int], ...] = ()
     samples: tuple[tuple[float, float], ...] = ()
     holt: HoltWintersState | None = None
+    readings: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,10 @@ class LaunchOptions:
     max_steps: int | None = None
     engine_factory: str | None = None  # "module:function" (see elastic.train.worker); None = TrainEngine
     verify_reshard: bool = False
+    # Raise the workers' nice value by this much. Where logical GPUs share a few CPU cores
+    # (``elastic demo``), training then yields the cores to the inference replicas, as work
+    # on separate GPUs would not compete; 0 = leave the priority alone.
+    nice: int = 0
 
 
 def make_validator(cfg: Any, hardware: HardwareSpec | str | None = None, gpus_per_node: int | None = None):
@@ -231,6 +235,8 @@ class JobHandle(ABC):
         }
         if self.opts.engine_factory:
             env["ELASTIC_ENGINE_FACTORY"] = self.opts.engine_factory
+        if self.opts.nice:
+            env["ELASTIC_NICE"] = str(self.opts.nice)
         self._spawn(worker, env)
         with self._lock:  # only now: the watcher must never look for a process that does not exist yet
             self._spawned.add(worker)

@@ -132,6 +132,12 @@ def main(env: Mapping[str, str] | None = None) -> int:
     except SpecError as e:
         print(f"elastic.train.worker: {e}", file=sys.stderr)
         return 2
+    nice = env.get("ELASTIC_NICE", "0")
+    if nice not in ("", "0"):
+        try:
+            os.nice(int(nice))
+        except (ValueError, OSError) as e:
+            print(f"elastic.train.worker: ELASTIC_NICE={nice!r} not applied: {e}", file=sys.stderr)
     agent = _EnvCheckedAgent(env, worker=worker, url=url, engine_factory=factory, options=opts)
     try:
         return agent.run()

@@ -14,7 +14,7 @@ from elastic.controller import Controller
 from elastic.metrics import InProcessSource
 from elastic.model import Layout
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(600)]
 
 CONFIG = {
     "pool": {"name": "ray-local", "nodes": 1, "gpus_per_node": 8, "hardware": "h100-80g",

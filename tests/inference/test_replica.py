@@ -104,6 +104,7 @@ def test_bad_arguments_exit_2() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+@pytest.mark.ray
 def test_ray_actor_replica() -> None:
     ray = pytest.importorskip("ray")
     from elastic.serve.ray_replica import start_replica

@@ -11,7 +11,7 @@ from elastic.train.engine import TrainConfig
 from elastic.train.launch import LaunchOptions
 from tests.train import _mp
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(480)]
 
 CFG = TrainConfig(model=load_model("tiny"), global_batch=8, micro_batch=1)
 

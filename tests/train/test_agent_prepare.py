@@ -1,0 +1,27 @@
+"""The early reshard preparation is kept when the engine's tensors are unchanged."""
+
+from __future__ import annotations
+
+import torch
+
+from elastic.train.agent import _same_tensors
+
+
+def test_param_data_views_are_the_same_tensors() -> None:
+    # ``param.data`` is a new tensor object on every call: identity would call every early
+    # preparation stale and redo it inside the pause (the bug this guards against).
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    m = torch.zeros(4, 3)
+    a = {("w", "param"): p.data, ("w", "exp_avg"): m}
+    b = {("w", "param"): p.data, ("w", "exp_avg"): m}
+    assert a[("w", "param")] is not b[("w", "param")]
+    assert _same_tensors(a, b)
+
+
+def test_replaced_or_reshaped_tensors_are_not_the_same() -> None:
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    a = {("w", "param"): p.data}
+    assert not _same_tensors(a, {("w", "param"): p.data.clone()})  # new memory
+    assert not _same_tensors(a, {("w", "param"): p.data.view(3, 4)})  # same memory, other shape
+    assert not _same_tensors(a, {("w", "param"): p.data[1:]})  # a slice of it
+    assert not _same_tensors(a, {("w", "param"): p.data, ("w", "exp_avg"): torch.zeros(4, 3)})  # other keys
