@@ -75,6 +75,9 @@ def test_reshard_is_bitwise_exact(pool: Pool, case: tuple) -> None:
         assert r["old_left"] == 0, f"{r['me']} still holds its old state dict"
         if r["me"] in plan.leavers:
             assert r["new_tensors"] == 0
+            assert r["leftover_same"], f"{r['me']}: leftover is not exactly its old tensors"
+        else:
+            assert r["leftover"] == 0, f"{r['me']} is no leaver and must keep nothing aside"
     # every byte the plan sends is received once, and the stats say so
     assert sum(r["bytes_sent"] for r in results) == plan.bytes_planned
     assert sum(r["bytes_received"] for r in results) == plan.bytes_planned
