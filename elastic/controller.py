@@ -9,7 +9,8 @@ One ``tick()`` reads as numbered steps (Kueue's scheduler, Kopf's collected effe
                 goes on record; the plan already counted them as not running and restarts them
                 when GPUs allow), b. the plan's ordered steps, each confirmed before the next:
                 training shrinks finish before inference gets their GPUs; inference drains
-                before training grows.
+                before training grows. A grow still starting its joiners when inference wants
+                the GPUs back is called off (nothing has moved yet) and the tick re-plans.
 4. record    the decision (with its reason), allocations and reshard events in the DB.
 
 Only step 3 touches the backend's actuators and only step 4 writes the store. When the
@@ -32,7 +33,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from elastic import store as db
-from elastic.backends.base import Backend, BackendError, BackendUnavailable, JobRuntime
+from elastic.backends.base import Backend, BackendError, BackendUnavailable, GrowCancelled, JobRuntime
 from elastic.config import ControllerConfig
 from elastic.metrics.sample import MetricSample, MetricSource
 from elastic.model import GPU, Allocation, HardwareSpec, Layout, ModelSpec, PlanStep, SpecError, load_hardware
@@ -339,6 +340,9 @@ class Controller:
             try:
                 self._apply_step(step, spec, gpus, now)
                 db.finish_action(self.store, action_id, now=_dt(self.clock()))
+            except GrowCancelled as e:
+                log.info("grow of %s called off: %s", spec.name, e)
+                db.finish_action(self.store, action_id, error=f"cancelled: {e}", now=_dt(self.clock()))
             except Exception as e:  # noqa: BLE001 - recorded; the next tick observes the job as it is
                 errors.append(str(e))
                 log.error("grow of %s failed: %s", spec.name, e)
@@ -423,7 +427,16 @@ class Controller:
                 if step.action == "grow_training":
                     applied.append(f"{step.action} {step.workload} (in flight)")
                     continue
-                self._wait_grow(step.workload)  # a shrink of a growing job waits for the grow to land
+                # Inference wants GPUs back from a job whose grow is still starting joiners: call
+                # the grow off (nothing has moved yet) rather than wait seconds for joiners that
+                # would leave again, and plan again next tick from what the job really holds.
+                if self.backend.cancel_grow(step.workload):
+                    self._wait_grow(step.workload)
+                    applied.append(f"cancel_grow {step.workload} (joiners dismissed before their directive; "
+                                   f"{step.action} re-planned next tick)")
+                    log.info("called off the grow of %s: %s needs its GPUs", step.workload, step.action)
+                    return applied, None
+                self._wait_grow(step.workload)  # past its directive: a shrink waits for the grow to land
             action_id = db.begin_action(self.store, pool=self.pool, kind=step.action, workload=step.workload,
                                         payload={"gpus": [str(g) for g in gpus], "reason": step.reason},
                                         now=_dt(now))
@@ -459,8 +472,9 @@ class Controller:
         try:
             out = self.backend.set_job_gpus(spec, gpus, layout)
         except BackendError as e:
-            if rid is not None:
-                db.finish_reshard(self.store, rid, bytes_moved=None, pause_seconds=None, error=str(e))
+            if rid is not None:  # a called-off grow is on record as failed with "cancelled: ..." (nothing moved)
+                why = f"cancelled: {e}" if isinstance(e, GrowCancelled) else str(e)
+                db.finish_reshard(self.store, rid, bytes_moved=None, pause_seconds=None, error=why)
             raise
         if rid is not None:
             # planned and lower-bound bytes are known only once the workers planned at the boundary

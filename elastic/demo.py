@@ -247,6 +247,7 @@ def _collect_reshards(ctl: Any, run: DemoRun) -> None:
         if r.id not in seen and r.status in ("done", "failed"):
             run.reshards.append({"id": r.id, "from": r.from_layout, "to": r.to_layout, "status": r.status,
                                  "pause_seconds": r.pause_seconds, "bytes_moved": r.bytes_moved,
+                                 "cancelled": r.status == "failed" and (r.error or "").startswith("cancelled"),
                                  "at": r.finished_at.isoformat() if r.finished_at else None})
 
 
@@ -284,7 +285,9 @@ def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup:
         "failed_requests": sum(1 for r in report.results if r.sent_at >= warmup and r.ttft is None),
         "requests": requests,
         "reshards": len(done),
-        "reshards_failed": sum(1 for r in run.reshards if r["status"] == "failed"),
+        "reshards_failed": sum(1 for r in run.reshards if r["status"] == "failed" and not r["cancelled"]),
+        # grows called off before their directive because inference wanted the GPUs back (nothing moved)
+        "grows_cancelled": sum(1 for r in run.reshards if r["cancelled"]),
         "mean_reshard_pause_seconds": round(sum(pauses) / len(pauses), 3) if pauses else 0.0,
         "max_reshard_pause_seconds": round(max(pauses), 3) if pauses else 0.0,
         "training_steps": rt.step if rt else (run.losses[-1][0] if run.losses else 0),

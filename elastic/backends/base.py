@@ -20,6 +20,11 @@ class BackendError(RuntimeError):
     """One action failed; the message says which and why."""
 
 
+class GrowCancelled(BackendError):
+    """A training grow was called off before its directive (``Backend.cancel_grow``): its
+    joiners were dismissed, nothing moved, the job holds the GPUs it held before."""
+
+
 class BackendUnavailable(BackendError):
     """The cluster cannot be reached at all."""
 
@@ -86,3 +91,8 @@ class Backend(Protocol):
     def set_job_gpus(self, spec: TrainingSpec, gpus: tuple[GPU, ...], layout: Layout | None) -> RescaleOutcome:
         """Start, rescale in place, or stop (``gpus == ()``) a training job. Returns once the
         new layout has run its first step (or the job has released its GPUs)."""
+
+    def cancel_grow(self, job: str) -> bool:
+        """Call off a ``set_job_gpus`` grow of ``job`` running in another thread if its joiners
+        have not joined yet (no directive posted); that call then raises GrowCancelled. True
+        if called off, False if there is nothing to call off (it then runs to its end)."""

@@ -42,9 +42,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from elastic.backends.base import BackendError, BackendUnavailable, JobRuntime, RescaleOutcome
+from elastic.backends.base import BackendError, BackendUnavailable, GrowCancelled, JobRuntime, RescaleOutcome
 from elastic.model import GPU, InferenceSpec, Layout, TrainingSpec, load_model
 from elastic.train.launch import JobHandle
+from elastic.train.rendezvous import RescaleCancelled
 
 log = logging.getLogger("elastic.backends.kubernetes")
 
@@ -308,6 +309,16 @@ class KubernetesBackend:
                           st.generation, max(st.step, 0), st.loss, st.tokens_per_second or 0.0, st.error,
                           last.pause_seconds if last else None, last.bytes_moved if last else None)
 
+    def cancel_grow(self, job: str) -> bool:
+        """Coordinator runtime: call off a rescale whose joiner pods have not joined yet.
+        The pods runtime creates joiners and returns; there is nothing to call off."""
+        if self.job_runtime_mode != "coordinator":
+            return False
+        with self._lock:
+            j = self._jobs.get(job)
+        handle = j.handle if j is not None else None
+        return bool(handle is not None and handle.cancel_pending())
+
     def set_job_gpus(self, spec: TrainingSpec, gpus: tuple[GPU, ...], layout: Layout | None) -> RescaleOutcome:
         if gpus and (layout is None or layout.world_size != len(gpus)):
             raise BackendError(f"{spec.name}: layout {layout} does not match {len(gpus)} GPUs")
@@ -382,6 +393,8 @@ class KubernetesBackend:
                 res = j.handle.start(layout, [new_workers[g] for g in gpus])
             else:
                 res = j.handle.rescale(layout, [new_workers[g] for g in gpus])
+        except RescaleCancelled as e:
+            raise GrowCancelled(f"{spec.name}: rescale to {layout} called off: {e}") from e
         except Exception as e:  # noqa: BLE001 - refused/abandoned: surfaced as a failed step
             if starting:
                 self._stop_coordinated(spec, j)

@@ -37,9 +37,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic.backends.base import BackendError, BackendUnavailable, JobRuntime, RescaleOutcome
+from elastic.backends.base import BackendError, BackendUnavailable, GrowCancelled, JobRuntime, RescaleOutcome
 from elastic.model import GPU, InferenceSpec, Layout, PoolSpec, SpecError, TrainingSpec, load_model
 from elastic.train.launch import JobHandle
+from elastic.train.rendezvous import RescaleCancelled
 
 log = logging.getLogger("elastic.backends.ray")
 
@@ -242,6 +243,12 @@ class RayBackend:
             return self._start_job(spec, gpus, layout)
         return self._rescale_job(spec, j, gpus, layout)
 
+    def cancel_grow(self, job: str) -> bool:
+        with self._lock:
+            j = self.jobs.get(job)
+        cancel = getattr(j.handle, "cancel_pending", None) if j is not None else None
+        return bool(cancel is not None and cancel())
+
     def _new_handle(self, spec: TrainingSpec) -> Any:
         kw = {"options": self.train_options, "hardware": self.pool.hardware, "gpus_per_node": self.pool.gpus_per_node}
         if self.detached:
@@ -289,6 +296,9 @@ class RayBackend:
         _remember_gpus(j.handle, _Job(j.handle, {**j.workers, **new_workers}, nxt))
         try:
             res = j.handle.rescale(layout, [new_workers[g] for g in gpus])
+        except RescaleCancelled as e:
+            _remember_gpus(j.handle, j)  # the job keeps the workers and GPUs it had
+            raise GrowCancelled(f"{spec.name}: rescale {before.layout} -> {layout} called off: {e}") from e
         except Exception as e:  # noqa: BLE001 - refused/abandoned: the job continues on its old layout
             raise BackendError(f"{spec.name}: rescale {before.layout} -> {layout} failed: {e}") from e
         with self._lock:

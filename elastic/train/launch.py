@@ -32,7 +32,14 @@ from prometheus_client import CollectorRegistry
 
 from elastic.model import HardwareSpec, Layout, SpecError, check_layout, load_hardware
 from elastic.train.agent import config_json
-from elastic.train.rendezvous import Coordinator, JobStatus, RescaleFailed, RescaleRecord, StepRecord
+from elastic.train.rendezvous import (
+    Coordinator,
+    JobStatus,
+    RescaleCancelled,
+    RescaleFailed,
+    RescaleRecord,
+    StepRecord,
+)
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +126,10 @@ class JobHandle(ABC):
         self._watcher: threading.Thread | None = None
         self._stopping = False
         self.exit_reasons: dict[str, str] = {}  # worker -> how it ended ("exited with code 0"), first seen
+        # cancel_pending: a rescale waiting for its joiners may be called off until its directive is posted
+        self._cancel = threading.Event()
+        self._cancellable = False
+        self._cancel_lock = threading.Lock()
 
     # ---- launcher specifics -------------------------------------------------------------------
     @abstractmethod
@@ -165,6 +176,21 @@ class JobHandle(ABC):
                             + "; only a running job can be rescaled")
         return self._apply(st.generation + 1, lay, list(workers), remap=remap, timeout=timeout)
 
+    def cancel_pending(self) -> bool:
+        """Call off the rescale in progress if it still waits for its joiners to start.
+
+        Before its directive is posted a rescale has changed nothing: its joiners are dismissed
+        and ``rescale`` raises :class:`RescaleCancelled` (the job continues on its layout, at
+        its generation). Returns False when there is nothing to call off: no rescale running,
+        or its directive is already posted (it then runs to its end).
+        Use: inference needs back the GPUs a grow is still starting joiners on.
+        """
+        with self._cancel_lock:
+            if not self._cancellable:
+                return False
+            self._cancel.set()
+            return True
+
     def status(self) -> JobStatus:
         return self.coordinator.status()
 
@@ -194,10 +220,28 @@ class JobHandle(ABC):
         joiners = [w for w in workers if w not in old]
         # 1. refuse early what the coordinator would refuse anyway (nobody launched for nothing)
         self.coordinator.check_directive(generation)
-        # 2. launch the joiners and wait until they registered (their start-up stays out of the pause)
-        for w in joiners:
-            self._launch(w)
-        self._wait_registered(joiners)
+        # 2. launch the joiners and wait until they registered (their start-up stays out of the
+        #    pause); until the directive is posted the rescale may be called off (cancel_pending)
+        with self._cancel_lock:
+            self._cancel.clear()
+            self._cancellable = True
+        try:
+            for w in joiners:
+                self._launch(w)
+            self._wait_registered(joiners)
+            with self._cancel_lock:
+                self._cancellable = False
+                cancelled = self._cancel.is_set()
+        except RescaleCancelled:
+            cancelled = True
+        finally:
+            with self._cancel_lock:
+                self._cancellable = False
+        if cancelled:
+            self._before_directive()  # the platform's free resources with the joiners still counted as held
+            self._dismiss(joiners, timeout=min(2.0, self.opts.exit_timeout_s))
+            raise RescaleCancelled(f"job {self.job}: rescale to {layout} called off before its directive; joiners "
+                                   f"{', '.join(joiners) or '-'} dismissed, nothing changed")
         self._before_directive()
         # 3. post the directive; the coordinator picks the step boundary
         try:
@@ -245,18 +289,20 @@ class JobHandle(ABC):
             self._spawned.add(worker)
             self._gone.discard(worker)
 
-    def _dismiss(self, workers: Sequence[str]) -> None:
+    def _dismiss(self, workers: Sequence[str], timeout: float | None = None) -> None:
         """Stop workers launched for a directive that was not posted (their exit is no failure)."""
         for w in workers:
             self.coordinator.worker_left(w)
             self._kill(w)
         with self._lock:
             self._gone.update(workers)
-        self._after_gone(workers, self.opts.exit_timeout_s)
+        self._after_gone(workers, self.opts.exit_timeout_s if timeout is None else timeout)
 
     def _wait_registered(self, workers: Sequence[str]) -> None:
         deadline = time.monotonic() + self.opts.register_timeout_s
         while True:
+            if self._cancel.is_set():
+                raise RescaleCancelled(f"job {self.job}: called off while joiners started")
             missing = [w for w in workers if not self.coordinator.registered(w)]
             if not missing:
                 return

@@ -70,6 +70,11 @@ class RescaleFailed(RuntimeError):
         self.record = record
 
 
+class RescaleCancelled(RescaleFailed):
+    """A rescale was called off before its directive (``JobHandle.cancel_pending``): its
+    joiners were dismissed, nothing moved, the job continues on its old layout."""
+
+
 class JobFailed(RuntimeError):
     """The training job failed; ``str(e)`` carries the reason."""
 

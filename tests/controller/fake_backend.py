@@ -69,6 +69,9 @@ class FakeBackend:
     def job_runtime(self, job: str) -> JobRuntime | None:
         return self.jobs.get(job)
 
+    def cancel_grow(self, job: str) -> bool:
+        return False  # its set_job_gpus is instantaneous: nothing is ever waiting to be called off
+
     def set_job_gpus(self, spec: TrainingSpec, gpus: tuple[GPU, ...], layout: Layout | None) -> RescaleOutcome:
         self.ping()
         self._check(spec.name, gpus)

@@ -191,6 +191,62 @@ def test_async_grow_reserves_its_gpus_and_a_later_shrink_waits_for_it(db_url: st
     store.dispose()
 
 
+def test_a_grow_still_starting_joiners_is_called_off_when_inference_needs_the_gpus(db_url: str) -> None:
+    """Async grow in flight, load rises: the tick calls the grow off instead of waiting for its
+    joiners, and the next tick shrinks the job from what it really holds."""
+    import threading
+
+    from elastic.backends.base import GrowCancelled
+
+    class CancellableGrow(FakeBackend):
+        def __init__(self, nodes: dict[str, int]) -> None:
+            super().__init__(nodes)
+            self.cancel = threading.Event()
+            self.waiting = threading.Event()
+
+        def cancel_grow(self, job: str) -> bool:
+            if not self.waiting.is_set():
+                return False
+            self.cancel.set()
+            return True
+
+        def set_job_gpus(self, spec, gpus, layout):
+            before = self.jobs.get(spec.name)
+            if before is not None and len(gpus) > len(before.gpus):
+                self.waiting.set()  # "joiners starting"
+                try:
+                    if self.cancel.wait(30):
+                        raise GrowCancelled(f"{spec.name}: called off before its directive")
+                finally:
+                    self.waiting.clear()
+            return super().set_job_gpus(spec, gpus, layout)
+
+    db.upgrade(db_url)
+    store = db.Store.from_url(db_url)
+    clock = Clock()
+    backend = CancellableGrow({"n0": 4, "n1": 4})
+    source = InProcessSource(max_age=60)
+    ctl = Controller(load_config(data=CONFIG), backend, store, {"chat": source}, owner="a", clock=clock,
+                     async_grow=True)
+    _tick(ctl, source, clock, 10.0)
+    ctl.wait_idle(5)
+    _tick(ctl, source, clock, 40.0)  # 4 replicas: the job shrinks to 4
+    assert len(backend.jobs["pretrain"].gpus) == 4
+    res = _tick(ctl, source, clock, 10.0)  # load falls: a grow starts in the background
+    assert any("(started)" in a for a in res.applied), res.applied
+    assert backend.waiting.wait(5)
+    res = _tick(ctl, source, clock, 40.0)  # load is back before the joiners joined
+    assert any(a.startswith("cancel_grow pretrain") for a in res.applied), res.applied
+    assert len(backend.jobs["pretrain"].gpus) == 4  # the grow never happened
+    res = _tick(ctl, source, clock, 40.0, dt=2.0)  # re-planned from the truth: nothing to take back
+    ctl._observed_allocation().check_disjoint()
+    assert len(backend.jobs["pretrain"].gpus) == 4 and len(backend.service_gpus("chat")) == 4
+    rows = db.list_reshards(store, job="pretrain", limit=50)
+    cancelled = [r for r in rows if r.status == "failed" and (r.error or "").startswith("cancelled")]
+    assert len(cancelled) == 1 and cancelled[0].bytes_moved is None
+    store.dispose()
+
+
 def test_throughput_table_honours_the_jobs_zero_setting() -> None:
     from elastic.controller import throughput_table
     from elastic.model import Layout, load_hardware, load_model

@@ -364,10 +364,6 @@ def mixed_reshard_job(rank: int, n: int, model: ModelSpec, plan: Any, port: int,
     st = prepared.stats
     return {
         "me": me, "error": error, "diff": bitwise_diff(new, want), "old_left": len(old),
-        # a leaver's old tensors wait for its exit in prepared.leftover (not freed one by one)
-        "leftover_same": sorted(prepared.leftover) == sorted(old_ids)
-        and all(id(t) == old_ids[k] for k, t in prepared.leftover.items()),
-        "leftover": len(prepared.leftover),
         "new_dtypes": sorted({(k[1], str(t.dtype)) for k, t in new.items()}),
         "prepared_dtypes": {k: str(v) for k, v in prepared.dtypes.items()},
         "new_tensors": len(new), "recycled": len(prepared.recycled),

@@ -90,3 +90,50 @@ def test_bf16_job_grows_in_place_with_a_joiner_told_each_kinds_dtype(tmp_path) -
     ref = _mp.reference_losses(cfg, len(history))
     for r, want in zip(history, ref, strict=True):  # bf16 matmuls: TP splits round differently
         assert r.loss == pytest.approx(want, abs=0.05), f"step {r.step} ({r.layout}): {r.loss} vs {want}"
+
+
+def test_a_grow_called_off_before_its_directive_changes_nothing(tmp_path) -> None:
+    """Inference wants the GPUs back while the joiners are still starting: the grow is called
+    off, the joiners are dismissed, the job keeps stepping on its layout and generation."""
+    import threading
+    import time
+
+    from elastic.train.rendezvous import RescaleCancelled
+
+    opts = LaunchOptions(pg_timeout_s=90, heartbeat_timeout_s=60, join_timeout_s=120)
+    h = ProcessJobHandle("cancel-grow", CFG, options=opts, log_dir=str(tmp_path))
+    try:
+        h.start("tp1.pp1.dp1", ["w0"], timeout=180)
+        h.wait_step(1, timeout=120)
+        assert h.cancel_pending() is False  # nothing in progress: nothing to call off
+        out: dict = {}
+
+        def grow() -> None:
+            try:
+                out["result"] = h.rescale("tp1.pp1.dp2", ["w0", "w1"], timeout=240)
+            except Exception as e:  # noqa: BLE001 - inspected below
+                out["error"] = e
+
+        t = threading.Thread(target=grow)
+        t.start()
+        deadline = time.monotonic() + 30
+        while "w1" not in h.procs and time.monotonic() < deadline:  # the joiner's process exists
+            time.sleep(0.01)
+        assert "w1" in h.procs and not h.coordinator.registered("w1"), "joiner registered before the test could cancel"
+        t0 = time.monotonic()
+        assert h.cancel_pending() is True
+        t.join(30)
+        assert not t.is_alive() and time.monotonic() - t0 < 10, "calling off must not wait for the joiner"
+        assert isinstance(out.get("error"), RescaleCancelled), out
+        assert h.procs["w1"].poll() is not None, "the dismissed joiner must be gone"
+        st = h.status()
+        assert (st.phase, st.generation, st.layout, st.workers) == ("running", 1, "tp1.pp1.dp1", ["w0"])
+        h.wait_step(st.step + 2, timeout=120)  # still training
+        # the same grow, not called off, goes through afterwards
+        res = h.rescale("tp1.pp1.dp2", ["w0", "w2"], timeout=240)
+        assert (res.generation, res.to_layout) == (2, "tp1.pp1.dp2")
+        assert h.cancel_pending() is False  # finished: nothing to call off
+    finally:
+        h.stop()
+    steps = [r.step for r in h.history()]
+    assert steps == list(range(len(steps)))
