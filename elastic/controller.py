@@ -10,7 +10,8 @@ One ``tick()`` reads as numbered steps (Kueue's scheduler, Kopf's collected effe
                 when GPUs allow), b. the plan's ordered steps, each confirmed before the next:
                 training shrinks finish before inference gets their GPUs; inference drains
                 before training grows. A grow still starting its joiners when inference wants
-                the GPUs back is called off (nothing has moved yet) and the tick re-plans.
+                the GPUs back is called off (nothing has moved yet) and the tick plans once
+                more from what the job really holds.
 4. record    the decision (with its reason), allocations and reshard events in the DB.
 
 Only step 3 touches the backend's actuators and only step 4 writes the store. When the
@@ -121,6 +122,7 @@ class Controller:
         # A training grow waits for joiners to start (seconds); with async_grow the tick does not
         # wait for it: the job holds its target GPUs meanwhile and a later shrink of it waits.
         self.async_grow = async_grow
+        self._replan = False  # set by _apply when it called a grow off: the tick plans once more
         self._growing: dict[str, tuple[threading.Thread, tuple[GPU, ...], list[str]]] = {}
         self.backend = backend
         self.store = store
@@ -297,6 +299,15 @@ class Controller:
         if error is None:
             steps, error = self._apply(now, plan)
             applied += steps
+        if error is None and self._replan:
+            # a grow was called off: plan again from what the job really holds, same replica
+            # decisions (the policy is stateful and has spoken for this tick)
+            self._replan = False
+            previous = self._observed_allocation(exclude=set(failed))
+            runtimes = {j.name: (None if j.name in failed else self.backend.job_runtime(j.name)) for j in self.cfg.jobs}
+            plan = schedule(self._snapshot(now, nodes, previous, replica_decisions, runtimes))
+            steps, error = self._apply(now, plan)
+            applied += steps
         # 4. record
         self._record(now, plan, replica_decisions, samples, applied, error)
         return TickResult(now, True, plan.reason, plan.message, plan, replica_decisions, applied, error)
@@ -433,8 +444,9 @@ class Controller:
                 if self.backend.cancel_grow(step.workload):
                     self._wait_grow(step.workload)
                     applied.append(f"cancel_grow {step.workload} (joiners dismissed before their directive; "
-                                   f"{step.action} re-planned next tick)")
+                                   f"{step.action} re-planned)")
                     log.info("called off the grow of %s: %s needs its GPUs", step.workload, step.action)
+                    self._replan = True
                     return applied, None
                 self._wait_grow(step.workload)  # past its directive: a shrink waits for the grow to land
             action_id = db.begin_action(self.store, pool=self.pool, kind=step.action, workload=step.workload,

@@ -56,7 +56,10 @@ def demo_config(minutes: float, tick_seconds: float) -> dict[str, Any]:
             "behavior": {
                 "scaleUp": {"stabilizationWindowSeconds": 0,
                             "policies": [{"type": "Pods", "value": 2, "periodSeconds": 1}]},
-                "scaleDown": {"stabilizationWindowSeconds": int(max(6, 3 * tick_seconds)),
+                # 12 s: longer than a scale-up takes to land (training shrink + replica start,
+                # with ticks that block meanwhile), so a replica started for a ramp is not
+                # drained on the next dip before the ramp arrives
+                "scaleDown": {"stabilizationWindowSeconds": int(max(12, 6 * tick_seconds)),
                               "policies": [{"type": "Pods", "value": 1, "periodSeconds": 1}]},
             },
         }],

@@ -236,9 +236,12 @@ def test_a_grow_still_starting_joiners_is_called_off_when_inference_needs_the_gp
     assert any("(started)" in a for a in res.applied), res.applied
     assert backend.waiting.wait(5)
     res = _tick(ctl, source, clock, 40.0)  # load is back before the joiners joined
-    assert any(a.startswith("cancel_grow pretrain") for a in res.applied), res.applied
-    assert len(backend.jobs["pretrain"].gpus) == 4  # the grow never happened
-    res = _tick(ctl, source, clock, 40.0, dt=2.0)  # re-planned from the truth: nothing to take back
+    assert res.applied and res.applied[0].startswith("cancel_grow pretrain"), res.applied
+    assert len(backend.jobs["pretrain"].gpus) == 4  # the grow never happened ...
+    assert len(backend.service_gpus("chat")) == 4  # ... and the same tick re-planned: 4 replicas back
+    ctl._observed_allocation().check_disjoint()
+    res = _tick(ctl, source, clock, 40.0, dt=2.0)  # steady
+    assert not [a for a in res.applied if "pretrain" in a], res.applied
     ctl._observed_allocation().check_disjoint()
     assert len(backend.jobs["pretrain"].gpus) == 4 and len(backend.service_gpus("chat")) == 4
     rows = db.list_reshards(store, job="pretrain", limit=50)
