@@ -149,6 +149,22 @@ def test_bad_config_is_rejected_at_load(patch, needle) -> None:
     assert needle in str(e.value)
 
 
+def _async_controller_at_4(db_url: str, backend: FakeBackend):
+    """A controller with async_grow over ``backend`` (8 GPUs), driven to 4 replicas + the job on 4."""
+    db.upgrade(db_url)
+    store = db.Store.from_url(db_url)
+    clock = Clock()
+    source = InProcessSource(max_age=60)
+    ctl = Controller(load_config(data=CONFIG), backend, store, {"chat": source}, owner="a", clock=clock,
+                     async_grow=True)
+    _tick(ctl, source, clock, 10.0)
+    ctl.wait_idle(5)
+    _tick(ctl, source, clock, 10.0)
+    _tick(ctl, source, clock, 40.0)  # 4 replicas: the job shrinks to 4
+    assert len(backend.jobs["pretrain"].gpus) == 4
+    return ctl, source, clock, store
+
+
 def test_async_grow_reserves_its_gpus_and_a_later_shrink_waits_for_it(db_url: str) -> None:
     """With async_grow the tick does not wait for joiners; nothing is double-booked meanwhile."""
     import threading
@@ -164,18 +180,8 @@ def test_async_grow_reserves_its_gpus_and_a_later_shrink_waits_for_it(db_url: st
                 assert self.release.wait(30), "grow never released"
             return super().set_job_gpus(spec, gpus, layout)
 
-    db.upgrade(db_url)
-    store = db.Store.from_url(db_url)
-    clock = Clock()
     backend = SlowGrow({"n0": 4, "n1": 4})
-    source = InProcessSource(max_age=60)
-    ctl = Controller(load_config(data=CONFIG), backend, store, {"chat": source}, owner="a", clock=clock,
-                     async_grow=True)
-    _tick(ctl, source, clock, 10.0)
-    ctl.wait_idle(5)
-    _tick(ctl, source, clock, 10.0)
-    _tick(ctl, source, clock, 40.0)  # 4 replicas: the job shrinks to 4
-    assert len(backend.jobs["pretrain"].gpus) == 4
+    ctl, source, clock, store = _async_controller_at_4(db_url, backend)
     res = _tick(ctl, source, clock, 10.0)  # load falls: inference drains, training grows in the background
     assert any("(started)" in a for a in res.applied), res.applied
     assert len(backend.jobs["pretrain"].gpus) == 4  # joiners not there yet
@@ -221,17 +227,8 @@ def test_a_grow_still_starting_joiners_is_called_off_when_inference_needs_the_gp
                     self.waiting.clear()
             return super().set_job_gpus(spec, gpus, layout)
 
-    db.upgrade(db_url)
-    store = db.Store.from_url(db_url)
-    clock = Clock()
     backend = CancellableGrow({"n0": 4, "n1": 4})
-    source = InProcessSource(max_age=60)
-    ctl = Controller(load_config(data=CONFIG), backend, store, {"chat": source}, owner="a", clock=clock,
-                     async_grow=True)
-    _tick(ctl, source, clock, 10.0)
-    ctl.wait_idle(5)
-    _tick(ctl, source, clock, 40.0)  # 4 replicas: the job shrinks to 4
-    assert len(backend.jobs["pretrain"].gpus) == 4
+    ctl, source, clock, store = _async_controller_at_4(db_url, backend)
     res = _tick(ctl, source, clock, 10.0)  # load falls: a grow starts in the background
     assert any("(started)" in a for a in res.applied), res.applied
     assert backend.waiting.wait(5)
