@@ -45,6 +45,10 @@ from elastic.scheduler.types import JobState, Knobs, SchedulePlan, ServiceDemand
 
 log = logging.getLogger("elastic.controller")
 
+# Error text of an action or reshard event that was a grow called off (nothing moved): readers
+# such as ``elastic demo`` tell it from a failure by this prefix.
+CANCELLED = "cancelled: "
+
 
 @dataclass
 class TickResult:
@@ -284,13 +288,12 @@ class Controller:
             return TickResult(now, False, "Paused", "controller paused by an operator")
         # 1. observe
         nodes = self.backend.inventory()
-        runtimes = {j.name: self.backend.job_runtime(j.name) for j in self.cfg.jobs}
         # a failed job's workers are gone or stuck: its GPUs are reclaimed in step 3a, so the
         # plan already treats it as not running (it starts afresh when GPUs allow)
-        failed = {n: rt for n, rt in runtimes.items() if rt is not None and rt.phase == "Failed"}
-        previous = self._observed_allocation(exclude=set(failed))
+        failed = {j.name: rt for j in self.cfg.jobs
+                  if (rt := self.backend.job_runtime(j.name)) is not None and rt.phase == "Failed"}
+        previous, runtimes = self._observe_jobs(set(failed))
         samples = {s.name: self._sample(s.name, now) for s in self.cfg.services}
-        runtimes.update(dict.fromkeys(failed))
         # 2. decide
         replica_decisions = self._decide_replicas(now, previous, samples)
         plan = schedule(self._snapshot(now, nodes, previous, replica_decisions, runtimes))
@@ -303,8 +306,7 @@ class Controller:
             # a grow was called off: plan again from what the job really holds, same replica
             # decisions (the policy is stateful and has spoken for this tick)
             self._replan = False
-            previous = self._observed_allocation(exclude=set(failed))
-            runtimes = {j.name: (None if j.name in failed else self.backend.job_runtime(j.name)) for j in self.cfg.jobs}
+            previous, runtimes = self._observe_jobs(set(failed))
             plan = schedule(self._snapshot(now, nodes, previous, replica_decisions, runtimes))
             steps, error = self._apply(now, plan)
             applied += steps
@@ -313,6 +315,11 @@ class Controller:
         return TickResult(now, True, plan.reason, plan.message, plan, replica_decisions, applied, error)
 
     # ---- 1. observe -----------------------------------------------------------------------------
+    def _observe_jobs(self, failed: set[str]) -> tuple[Allocation, dict[str, JobRuntime | None]]:
+        """What every workload holds, and each job's runtime (None: not running, or failed)."""
+        runtimes = {j.name: None if j.name in failed else self.backend.job_runtime(j.name) for j in self.cfg.jobs}
+        return self._observed_allocation(exclude=failed), runtimes
+
     def _observed_allocation(self, exclude: set[str] | None = None) -> Allocation:
         hold: dict[str, tuple[GPU, ...]] = {}
         for s in self.cfg.services:
@@ -353,7 +360,7 @@ class Controller:
                 db.finish_action(self.store, action_id, now=_dt(self.clock()))
             except GrowCancelled as e:
                 log.info("grow of %s called off: %s", spec.name, e)
-                db.finish_action(self.store, action_id, error=f"cancelled: {e}", now=_dt(self.clock()))
+                db.finish_action(self.store, action_id, error=f"{CANCELLED}{e}", now=_dt(self.clock()))
             except Exception as e:  # noqa: BLE001 - recorded; the next tick observes the job as it is
                 errors.append(str(e))
                 log.error("grow of %s failed: %s", spec.name, e)
@@ -440,7 +447,7 @@ class Controller:
                     continue
                 # Inference wants GPUs back from a job whose grow is still starting joiners: call
                 # the grow off (nothing has moved yet) rather than wait seconds for joiners that
-                # would leave again, and plan again next tick from what the job really holds.
+                # would leave again; the tick then plans once more from what the job really holds.
                 if self.backend.cancel_grow(step.workload):
                     self._wait_grow(step.workload)
                     applied.append(f"cancel_grow {step.workload} (joiners dismissed before their directive; "
@@ -485,7 +492,7 @@ class Controller:
             out = self.backend.set_job_gpus(spec, gpus, layout)
         except BackendError as e:
             if rid is not None:  # a called-off grow is on record as failed with "cancelled: ..." (nothing moved)
-                why = f"cancelled: {e}" if isinstance(e, GrowCancelled) else str(e)
+                why = f"{CANCELLED}{e}" if isinstance(e, GrowCancelled) else str(e)
                 db.finish_reshard(self.store, rid, bytes_moved=None, pause_seconds=None, error=why)
             raise
         if rid is not None:

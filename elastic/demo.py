@@ -244,13 +244,14 @@ def _sample_loop(backend: Any, ctl: Any, profile: Any, t0: float, run: DemoRun, 
 
 def _collect_reshards(ctl: Any, run: DemoRun) -> None:
     from elastic import store as db
+    from elastic.controller import CANCELLED
 
     seen = {r["id"] for r in run.reshards}
     for r in db.list_reshards(ctl.store, job=JOB, limit=500):
         if r.id not in seen and r.status in ("done", "failed"):
             run.reshards.append({"id": r.id, "from": r.from_layout, "to": r.to_layout, "status": r.status,
                                  "pause_seconds": r.pause_seconds, "bytes_moved": r.bytes_moved,
-                                 "cancelled": r.status == "failed" and (r.error or "").startswith("cancelled"),
+                                 "cancelled": r.status == "failed" and (r.error or "").startswith(CANCELLED),
                                  "at": r.finished_at.isoformat() if r.finished_at else None})
 
 

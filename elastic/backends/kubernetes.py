@@ -316,8 +316,7 @@ class KubernetesBackend:
             return False
         with self._lock:
             j = self._jobs.get(job)
-        handle = j.handle if j is not None else None
-        return bool(handle is not None and handle.cancel_pending())
+        return j is not None and j.handle is not None and j.handle.cancel_pending()
 
     def set_job_gpus(self, spec: TrainingSpec, gpus: tuple[GPU, ...], layout: Layout | None) -> RescaleOutcome:
         if gpus and (layout is None or layout.world_size != len(gpus)):

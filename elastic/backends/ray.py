@@ -246,8 +246,7 @@ class RayBackend:
     def cancel_grow(self, job: str) -> bool:
         with self._lock:
             j = self.jobs.get(job)
-        cancel = getattr(j.handle, "cancel_pending", None) if j is not None else None
-        return bool(cancel is not None and cancel())
+        return j is not None and j.handle.cancel_pending()
 
     def _new_handle(self, spec: TrainingSpec) -> Any:
         kw = {"options": self.train_options, "hardware": self.pool.hardware, "gpus_per_node": self.pool.gpus_per_node}

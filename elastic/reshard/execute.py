@@ -674,13 +674,14 @@ class _Releaser:
         self.p = p
         self.left = dict(p.readers)
         self.keep = set(p.reused) | {d for d, _ in p.recycled.values()}
+        self.leaver = p.is_leaver
 
     def wire(self, w: _Wire) -> None:
         for key in {(m.tensor, m.kind) for m in w.msgs}:
             self.done(key)
 
     def done(self, key: Key) -> None:
-        if self.p.is_leaver:
+        if self.leaver:
             return  # its exit frees everything in one go; freeing here would slow its sends
         self.left[key] -= 1
         if self.left[key] == 0 and key not in self.keep:

@@ -229,14 +229,12 @@ class JobHandle(ABC):
             for w in joiners:
                 self._launch(w)
             self._wait_registered(joiners)
-            with self._cancel_lock:
+        except RescaleCancelled:
+            pass  # seen while waiting; dismissed below
+        finally:
+            with self._cancel_lock:  # from here on the directive goes out: too late to call it off
                 self._cancellable = False
                 cancelled = self._cancel.is_set()
-        except RescaleCancelled:
-            cancelled = True
-        finally:
-            with self._cancel_lock:
-                self._cancellable = False
         if cancelled:
             self._before_directive()  # the platform's free resources with the joiners still counted as held
             self._dismiss(joiners, timeout=min(2.0, self.opts.exit_timeout_s))
