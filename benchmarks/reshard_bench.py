@@ -158,7 +158,6 @@ def engine_worker(a: argparse.Namespace) -> None:
            "t_end": t_end, "plan_seconds": t_planned - t_directive, "connect_seconds": t_connected - t_planned,
            "prepare_seconds": t_prepared - t_connected, "floor_runs": floors,
            "exchange_seconds": st.exchange_seconds, "free_seconds": st.free_seconds,
-           "verify_seconds": st.verify_seconds, "local_copy_seconds": st.local_copy_seconds,
            "bytes_sent": st.bytes_sent, "bytes_received": st.bytes_received, "bytes_planned": plan.bytes_planned,
            "bytes_total_state": plan.bytes_total_state, "bytes_reused": st.bytes_reused,
            "bytes_recycled": st.bytes_recycled, "wire_ops": st.wire_ops}
