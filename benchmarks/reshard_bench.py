@@ -19,7 +19,7 @@ B with workers leaving. Three ways, each verified bit for bit against the global
     buffers, exchanged once with one batch of isend/irecv, in a group built exactly like
     the engine's (same members, backend and construction).
 
-The engine side runs ``--repeats`` times (default 5), each time with fresh processes and
+The engine side runs ``--repeats`` times (default 7), each time with fresh processes and
 its own floor (median of three exchanges) measured in the same processes just before; the
 run with the median ``pause / floor`` is reported, every run is listed under
 ``engine_runs``. A shared 2-core VM moves a single exchange by +-30 % (the same raw
@@ -288,11 +288,12 @@ def _free_port() -> int:
 
 
 def _spawn(role: str, rank: int, port: int | str, a: argparse.Namespace, d: str) -> subprocess.Popen:
-    # Every role (engine, floor and checkpoint alike) backs big CPU tensors with transparent
-    # huge pages, as the trainer's workers do (elastic.train.launch): first touch and unmap of
-    # GBs cost half as much, on both sides of the comparison.
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT),
-               THP_MEM_ALLOC_ENABLE=os.environ.get("THP_MEM_ALLOC_ENABLE", "1"))
+    # Every role (engine, floor and checkpoint alike) gets the trainer workers' memory settings
+    # (huge pages for tensors and malloc's heap, elastic.train.procenv): first touch, unmap and
+    # process exit cost less, on both sides of the comparison.
+    from elastic.train.procenv import worker_memory_env
+
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT), **worker_memory_env(os.environ))
     cmd = [sys.executable, __file__, "--role", role, "--rank", str(rank), "--port", str(port), "--dir", d,
            "--from", a.src, "--to", a.dst, "--survivors", a.survivors]
     return subprocess.Popen(cmd, env=env)
@@ -440,7 +441,7 @@ def main() -> None:
     ap.add_argument("--to", dest="dst", default="tp1.pp2.dp1")
     ap.add_argument("--survivors", default="w0,w2", help="old workers that stay (comma-separated)")
     ap.add_argument("--timeout", type=float, default=300.0)
-    ap.add_argument("--repeats", type=int, default=5,
+    ap.add_argument("--repeats", type=int, default=7,
                     help="engine runs, each with fresh processes and its own floor; the median-ratio run is reported")
     ap.add_argument("--engine-only", action="store_true", help="skip the checkpoint path (quick look)")
     ap.add_argument("--role", choices=["engine", "ckpt-save", "ckpt-load"], help=argparse.SUPPRESS)

@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry
 
 from elastic.model import HardwareSpec, Layout, SpecError, check_layout, load_hardware
 from elastic.train.agent import config_json
+from elastic.train.procenv import worker_memory_env
 from elastic.train.rendezvous import (
     Coordinator,
     JobStatus,
@@ -274,9 +275,9 @@ class JobHandle(ABC):
             "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
             # several workers share this host's cores: one intra-op thread each avoids oversubscription
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-            # big CPU tensors on transparent huge pages: first touch (prepare) and unmap (a
-            # leaver's exit, inside the pause) of GBs take about half as long
-            "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "1"),
+            # huge pages for tensors and malloc's heap: cheaper first touch (prepare) and exit
+            # (a leaver's, inside the pause); see elastic.train.procenv
+            **worker_memory_env(os.environ),
         }
         if self.opts.engine_factory:
             env["ELASTIC_ENGINE_FACTORY"] = self.opts.engine_factory
