@@ -19,11 +19,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 for _k, _v in (("RAY_AUTH_MODE", "disabled"), ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"),
@@ -91,6 +93,7 @@ class DemoRun:
     reshards: list[dict[str, Any]] = field(default_factory=list)
     losses: list[tuple[int, float]] = field(default_factory=list)
     warmup: float = 0.0
+    rate: Callable[[float], float] | None = None  # expected requests/s at t (for the clairvoyant bound)
 
 
 def _replica_running(url: str) -> float:
@@ -145,7 +148,7 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
     lg = LoadGenerator(lambda: backend.service_targets(SERVICE), profile, duration=warmup + day,
                        max_requests=int(peak_rps * day * 1.2) + 100, max_tokens=MAX_TOKENS, seed=seed, timeout=20.0)
     lg_thread = threading.Thread(target=lambda: asyncio.run(lg.run()), name="loadgen", daemon=True)
-    run = DemoRun(warmup=warmup)
+    run = DemoRun(warmup=warmup, rate=lambda t: rate_at(profile, t))
     stop = threading.Event()
     t0 = time.monotonic()
     sampler = threading.Thread(target=_sample_loop, args=(backend, ctl, profile, t0, run, stop, rate_at,
@@ -273,8 +276,15 @@ def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup:
         busy, total, inf, trn, held_inf, held_trn = 0.0, 1.0, 0.0, 0.0, 0.0, 0.0
     pauses = [r["pause_seconds"] for r in done]
     requests = sum(1 for r in report.results if r.sent_at >= warmup)
+    svc = demo_config(day / 60.0, 1.0)["services"][0]
+    bound = utilization_bound(run.rate, warmup, warmup + day, request_seconds=MAX_TOKENS / TOKENS_PER_SECOND,
+                              capacity=TARGET, min_replicas=svc["min_replicas"], max_replicas=svc["max_replicas"],
+                              gpus=GPUS) if run.rate else None
     return {
         "gpu_utilization": round(busy / total, 4),
+        # the same measure for a clairvoyant controller on this day's expected load (whole
+        # replicas only, nothing else lost): how much of the gap no controller could close
+        "gpu_utilization_bound": round(bound, 4) if bound is not None else None,
         "inference_busy_fraction": round(inf, 4),
         "training_busy_fraction": round(trn, 4),
         # where the rest went: GPUs held by ready replicas / running training workers, and neither
@@ -300,6 +310,28 @@ def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup:
         "day_seconds": day,
         "warmup_seconds": warmup,
     }
+
+
+def utilization_bound(rate: Callable[[float], float], start: float, end: float, *, request_seconds: float,
+                      capacity: float, min_replicas: int, max_replicas: int, gpus: int, step: float = 0.5) -> float:
+    """GPU utilisation a clairvoyant controller would reach on this load (same definition).
+
+    ``rate(t)``: the *expected* requests/s. At each instant of ``[start, end)`` the service
+    holds exactly ``ceil(L / capacity)`` replicas (within its bounds), where ``L`` is the
+    expected concurrency (Little's law: the mean rate over the last ``request_seconds``
+    times ``request_seconds``), busy ``min(replicas, L / capacity)``; training runs on every
+    other GPU without a pause; no arrival jitter, no start, drain or handoff cost. No
+    controller beats it with 1-GPU replicas: rounding up to whole replicas is all it loses.
+    """
+    n = max(1, int((end - start) / step))
+    k = max(1, round(request_seconds / step))
+    acc = 0.0
+    for i in range(n):
+        t = start + i * step
+        load = sum(rate(t - j * step) for j in range(k)) / k * request_seconds
+        replicas = min(max_replicas, max(min_replicas, math.ceil(load / capacity - 1e-9)))
+        acc += (min(float(replicas), load / capacity) + (gpus - replicas)) / gpus
+    return acc / n
 
 
 def _write_timeline(run: DemoRun, path: str) -> None:

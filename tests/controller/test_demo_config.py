@@ -7,7 +7,7 @@ import math
 import pytest
 
 from elastic.config import load_config
-from elastic.demo import GPUS, MAX_TOKENS, SLOTS, TARGET, TOKENS_PER_SECOND, demo_config
+from elastic.demo import GPUS, MAX_TOKENS, SLOTS, TARGET, TOKENS_PER_SECOND, demo_config, utilization_bound
 from elastic.serve.profiles import diurnal_rate
 
 
@@ -30,3 +30,30 @@ def test_the_day_fits_the_service() -> None:
     need = max(diurnal_rate(f / 96, peak) for f in range(96)) * request_seconds / TARGET
     assert need <= 6, f"the default day needs {need:.2f} replicas of capacity {TARGET}, more than max 6"
     assert math.ceil(need) == 6  # ... and uses the pool at its peak (a pool sized for the peak)
+
+
+def _bound(rate, start=10.0, end=70.0, **kw):
+    args = dict(request_seconds=4.0, capacity=10.0, min_replicas=1, max_replicas=6, gpus=8)
+    return utilization_bound(rate, start, end, **{**args, **kw})
+
+
+def test_clairvoyant_bound_loses_only_the_rounding_to_whole_replicas() -> None:
+    # concurrency = rate x 4 s; capacity 10 per replica
+    assert _bound(lambda t: 5.0) == pytest.approx(1.0)  # 20 in flight: exactly 2 busy replicas
+    assert _bound(lambda t: 3.75) == pytest.approx((1.5 + 6) / 8)  # 15: 2 replicas, 1.5 busy
+    assert _bound(lambda t: 0.0) == pytest.approx(7 / 8)  # the minimum replica idles
+    assert _bound(lambda t: 100.0) == pytest.approx(1.0)  # beyond max: 6 replicas, all busy
+    # Little's law with history: a step from 0 to 5 req/s at t=10 fills up over 4 s
+    step = _bound(lambda t: 5.0 if t >= 10.0 else 0.0, start=10.0, end=14.0)
+    assert 7 / 8 < step < 1.0
+
+
+def test_the_demo_day_bound_is_what_the_readme_quotes() -> None:
+    from elastic.serve.profiles import DiurnalProfile, rate_at
+
+    day, warmup = 300.0, 15.0
+    prof = DiurnalProfile(peak=11.0, day_seconds=day, start_fraction=0.125 - warmup / day)
+    b = utilization_bound(lambda t: rate_at(prof, t), warmup, warmup + day,
+                          request_seconds=MAX_TOKENS / TOKENS_PER_SECOND, capacity=TARGET,
+                          min_replicas=1, max_replicas=6, gpus=GPUS)
+    assert 0.92 < b < 0.935
