@@ -45,10 +45,6 @@ from elastic.scheduler.types import JobState, Knobs, SchedulePlan, ServiceDemand
 
 log = logging.getLogger("elastic.controller")
 
-# Error text of an action or reshard event that was a grow called off (nothing moved): readers
-# such as ``elastic demo`` tell it from a failure by this prefix.
-CANCELLED = "cancelled: "
-
 
 @dataclass
 class TickResult:
@@ -360,7 +356,7 @@ class Controller:
                 db.finish_action(self.store, action_id, now=_dt(self.clock()))
             except GrowCancelled as e:
                 log.info("grow of %s called off: %s", spec.name, e)
-                db.finish_action(self.store, action_id, error=f"{CANCELLED}{e}", now=_dt(self.clock()))
+                db.finish_action(self.store, action_id, error=str(e), cancelled=True, now=_dt(self.clock()))
             except Exception as e:  # noqa: BLE001 - recorded; the next tick observes the job as it is
                 errors.append(str(e))
                 log.error("grow of %s failed: %s", spec.name, e)
@@ -491,9 +487,9 @@ class Controller:
         try:
             out = self.backend.set_job_gpus(spec, gpus, layout)
         except BackendError as e:
-            if rid is not None:  # a called-off grow is on record as failed with "cancelled: ..." (nothing moved)
-                why = f"{CANCELLED}{e}" if isinstance(e, GrowCancelled) else str(e)
-                db.finish_reshard(self.store, rid, bytes_moved=None, pause_seconds=None, error=why)
+            if rid is not None:  # a called-off grow (nothing moved) ends as cancelled, with the reason
+                db.finish_reshard(self.store, rid, bytes_moved=None, pause_seconds=None, error=str(e),
+                                  cancelled=isinstance(e, GrowCancelled))
             raise
         if rid is not None:
             # planned and lower-bound bytes are known only once the workers planned at the boundary

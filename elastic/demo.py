@@ -247,14 +247,12 @@ def _sample_loop(backend: Any, ctl: Any, profile: Any, t0: float, run: DemoRun, 
 
 def _collect_reshards(ctl: Any, run: DemoRun) -> None:
     from elastic import store as db
-    from elastic.controller import CANCELLED
 
     seen = {r["id"] for r in run.reshards}
     for r in db.list_reshards(ctl.store, job=JOB, limit=500):
-        if r.id not in seen and r.status in ("done", "failed"):
+        if r.id not in seen and r.status in db.FINISHED:
             run.reshards.append({"id": r.id, "from": r.from_layout, "to": r.to_layout, "status": r.status,
                                  "pause_seconds": r.pause_seconds, "bytes_moved": r.bytes_moved,
-                                 "cancelled": r.status == "failed" and (r.error or "").startswith(CANCELLED),
                                  "at": r.finished_at.isoformat() if r.finished_at else None})
 
 
@@ -299,9 +297,9 @@ def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup:
         "failed_requests": sum(1 for r in report.results if r.sent_at >= warmup and r.ttft is None),
         "requests": requests,
         "reshards": len(done),
-        "reshards_failed": sum(1 for r in run.reshards if r["status"] == "failed" and not r["cancelled"]),
+        "reshards_failed": sum(1 for r in run.reshards if r["status"] == "failed"),
         # grows called off before their directive because inference wanted the GPUs back (nothing moved)
-        "grows_cancelled": sum(1 for r in run.reshards if r["cancelled"]),
+        "grows_cancelled": sum(1 for r in run.reshards if r["status"] == "cancelled"),
         "mean_reshard_pause_seconds": round(sum(pauses) / len(pauses), 3) if pauses else 0.0,
         "max_reshard_pause_seconds": round(max(pauses), 3) if pauses else 0.0,
         "training_steps": rt.step if rt else (run.losses[-1][0] if run.losses else 0),

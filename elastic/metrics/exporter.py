@@ -101,7 +101,7 @@ class Exporter:
         self.tokens_per_second = G("elastic_job_tokens_per_second", "Training throughput the job reported",
                                    ["job"])
         self.generation = G("elastic_job_generation", "Layout generation (one more per rescale)", ["job"])
-        self.reshards = Counter("elastic_job_reshards", "Finished reshards by status (done, failed)",
+        self.reshards = Counter("elastic_job_reshards", "Finished reshards by status (done, failed, cancelled: called off before anything moved)",
                                 ["job", "status"], registry=r)
         self.reshard_seconds = Histogram("elastic_job_reshard_duration_seconds", "Wall time of a reshard, start "
                                          "to first step on the new layout", ["job"], buckets=_RESHARD_BUCKETS,
@@ -164,7 +164,7 @@ class Exporter:
             self._init_job(j.name)
 
     def _init_job(self, job: str) -> None:
-        for status in ("done", "failed"):
+        for status in db.FINISHED:
             self.reshards.labels(job, status)
         self.reshard_bytes.labels(job)
         self.planned_bytes.labels(job)
@@ -281,7 +281,7 @@ class Exporter:
         while True:
             rows = db.list_reshards(store, None, MAX_PAGE, self._reshard_cursor)
             for r in rows:
-                if r.status in ("done", "failed") and r.id not in self._reshard_seen:
+                if r.status in db.FINISHED and r.id not in self._reshard_seen:
                     self._count_reshard(r)
                     self._reshard_seen.add(r.id)
             # advance the cursor over the finished prefix; in-flight ones are looked at again
@@ -296,6 +296,8 @@ class Exporter:
     def _count_reshard(self, r: db.ReshardRecord) -> None:
         self._init_job(r.job)
         self.reshards.labels(r.job, r.status).inc()
+        if r.status == "cancelled":
+            return  # called off before its directive: no duration, no pause, nothing moved
         if r.finished_at is not None:
             self.reshard_seconds.labels(r.job).observe(max(0.0, (r.finished_at - r.started_at).total_seconds()))
         if r.pause_seconds is not None:

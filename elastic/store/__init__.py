@@ -21,6 +21,7 @@ from elastic.store.engine import (
     mask_url,
 )
 from elastic.store.migrate import UpgradeResult, current_revision, head_revision, upgrade
+from elastic.store.models import FINISHED, IN_FLIGHT
 from elastic.store.repo import (
     ActionRecord,
     AllocationRecord,
@@ -71,7 +72,7 @@ from elastic.store.repo import (
 )
 
 __all__ = [
-    "DEFAULT_URL", "NotFound", "Store", "StoreConflict", "StoreError", "StoreUnavailable", "mask_url",
+    "FINISHED", "IN_FLIGHT", "DEFAULT_URL", "NotFound", "Store", "StoreConflict", "StoreError", "StoreUnavailable", "mask_url",
     "UpgradeResult", "current_revision", "head_revision", "upgrade",
     "ActionRecord", "AllocationRecord", "AuditRecord", "DecisionRecord", "JobRecord", "LeaseRecord",
     "PoolRecord", "ReshardRecord", "ServiceRecord", "WorkloadRecord",

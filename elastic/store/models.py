@@ -40,10 +40,16 @@ NAMING_CONVENTION = {
 #: JSON document column: JSONB on PostgreSQL (comparable, indexable), JSON text elsewhere.
 JSONDoc = sa.JSON().with_variant(postgresql.JSONB(astext_type=sa.Text()), "postgresql")
 
-RESHARD_STATUSES = ("pending", "running", "done", "failed")
-ACTION_STATUSES = ("pending", "running", "done", "failed")
+# ``cancelled``: called off before anything moved (a grow inference wanted the GPUs back from)
+RESHARD_STATUSES = ("pending", "running", "done", "failed", "cancelled")
+ACTION_STATUSES = ("pending", "running", "done", "failed", "cancelled")
 WORKLOAD_KINDS = ("inference", "training")
 IN_FLIGHT = ("pending", "running")
+FINISHED = ("done", "failed", "cancelled")
+
+
+def _status_check(statuses: tuple[str, ...]) -> str:
+    return "status IN (" + ", ".join(f"'{s}'" for s in statuses) + ")"
 
 
 class UTCDateTime(sa.TypeDecorator[datetime]):
@@ -167,7 +173,7 @@ class ReshardEvent(Base):
 
     __tablename__ = "reshard_events"
     __table_args__ = (
-        sa.CheckConstraint("status IN ('pending', 'running', 'done', 'failed')", name="status"),
+        sa.CheckConstraint(_status_check(RESHARD_STATUSES), name="status"),
         sa.Index(
             "uq_reshard_events_in_flight", "job", unique=True,
             sqlite_where=sa.text("status IN ('pending', 'running')"),
@@ -201,7 +207,7 @@ class PendingAction(Base):
 
     __tablename__ = "pending_actions"
     __table_args__ = (
-        sa.CheckConstraint("status IN ('pending', 'running', 'done', 'failed')", name="status"),
+        sa.CheckConstraint(_status_check(ACTION_STATUSES), name="status"),
         sa.Index("ix_pending_actions_pool_status", "pool", "status"),
     )
 

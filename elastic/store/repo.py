@@ -508,17 +508,25 @@ def mark_reshard_running(db: DB, reshard_id: int, now: datetime | None = None) -
         return _record(ReshardRecord, row)
 
 
+def _outcome(error: str | None, cancelled: bool) -> str:
+    if cancelled and not error:
+        raise ValueError("cancelled=True needs error= (why it was called off)")
+    return "cancelled" if cancelled else "failed" if error else "done"
+
+
 def finish_reshard(db: DB, reshard_id: int, *, bytes_moved: int | None, pause_seconds: float | None,
                    error: str | None = None, now: datetime | None = None, bytes_planned: int | None = None,
-                   bytes_lower_bound: int | None = None) -> ReshardRecord:
-    """Close an in-flight reshard: ``done``, or ``failed`` when ``error`` is given.
+                   bytes_lower_bound: int | None = None, cancelled: bool = False) -> ReshardRecord:
+    """Close an in-flight reshard: ``done``; ``failed`` when ``error`` is given; ``cancelled``
+    (with ``error`` saying why) when it was called off before anything moved.
 
     ``bytes_planned`` / ``bytes_lower_bound`` overwrite the figures given at start when the
     plan was only made by the workers (the in-place reshard plans at the step boundary)."""
     t = _now(now)
+    status = _outcome(error, cancelled)
     with _tx(db) as s:
         row = _in_flight_row(s, reshard_id)
-        row.status = "failed" if error else "done"
+        row.status = status
         row.finished_at, row.bytes_moved, row.pause_seconds, row.error = t, bytes_moved, pause_seconds, error
         if bytes_planned is not None:
             row.bytes_planned = bytes_planned
@@ -569,16 +577,19 @@ def begin_action(db: DB, *, pool: str, kind: str, workload: str, payload: Any = 
         return row.id
 
 
-def finish_action(db: DB, action_id: int, *, error: str | None = None, now: datetime | None = None) -> ActionRecord:
-    """Close an action: ``done``, or ``failed`` when ``error`` is given."""
+def finish_action(db: DB, action_id: int, *, error: str | None = None, now: datetime | None = None,
+                  cancelled: bool = False) -> ActionRecord:
+    """Close an action: ``done``; ``failed`` when ``error`` is given; ``cancelled`` (with
+    ``error`` saying why) when it was called off."""
     t = _now(now)
+    status = _outcome(error, cancelled)
     with _tx(db) as s:
         row = s.get(PendingAction, action_id, with_for_update=True)
         if row is None:
             raise NotFound(f"action {action_id} not found")
         if row.status not in IN_FLIGHT:
             raise StoreConflict(f"action {action_id} is already {row.status}")
-        row.status, row.updated_at, row.error = ("failed" if error else "done"), t, error
+        row.status, row.updated_at, row.error = status, t, error
         s.flush()
         return _record(ActionRecord, row)
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 
+import pytest
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
@@ -15,6 +16,7 @@ from elastic.cli import app
 from elastic.store import Store, current_revision, head_revision, upgrade
 from elastic.store.models import Base
 
+ALL = ("0001", "0002")  # every shipped revision, in order
 EXPECTED_TABLES = {
     "alembic_version", "pools", "inference_services", "training_jobs", "allocations", "decisions",
     "reshard_events", "pending_actions", "audit_log", "leases",
@@ -48,7 +50,7 @@ def test_cli_reads_url_from_env(db_url: str, monkeypatch) -> None:
 
 def test_upgrade_result_lists_applied_revisions(db_url: str) -> None:
     r1 = upgrade(db_url)
-    assert (r1.before, r1.after, r1.applied) == (None, head_revision(), ("0001",))
+    assert (r1.before, r1.after, r1.applied) == (None, head_revision(), ALL)
     r2 = upgrade(db_url)
     assert (r2.before, r2.after, r2.applied) == (head_revision(), head_revision(), ())
 
@@ -63,6 +65,12 @@ def test_models_and_migrations_are_in_sync(db_url: str) -> None:
             ctx = MigrationContext.configure(conn, opts={"compare_type": True, "compare_server_default": True})
             diff = compare_metadata(ctx, Base.metadata)
         assert diff == [], f"models differ from migrations on {store.dialect}: {diff}"
+        # autogenerate does not compare CHECK constraints: their names at least must agree
+        insp = sa.inspect(store.engine)
+        for table in Base.metadata.sorted_tables:
+            declared = {c.name for c in table.constraints if isinstance(c, sa.CheckConstraint)}
+            found = {c["name"] for c in insp.get_check_constraints(table.name)}
+            assert declared <= found, f"{table.name}: models declare {declared}, the database has {found}"
     finally:
         store.dispose()
 
@@ -95,7 +103,7 @@ def test_concurrent_upgrades_apply_once(db_url: str) -> None:
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
         outs.append(out.strip())
-    assert sorted(outs) == ["-", "0001"], outs
+    assert sorted(outs) == ["-", ",".join(ALL)], outs
 
 
 def test_concurrent_upgrades_in_one_process(db_url: str) -> None:
@@ -114,4 +122,62 @@ def test_concurrent_upgrades_in_one_process(db_url: str) -> None:
     for t in threads:
         t.join(timeout=120)
     assert all(isinstance(r, tuple) for r in results), results
-    assert sorted(results, key=len) == [(), ("0001",)], results
+    assert sorted(results, key=len) == [(), ALL], results
+
+
+def test_0002_turns_called_off_rows_into_cancelled_and_keeps_the_in_flight_index(db_url: str) -> None:
+    """Rows written under 0001 survive 0002: ``failed`` + ``cancelled: `` prefix becomes
+    ``cancelled`` (prefix dropped), real failures stay, the one-in-flight-per-job index holds."""
+    from datetime import UTC, datetime
+
+    from elastic import store as db
+
+    store = Store.from_url(db_url)
+    try:
+        assert upgrade(store, "0001").applied == ("0001",)
+        t = datetime(2026, 12, 1, tzinfo=UTC)
+        row = dict(pool="p", generation=1, from_layout="tp1.pp1.dp2", to_layout="tp1.pp1.dp4", bytes_planned=0,
+                   bytes_lower_bound=0, started_at=t, finished_at=t)
+        with store.engine.begin() as c:
+            c.execute(sa.text(
+                "INSERT INTO reshard_events (job, pool, generation, from_layout, to_layout, bytes_planned, "
+                "bytes_lower_bound, started_at, finished_at, status, error) VALUES (:job, :pool, :generation, "
+                ":from_layout, :to_layout, :bytes_planned, :bytes_lower_bound, :started_at, :finished_at, "
+                ":status, :error)"),
+                [dict(row, job="a", status="failed", error="cancelled: inference wants the GPUs back"),
+                 dict(row, job="a", status="failed", error="joiner w5 never arrived"),
+                 dict(row, job="a", status="done", error=None)])
+        assert upgrade(store).applied == ("0002",)
+        rows = db.list_reshards(store, job="a")
+        assert [(r.status, r.error) for r in rows] == [
+            ("cancelled", "inference wants the GPUs back"), ("failed", "joiner w5 never arrived"), ("done", None)]
+        # the new status is accepted, and still only one reshard per job may be in flight
+        rid = db.start_reshard(store, job="a", pool="p", generation=2, from_layout="tp1.pp1.dp2",
+                               to_layout="tp1.pp1.dp4", bytes_planned=0, bytes_lower_bound=0)
+        with pytest.raises(db.StoreConflict):
+            db.start_reshard(store, job="a", pool="p", generation=3, from_layout="tp1.pp1.dp2",
+                             to_layout="tp1.pp1.dp4", bytes_planned=0, bytes_lower_bound=0)
+        with pytest.raises(sa.exc.IntegrityError), store.engine.begin() as c:  # the partial unique index
+            c.execute(sa.text(
+                "INSERT INTO reshard_events (job, pool, generation, from_layout, to_layout, bytes_planned, "
+                "bytes_lower_bound, started_at, status) VALUES ('a', 'p', 4, 'x', 'y', 0, 0, :t, 'pending')"),
+                {"t": t})
+        done = db.finish_reshard(store, rid, bytes_moved=None, pause_seconds=None, error="called off",
+                                 cancelled=True)
+        assert done.status == "cancelled"
+        with pytest.raises(sa.exc.IntegrityError), store.engine.begin() as c:  # the status check holds
+            c.execute(sa.text("UPDATE reshard_events SET status = 'maybe' WHERE id = :i"), {"i": rid})
+        # and back: 0001 has no such status, the prefix returns; then forward again
+        from alembic import command
+
+        from elastic.store.migrate import alembic_config
+
+        store.dispose()
+        command.downgrade(alembic_config(db_url), "0001")
+        assert current_revision(store) == "0001"
+        with store.engine.connect() as c:
+            rows = c.execute(sa.text("SELECT status, error FROM reshard_events WHERE id = :i"), {"i": rid}).all()
+        assert rows == [("failed", "cancelled: called off")]
+        assert upgrade(store).applied == ("0002",)
+    finally:
+        store.dispose()

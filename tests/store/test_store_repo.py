@@ -285,3 +285,18 @@ def test_audit_log(store: Store) -> None:
     assert (page[0].actor, page[0].target, page[0].detail, page[0].at) == (
         "alice", "svc-4", {"replicas": 4}, T0 + timedelta(seconds=4))
     assert [e.id for e in list_audit(store, limit=10, after_id=page[-1].id, newest_first=True)] == ids[::-1][2:]
+
+
+def test_called_off_work_ends_cancelled_with_its_reason(store) -> None:
+    from elastic import store as db
+
+    rid = db.start_reshard(store, job="j", pool="p", generation=1, from_layout="tp1.pp1.dp2",
+                           to_layout="tp1.pp1.dp4", bytes_planned=0, bytes_lower_bound=0)
+    with pytest.raises(ValueError, match="needs error="):
+        db.finish_reshard(store, rid, bytes_moved=None, pause_seconds=None, cancelled=True)
+    r = db.finish_reshard(store, rid, bytes_moved=None, pause_seconds=None, error="inference wants them", cancelled=True)
+    assert (r.status, r.error, r.bytes_moved) == ("cancelled", "inference wants them", None)
+    assert db.in_flight_reshards(store) == []  # finished: a restarted controller has nothing to resume
+    aid = db.begin_action(store, pool="p", kind="grow", workload="j")
+    a = db.finish_action(store, aid, error="called off", cancelled=True)
+    assert a.status == "cancelled" and db.open_actions(store) == []
