@@ -197,6 +197,7 @@ class WorkerAgent:
         self._store: Any = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"prepare-{worker}")
         self._reaper = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"reaper-{worker}")
+        self._graveyard: list[Any] = []  # shut-down groups, destroyed after the next step (_bury)
         self._prep: Future[_Prep] | None = None
         self._prep_gen = 0
         self._stop = threading.Event()
@@ -271,6 +272,7 @@ class WorkerAgent:
                 assert self.engine is not None
                 last = _result_json(self.engine.train_step(step))
                 step += 1
+                self._bury()  # the first step after a rescale is done: its old groups may go now
             elif action == "switch":
                 last = None
                 d = Directive.from_json(resp["directive"])
@@ -477,16 +479,22 @@ class WorkerAgent:
         self._retire(retired)
 
     def _retire(self, groups: list[Any]) -> None:
-        """Drop shut-down process groups off the critical path.
+        """Keep shut-down process groups alive until the pause is over (see :meth:`_bury`).
 
-        Destroying a gloo group that has carried traffic blocks ~20 ms even after
+        Destroying a gloo group that has carried traffic takes ~20 ms even after
         ``shutdown()`` (its destructor tears down every pair); a rescale drops 2-5 of them
-        (old TP/DP/PP, old default, the reshard group): 40-100 ms of a ~150 ms pause. The
-        destructor releases the GIL, so a background thread does it while the new layout
-        starts. Holding a reference is all it takes to defer it.
+        (old TP/DP/PP, old default, the reshard group). The destructor runs with the GIL
+        held, so even on a background thread it stops the main thread: measured, a grow's
+        pause carried 20-40 ms of "close" for a reshard group destroyed on the reaper thread
+        while the new engine was being built. Holding a reference is all it takes to defer it.
         """
-        if groups:
-            self._reaper.submit(groups.clear)
+        self._graveyard.extend(groups)
+
+    def _bury(self) -> None:
+        """Destroy the retired groups on the reaper thread, now that training runs again."""
+        if self._graveyard:
+            dead, self._graveyard = self._graveyard, []
+            self._reaper.submit(dead.clear)
 
     def _leave(self) -> None:
         """A leaver's bytes have landed: free everything at once (the launcher sees the process go)."""
