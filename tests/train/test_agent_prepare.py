@@ -25,3 +25,30 @@ def test_replaced_or_reshaped_tensors_are_not_the_same() -> None:
     assert not _same_tensors(a, {("w", "param"): p.data.view(3, 4)})  # same memory, other shape
     assert not _same_tensors(a, {("w", "param"): p.data[1:]})  # a slice of it
     assert not _same_tensors(a, {("w", "param"): p.data, ("w", "exp_avg"): torch.zeros(4, 3)})  # other keys
+
+
+def test_retired_groups_outlive_the_pause_and_die_on_the_reaper_thread() -> None:
+    # A gloo group's destructor holds the GIL for ~20 ms: retired groups must not die inside
+    # the pause (kept by _retire) and must not die on the main thread (dropped by _bury).
+    import gc
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from elastic.train.agent import WorkerAgent
+
+    agent = WorkerAgent.__new__(WorkerAgent)  # only the two fields these methods use
+    agent._graveyard, agent._reaper = [], ThreadPoolExecutor(max_workers=1, thread_name_prefix="reaper-test")
+    died: list[str] = []
+
+    class Group:
+        def __del__(self) -> None:
+            died.append(threading.current_thread().name)
+
+    agent._retire([Group(), Group()])
+    gc.collect()
+    assert died == []  # held through the rest of the rescale
+    agent._bury()
+    agent._reaper.shutdown(wait=True)
+    assert len(died) == 2 and all(name.startswith("reaper-test") for name in died), died
+    assert agent._graveyard == []
+    agent._bury()  # nothing left: a no-op
