@@ -319,7 +319,8 @@ def utilization_bound(rate: Callable[[float], float], start: float, end: float, 
     expected concurrency (Little's law: the mean rate over the last ``request_seconds``
     times ``request_seconds``), busy ``min(replicas, L / capacity)``; training runs on every
     other GPU without a pause; no arrival jitter, no start, drain or handoff cost. No
-    controller beats it with 1-GPU replicas: rounding up to whole replicas is all it loses.
+    controller that keeps every replica within its SLO capacity beats it with 1-GPU
+    replicas: rounding up to whole replicas is all it loses.
     """
     n = max(1, int((end - start) / step))
     k = max(1, round(request_seconds / step))
