@@ -83,3 +83,22 @@ def test_missing_metrics_and_unavailable_backend_are_counted(env: Env) -> None:
     assert _one(m, "elastic_metric_source_errors_total", service="chat", kind="stale") == 0
     assert _one(m, "elastic_controller_errors_total", pool="p", kind="unavailable") == 1
     assert _one(m, "elastic_controller_ready", pool="p") == 0
+
+
+def test_a_called_off_grow_counts_as_cancelled_and_adds_no_duration_or_pause(env: Env) -> None:
+    for load in (10.0, 40.0):
+        env.tick(load)
+    # a grow called off before its directive, on record as the controller writes it
+    rid = db.start_reshard(env.store, job="pretrain", pool="p", generation=99, from_layout="tp1.pp1.dp2",
+                           to_layout="tp1.pp1.dp4", bytes_planned=0, bytes_lower_bound=0)
+    db.finish_reshard(env.store, rid, bytes_moved=None, pause_seconds=None, error="inference wants them back",
+                      cancelled=True)
+    env.exporter.update_from(env.ctl, env.store)
+    m = _samples(env)
+    rows = db.list_reshards(env.store, "pretrain", 100)
+    done = [r for r in rows if r.status == "done"]
+    assert _one(m, "elastic_job_reshards_total", job="pretrain", status="cancelled") == 1
+    assert _one(m, "elastic_job_reshards_total", job="pretrain", status="failed") == 0
+    assert _one(m, "elastic_job_reshards_total", job="pretrain", status="done") == len(done)
+    assert _one(m, "elastic_job_reshard_duration_seconds_count", job="pretrain") == len(done)
+    assert _one(m, "elastic_job_reshard_pause_seconds_count", job="pretrain") == len(done)
