@@ -93,7 +93,6 @@ class DemoRun:
     reshards: list[dict[str, Any]] = field(default_factory=list)
     losses: list[tuple[int, float]] = field(default_factory=list)
     warmup: float = 0.0
-    rate: Callable[[float], float] | None = None  # expected requests/s at t (for the clairvoyant bound)
 
 
 def _replica_running(url: str) -> float:
@@ -148,7 +147,7 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
     lg = LoadGenerator(lambda: backend.service_targets(SERVICE), profile, duration=warmup + day,
                        max_requests=int(peak_rps * day * 1.2) + 100, max_tokens=MAX_TOKENS, seed=seed, timeout=20.0)
     lg_thread = threading.Thread(target=lambda: asyncio.run(lg.run()), name="loadgen", daemon=True)
-    run = DemoRun(warmup=warmup, rate=lambda t: rate_at(profile, t))
+    run = DemoRun(warmup=warmup)
     stop = threading.Event()
     t0 = time.monotonic()
     sampler = threading.Thread(target=_sample_loop, args=(backend, ctl, profile, t0, run, stop, rate_at,
@@ -180,7 +179,11 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
         if api:
             api[0].should_exit = True
     # 4. summary
-    summary = _summary(run, lg.report, slo_ttft_seconds, rt, day, warmup)
+    svc = cfg.services[0]
+    bound = utilization_bound(lambda t: rate_at(profile, t), warmup, warmup + day,
+                              request_seconds=MAX_TOKENS / TOKENS_PER_SECOND, capacity=svc.metric.target,
+                              min_replicas=svc.min_replicas, max_replicas=svc.max_replicas, gpus=GPUS)
+    summary = _summary(run, lg.report, slo_ttft_seconds, rt, day, warmup, bound)
     console.print_json(json.dumps(summary))
     if summary_json:
         Path(summary_json).parent.mkdir(parents=True, exist_ok=True)
@@ -256,7 +259,8 @@ def _collect_reshards(ctl: Any, run: DemoRun) -> None:
                                  "at": r.finished_at.isoformat() if r.finished_at else None})
 
 
-def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup: float) -> dict[str, Any]:
+def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup: float,
+             bound: float | None = None) -> dict[str, Any]:
     s = [x for x in run.samples if x.t >= warmup]
     done = [r for r in run.reshards if r["status"] == "done" and r["pause_seconds"] is not None]
     if len(s) >= 2:
@@ -274,10 +278,6 @@ def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup:
         busy, total, inf, trn, held_inf, held_trn = 0.0, 1.0, 0.0, 0.0, 0.0, 0.0
     pauses = [r["pause_seconds"] for r in done]
     requests = sum(1 for r in report.results if r.sent_at >= warmup)
-    svc = demo_config(day / 60.0, 1.0)["services"][0]
-    bound = utilization_bound(run.rate, warmup, warmup + day, request_seconds=MAX_TOKENS / TOKENS_PER_SECOND,
-                              capacity=TARGET, min_replicas=svc["min_replicas"], max_replicas=svc["max_replicas"],
-                              gpus=GPUS) if run.rate else None
     return {
         "gpu_utilization": round(busy / total, 4),
         # the same measure for a clairvoyant controller on this day's expected load (whole

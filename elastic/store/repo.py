@@ -509,9 +509,10 @@ def mark_reshard_running(db: DB, reshard_id: int, now: datetime | None = None) -
 
 
 def _outcome(error: str | None, cancelled: bool) -> str:
-    if cancelled and not error:
+    """Any ``error`` given (even an empty message) means the work did not get done."""
+    if cancelled and error is None:
         raise ValueError("cancelled=True needs error= (why it was called off)")
-    return "cancelled" if cancelled else "failed" if error else "done"
+    return "cancelled" if cancelled else "failed" if error is not None else "done"
 
 
 def finish_reshard(db: DB, reshard_id: int, *, bytes_moved: int | None, pause_seconds: float | None,

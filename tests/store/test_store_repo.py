@@ -300,3 +300,14 @@ def test_called_off_work_ends_cancelled_with_its_reason(store) -> None:
     aid = db.begin_action(store, pool="p", kind="grow", workload="j")
     a = db.finish_action(store, aid, error="called off", cancelled=True)
     assert a.status == "cancelled" and db.open_actions(store) == []
+
+
+def test_an_empty_error_message_still_records_a_failure(store) -> None:
+    # ``str(e)`` of an exception without a message is "": the work still did not get done
+    from elastic import store as db
+
+    rid = db.start_reshard(store, job="j", pool="p", generation=1, from_layout="tp1.pp1.dp2",
+                           to_layout="tp1.pp1.dp4", bytes_planned=0, bytes_lower_bound=0)
+    assert db.finish_reshard(store, rid, bytes_moved=None, pause_seconds=None, error="").status == "failed"
+    aid = db.begin_action(store, pool="p", kind="grow", workload="j")
+    assert db.finish_action(store, aid, error="", cancelled=True).status == "cancelled"
