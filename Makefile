@@ -19,9 +19,13 @@ $(STAMP): pyproject.toml
 # Tests that start Ray inside the pytest process run in a second pytest process: Ray leaves
 # threads behind after ray.shutdown(), and a later test must not share a process with them.
 # Both runs always happen; the target fails if either failed (exit 5 only if neither found tests).
+# A pytest process that crashes (exit >= 128) has its fault dump printed again at the end.
 test: venv
-	@$(BIN)/python -m pytest -m "not ray" $(PYTEST_ARGS); a=$$?; \
-	$(BIN)/python -m pytest -m ray $(PYTEST_ARGS); b=$$?; \
+	@ELASTIC_FAULT_LOG=$(CURDIR)/.pytest-fault-1.log $(BIN)/python -m pytest -m "not ray" $(PYTEST_ARGS); a=$$?; \
+	ELASTIC_FAULT_LOG=$(CURDIR)/.pytest-fault-2.log $(BIN)/python -m pytest -m ray $(PYTEST_ARGS); b=$$?; \
+	for r in "1 $$a" "2 $$b"; do set -- $$r; if [ $$2 -ge 128 ]; then \
+	  echo "== pytest run $$1 crashed (exit $$2): the test and the top of every thread's stack"; \
+	  awk '/^(running|Fatal|Current thread|Thread |Extension)/{n=8} n-->0' .pytest-fault-$$1.log; fi; done; \
 	if [ $$a -ne 0 ] && [ $$a -ne 5 ]; then exit $$a; fi; \
 	if [ $$b -ne 0 ] && [ $$b -ne 5 ]; then exit $$b; fi; \
 	if [ $$a -eq 5 ] && [ $$b -eq 5 ]; then exit 5; fi
