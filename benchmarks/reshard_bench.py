@@ -373,6 +373,12 @@ def run_engine(a: argparse.Namespace, d: str) -> dict:
             "per_worker_execute_seconds": {r["me"]: round(r["t_end"] - r["t_boundary"], 4) for r in res},
             "leaver_exit_after_execute": {r["me"]: round(gone[procs[int(r["me"][1:])].pid] - r["t_end"], 4)
                                           for r in res if r["leaver"]},
+            # where a slow run's time went: the workers leaving the boundary barrier apart,
+            # the longest execute, the slowest leaver exit
+            "boundary_skew_seconds": max(r["t_boundary"] for r in res) - min(r["t_boundary"] for r in res),
+            "execute_max_seconds": max(r["t_end"] - r["t_boundary"] for r in res),
+            "leaver_exit_max_seconds": max((gone[procs[int(r["me"][1:])].pid] - r["t_end"] for r in res
+                                            if r["leaver"]), default=0.0),
         },
     }
 
@@ -428,7 +434,11 @@ def summarize(runs: list[dict], ck: dict) -> dict:
     out["floor_runs"] = eng["floor_runs"]
     out["engine_runs"] = [{"pause_seconds": round(r["pause_seconds"], 4), "total_seconds": round(r["total_seconds"], 4),
                            "floor_seconds": round(r["floor_seconds"], 4),
-                           "ratio_to_floor": round(r["pause_seconds"] / r["floor_seconds"], 3)} for r in runs]
+                           "ratio_to_floor": round(r["pause_seconds"] / r["floor_seconds"], 3),
+                           "floor_runs": [round(f, 4) for f in r["floor_runs"]],
+                           **{k: round(r["engine_breakdown"][k], 4) for k in
+                              ("boundary_skew_seconds", "execute_max_seconds", "leaver_exit_max_seconds")}}
+                          for r in runs]
     out["checkpoint_breakdown"] = ck["checkpoint_breakdown"]
     return out
 
