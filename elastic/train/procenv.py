@@ -13,7 +13,9 @@ page mapped, so fewer, larger pages make both cheaper:
   leaver's exit ~20% faster (median 19 ms instead of 24 ms for two leavers exiting at once).
 
 Both are only requests (``madvise``): with THP off on the host nothing changes. A value the
-user set wins.
+user set wins. Used for local worker processes and Kubernetes pods (``launch.py``) and for
+the local Ray cluster (``ray_handle.init_local_ray``: its raylet passes them to every Ray
+worker process).
 
 Not set: ``PYTHONMALLOC=malloc``. It would put the interpreter's small objects on that heap
 too (pymalloc's arenas are plain 4 KiB pages): 4 KiB anonymous memory after ``import torch``

@@ -34,15 +34,34 @@ LOCAL_RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER
 
 
 def init_local_ray(num_gpus: int = 8, num_cpus: int = 2, object_store_bytes: int = 200 * 2**20) -> Any:
-    """Start an embedded single-node Ray on loopback with ``num_gpus`` logical GPUs (idempotent)."""
+    """Start an embedded single-node Ray on loopback with ``num_gpus`` logical GPUs (idempotent).
+
+    The cluster's processes start with the worker memory settings
+    (:func:`elastic.train.procenv.worker_memory_env`): Ray's worker processes, the training
+    workers' actors among them, inherit the raylet's environment, and those variables only
+    act when set at a process's start (a per-actor ``runtime_env`` would set them too, but
+    costs ~0.5 s per actor start). The caller's own environment is left as it was.
+    """
     for k, v in LOCAL_RAY_ENV.items():
         os.environ.setdefault(k, v)
     import ray
 
+    from elastic.train.procenv import worker_memory_env
+
     if ray.is_initialized():
         return ray
-    ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, object_store_memory=object_store_bytes,
-             _node_ip_address="127.0.0.1", log_to_driver=False)
+    mem = worker_memory_env(os.environ)
+    saved = {k: os.environ.get(k) for k in mem}
+    os.environ.update(mem)
+    try:
+        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+                 object_store_memory=object_store_bytes, _node_ip_address="127.0.0.1", log_to_driver=False)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return ray
 
 

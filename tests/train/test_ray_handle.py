@@ -4,6 +4,8 @@ and every worker ends by returning its exit code (no actor "died unexpectedly").
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from elastic.model import load_model
@@ -14,15 +16,30 @@ from tests.train import _mp
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(480)]
 
 CFG = TrainConfig(model=load_model("tiny"), global_batch=8, micro_batch=1)
+MEMORY_VARS = ("THP_MEM_ALLOC_ENABLE", "GLIBC_TUNABLES")
+ENV_BEFORE: dict[str, str | None] = {}  # the driver's values before init_local_ray
 
 
 @pytest.fixture(scope="module")
 def ray_local():
     from elastic.train.ray_handle import init_local_ray
 
+    ENV_BEFORE.update({k: os.environ.get(k) for k in MEMORY_VARS})
     ray = init_local_ray(num_gpus=8, num_cpus=2)
     yield ray
     ray.shutdown()
+
+
+def test_local_ray_workers_start_with_the_memory_settings(ray_local) -> None:
+    from elastic.train.procenv import worker_memory_env
+
+    @ray_local.remote(num_cpus=0)
+    def env() -> dict[str, str | None]:
+        return {k: os.environ.get(k) for k in MEMORY_VARS}
+
+    assert ray_local.get(env.remote()) == worker_memory_env(os.environ)
+    # the driver's own environment is as it was before init_local_ray
+    assert {k: os.environ.get(k) for k in MEMORY_VARS} == ENV_BEFORE and ENV_BEFORE
 
 
 def free_gpus(ray) -> float:
