@@ -93,6 +93,8 @@ class DemoRun:
     reshards: list[dict[str, Any]] = field(default_factory=list)
     losses: list[tuple[int, float]] = field(default_factory=list)
     warmup: float = 0.0
+    # reshard events with an id above this one are this run's (./elastic.db outlives runs)
+    reshards_after_id: int = 0
 
 
 def _replica_running(url: str) -> float:
@@ -138,6 +140,7 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
         if api:
             console.print(f"controller API and /metrics on http://127.0.0.1:{api[2]}")
     # 2. the first tick places the minimum replica and the job before traffic starts
+    start_id = last_reshard_id(store)
     ctl.tick()
     # The day starts at 03:00: night trough, morning ramp, plateau, evening descent in steps.
     # A warm-up at the night load comes first (as the simulator starts every policy warm):
@@ -147,7 +150,7 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
     lg = LoadGenerator(lambda: backend.service_targets(SERVICE), profile, duration=warmup + day,
                        max_requests=int(peak_rps * day * 1.2) + 100, max_tokens=MAX_TOKENS, seed=seed, timeout=20.0)
     lg_thread = threading.Thread(target=lambda: asyncio.run(lg.run()), name="loadgen", daemon=True)
-    run = DemoRun(warmup=warmup)
+    run = DemoRun(warmup=warmup, reshards_after_id=start_id)
     stop = threading.Event()
     t0 = time.monotonic()
     sampler = threading.Thread(target=_sample_loop, args=(backend, ctl, profile, t0, run, stop, rate_at,
@@ -248,15 +251,34 @@ def _sample_loop(backend: Any, ctl: Any, profile: Any, t0: float, run: DemoRun, 
                                   rt.tokens_per_second if rt else 0.0, sum(running)))
 
 
+def last_reshard_id(store: Any) -> int:
+    """The newest reshard event's id of the demo's job in ``store`` (0 when there is none)."""
+    from elastic import store as db
+
+    newest = db.list_reshards(store, job=JOB, limit=1, newest_first=True)
+    return newest[0].id if newest else 0
+
+
 def _collect_reshards(ctl: Any, run: DemoRun) -> None:
+    """Add this run's finished reshards (ids above ``run.reshards_after_id``) not collected yet.
+
+    Every event since the run's start is read, page by page: one still in flight is picked
+    up by a later call once it has finished."""
     from elastic import store as db
 
     seen = {r["id"] for r in run.reshards}
-    for r in db.list_reshards(ctl.store, job=JOB, limit=500):
-        if r.id not in seen and r.status in db.FINISHED:
-            run.reshards.append({"id": r.id, "from": r.from_layout, "to": r.to_layout, "status": r.status,
-                                 "pause_seconds": r.pause_seconds, "bytes_moved": r.bytes_moved,
-                                 "at": r.finished_at.isoformat() if r.finished_at else None})
+    after = run.reshards_after_id
+    while True:
+        page = db.list_reshards(ctl.store, job=JOB, limit=200, after_id=after)
+        for r in page:
+            if r.id not in seen and r.status in db.FINISHED:
+                run.reshards.append({"id": r.id, "from": r.from_layout, "to": r.to_layout, "status": r.status,
+                                     "pause_seconds": r.pause_seconds, "bytes_moved": r.bytes_moved,
+                                     "at": r.finished_at.isoformat() if r.finished_at else None})
+        if len(page) < 200:
+            break
+        after = page[-1].id
+    run.reshards.sort(key=lambda r: r["id"])
 
 
 def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup: float,

@@ -57,3 +57,39 @@ def test_the_demo_day_bound_is_what_the_readme_quotes() -> None:
                           request_seconds=MAX_TOKENS / TOKENS_PER_SECOND, capacity=TARGET,
                           min_replicas=1, max_replicas=6, gpus=GPUS)
     assert 0.92 < b < 0.935
+
+
+def test_the_summary_counts_only_this_runs_reshards(tmp_path) -> None:
+    # ./elastic.db outlives a demo run: the next run's summary must not count (or subtract the
+    # pauses of) the reshards an earlier run recorded, however many there were
+    from types import SimpleNamespace
+
+    from elastic import store as db
+    from elastic.demo import JOB, DemoRun, _collect_reshards, last_reshard_id
+
+    url = f"sqlite:///{tmp_path / 'elastic.db'}"
+    db.upgrade(url)
+    store = db.Store.from_url(url)
+
+    def reshard(gen: int, pause: float, *, finish: bool = True) -> int:
+        rid = db.start_reshard(store, job=JOB, pool="demo", generation=gen, from_layout="tp1.pp1.dp2",
+                               to_layout="tp1.pp1.dp3", bytes_planned=10, bytes_lower_bound=10)
+        if finish:
+            db.finish_reshard(store, rid, bytes_moved=10, pause_seconds=pause)
+        return rid
+
+    for g in range(250):  # an earlier run: more than one page of events
+        reshard(g, 9.0)
+    assert last_reshard_id(store) == 250
+    run, ctl = DemoRun(reshards_after_id=last_reshard_id(store)), SimpleNamespace(store=store)
+    reshard(1000, 0.1)
+    in_flight = reshard(1001, 0.0, finish=False)
+    _collect_reshards(ctl, run)
+    assert [r["pause_seconds"] for r in run.reshards] == [0.1]  # the one in flight waits
+    db.finish_reshard(store, in_flight, bytes_moved=10, pause_seconds=0.2)
+    _collect_reshards(ctl, run)
+    _collect_reshards(ctl, run)  # idempotent
+    assert [(r["id"], r["pause_seconds"]) for r in run.reshards] == [(251, 0.1), (252, 0.2)]
+    empty = DemoRun(reshards_after_id=0)
+    _collect_reshards(ctl, empty)  # from the start of the file: every page is read
+    assert len(empty.reshards) == 252
