@@ -139,9 +139,17 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
         api = _start_api(store, ctl, api_port)
         if api:
             console.print(f"controller API and /metrics on http://127.0.0.1:{api[2]}")
-    # 2. the first tick places the minimum replica and the job before traffic starts
+    # 2. the first tick places the minimum replica and the job before traffic starts. A demo
+    # killed earlier (kill -9: Ctrl-C releases it) may still hold the database's lease; it
+    # expires within lease_seconds, and the day must not start with nobody acting.
     start_id = last_reshard_id(store)
-    ctl.tick()
+    first = _first_tick(ctl, console, cfg.controller.lease_seconds + 2 * tick_seconds, tick_seconds)
+    if not ctl.is_leader:
+        backend.shutdown()
+        if api:
+            api[0].should_exit = True
+        raise SystemExit(f"elastic demo: {first.message}; another controller is acting on {db_url} "
+                         "(use --db with another database, or stop it)")
     # The day starts at 03:00: night trough, morning ramp, plateau, evening descent in steps.
     # A warm-up at the night load comes first (as the simulator starts every policy warm):
     # the controller sizes the service from real metrics before the measured day begins.
@@ -181,6 +189,7 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
         backend.shutdown()
         if api:
             api[0].should_exit = True
+        _release_lease(ctl)
     # 4. summary
     svc = cfg.services[0]
     bound = utilization_bound(lambda t: rate_at(profile, t), warmup, warmup + day,
@@ -249,6 +258,29 @@ def _sample_loop(backend: Any, ctl: Any, profile: Any, t0: float, run: DemoRun, 
         run.samples.append(Sample(t, rate_at(profile, t), len(urls), busy, tg, tbusy, rt.layout if rt else None,
                                   rt.step if rt else 0, rt.loss if rt else None,
                                   rt.tokens_per_second if rt else 0.0, sum(running)))
+
+
+def _first_tick(ctl: Any, console: Any, wait_s: float, tick_seconds: float) -> Any:
+    """Tick until this controller holds the lease (at most ``wait_s``); returns the last result."""
+    res = ctl.tick()
+    deadline = time.monotonic() + wait_s
+    if not ctl.is_leader:
+        console.print(f"waiting up to {wait_s:.0f} s for the lease: {res.message} (an earlier demo that was killed?)")
+    while not ctl.is_leader and time.monotonic() < deadline:
+        time.sleep(tick_seconds)
+        res = ctl.tick()
+    return res
+
+
+def _release_lease(ctl: Any) -> None:
+    """Hand the pool's lease back now (the next run need not wait for it to expire)."""
+    from elastic import store as db
+
+    if ctl.is_leader:
+        try:
+            db.release_lease(ctl.store, ctl.pool, ctl.owner)
+        except Exception as e:  # noqa: BLE001 - it expires on its own
+            log.warning("could not release the lease: %s", e)
 
 
 def last_reshard_id(store: Any) -> int:
