@@ -24,5 +24,9 @@ def register(app: typer.Typer) -> None:
 
         if minutes <= 0 or tick_seconds <= 0:
             fail(f"--minutes={minutes} and --tick-seconds={tick_seconds} must be > 0")
-        run_demo(minutes, tick_seconds=tick_seconds, db_url=db, summary_json=summary_json, plot=plot, live=live,
-                 peak_rps=peak_rps, timeline_csv=timeline_csv or None)
+        try:
+            run_demo(minutes, tick_seconds=tick_seconds, db_url=db, summary_json=summary_json, plot=plot,
+                     live=live, peak_rps=peak_rps, timeline_csv=timeline_csv or None)
+        except KeyboardInterrupt:
+            # workloads stopped, Ray shut down and the lease handed back on the way out
+            fail("interrupted: the day did not finish, so no summary or plot was written", code=130)
