@@ -203,6 +203,17 @@ class Controller:
     def stop(self) -> None:
         self._stop.set()
 
+    def release_lease(self) -> None:
+        """Hand the pool's lease back now if we hold it, so a successor need not wait for it
+        to expire; a failure is only logged (the lease expires on its own)."""
+        if not self.is_leader:
+            return
+        try:
+            db.release_lease(self.store, self.pool, self.owner)
+        except Exception as e:  # noqa: BLE001 - it expires on its own
+            log.warning("could not release the lease of pool %s: %s", self.pool, e)
+        self.is_leader = False
+
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait for grows still running in the background; True when none is left."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -250,8 +261,7 @@ class Controller:
             started = self.clock()
             self.tick()
             self._stop.wait(max(0.0, self.cfg.controller.tick_seconds - (self.clock() - started)))
-        if self.is_leader:
-            db.release_lease(self.store, self.pool, self.owner)
+        self.release_lease()
 
     # ---- one reconcile cycle --------------------------------------------------------------------
     def tick(self) -> TickResult:

@@ -189,7 +189,7 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
         backend.shutdown()
         if api:
             api[0].should_exit = True
-        _release_lease(ctl)
+        ctl.release_lease()  # the next run need not wait for it to expire
     # 4. summary
     svc = cfg.services[0]
     bound = utilization_bound(lambda t: rate_at(profile, t), warmup, warmup + day,
@@ -270,17 +270,6 @@ def _first_tick(ctl: Any, console: Any, wait_s: float, tick_seconds: float) -> A
         time.sleep(tick_seconds)
         res = ctl.tick()
     return res
-
-
-def _release_lease(ctl: Any) -> None:
-    """Hand the pool's lease back now (the next run need not wait for it to expire)."""
-    from elastic import store as db
-
-    if ctl.is_leader:
-        try:
-            db.release_lease(ctl.store, ctl.pool, ctl.owner)
-        except Exception as e:  # noqa: BLE001 - it expires on its own
-            log.warning("could not release the lease: %s", e)
 
 
 def last_reshard_id(store: Any) -> int:

@@ -152,14 +152,7 @@ def run(served: Served, *, ticks: int | None = None, stop: threading.Event | Non
 
 def close(served: Served) -> None:
     """Release the lease; stop embedded workloads, leave detached ones to the next controller."""
-    from elastic import store as db
-
-    ctl = served.controller
-    if ctl.is_leader:
-        try:
-            db.release_lease(served.store, ctl.pool, ctl.owner)
-        except Exception:  # noqa: BLE001 - the lease expires on its own
-            pass
+    served.controller.release_lease()
     if served.backend.detached:
         served.backend.detach()
     else:

@@ -13,7 +13,7 @@ from rich.console import Console
 from elastic import store as db
 from elastic.config import load_config
 from elastic.controller import Controller
-from elastic.demo import _first_tick, _release_lease
+from elastic.demo import _first_tick
 from elastic.metrics import InProcessSource
 
 from .fake_backend import FakeBackend
@@ -41,7 +41,7 @@ def test_a_run_waits_out_a_dead_runs_lease_then_hands_its_own_back(db_url: str) 
         assert 1.0 < waited < 5.0, waited  # about the dead run's remaining lease, not the wait cap
         assert "lease held by demo-dead" in console.export_text()
         # the end of a run hands the lease back: the next run leads on its first tick
-        _release_lease(ctl)
+        ctl.release_lease()
         nxt = _controller(store, "demo-next", lease_seconds=5.0)
         assert _first_tick(nxt, Console(record=True), wait_s=10.0, tick_seconds=0.2) is not None and nxt.is_leader
         # and a run that cannot get the lease gives up after its wait, saying who holds it
