@@ -39,7 +39,7 @@ from typing import Any
 
 from elastic.backends.base import BackendError, BackendUnavailable, GrowCancelled, JobRuntime, RescaleOutcome
 from elastic.model import GPU, InferenceSpec, Layout, PoolSpec, SpecError, TrainingSpec, load_model
-from elastic.train.launch import JobHandle
+from elastic.train.launch import JobHandle, gpu_workers
 from elastic.train.rendezvous import RescaleCancelled
 
 log = logging.getLogger("elastic.backends.ray")
@@ -61,6 +61,7 @@ class _Job:
     phase: str = "Running"
     error: str | None = None
     last: RescaleOutcome | None = None
+    keepers: list[str] = field(default_factory=list)  # paused: who holds the state (no GPU)
 
 
 class RayBackend:
@@ -226,7 +227,8 @@ class RayBackend:
                                       bytes_planned=rec.planned_bytes, bytes_lower_bound=rec.lower_bound_bytes,
                                       step=rec.switch_step)
             phase = {"running": "Running", "rescaling": "Rescaling", "failed": "Failed", "starting": "Pending",
-                     "stopping": "Stopping", "stopped": "Stopped", "finished": "Finished"}.get(st.phase, st.phase)
+                     "stopping": "Stopping", "stopped": "Stopped", "finished": "Finished",
+                     "paused": "Paused"}.get(st.phase, st.phase)
             return JobRuntime(job, phase, st.layout, gpus, st.generation, max(st.step, 0), st.loss,
                               st.tokens_per_second or 0.0, st.error,
                               last.pause_seconds if last else None, last.bytes_moved if last else None)
@@ -242,6 +244,39 @@ class RayBackend:
         if j is None:
             return self._start_job(spec, gpus, layout)
         return self._rescale_job(spec, j, gpus, layout)
+
+    def pause_job(self, spec: TrainingSpec) -> RescaleOutcome:
+        """Free every GPU of the job and keep its state: it moves into keeper actors (no GPU) and
+        waits there, at its step, until ``set_job_gpus`` resumes it (see ``JobHandle.pause``)."""
+        from elastic.train.launch import hold_layout
+
+        with self._lock:
+            j = self.jobs.get(spec.name)
+        if j is None:
+            return RescaleOutcome(spec.name, None, None, 0)
+        before = j.handle.status()
+        if before.phase == "paused":
+            return RescaleOutcome(spec.name, before.layout, before.layout, before.generation, step=max(before.step, 0))
+        if not before.layout:
+            raise BackendError(f"{spec.name}: cannot pause a job that is {before.phase}")
+        n = hold_layout(Layout.parse(before.layout)).world_size
+        keepers = [f"{spec.name}-k{j.next_id + i}" for i in range(n)]
+        # keepers take ids from the same counter: a name is never reused within the job. Recorded
+        # before the directive: a controller that dies mid-pause leaves them on record for its successor
+        _remember_gpus(j.handle, _Job(j.handle, dict(j.workers), j.next_id + n), keepers=keepers)
+        try:
+            res = j.handle.pause(keepers)
+        except Exception as e:  # noqa: BLE001 - refused/abandoned: the job trains on, on its GPUs
+            _remember_gpus(j.handle, j, keepers=[])
+            raise BackendError(f"{spec.name}: pause of {before.layout} failed: {e}") from e
+        with self._lock:
+            j.workers, j.keepers, j.next_id = {}, keepers, j.next_id + n
+        out = RescaleOutcome(spec.name, before.layout, res.to_layout, res.generation,
+                             pause_seconds=res.pause_seconds or 0.0, total_seconds=res.wall_seconds,
+                             bytes_moved=res.bytes_moved, bytes_planned=res.planned_bytes,
+                             bytes_lower_bound=res.lower_bound_bytes, step=res.switch_step)
+        j.last = out
+        return out
 
     def cancel_grow(self, job: str) -> bool:
         with self._lock:
@@ -301,7 +336,9 @@ class RayBackend:
         except Exception as e:  # noqa: BLE001 - refused/abandoned: the job continues on its old layout
             raise BackendError(f"{spec.name}: rescale {before.layout} -> {layout} failed: {e}") from e
         with self._lock:
-            j.workers, j.next_id = new_workers, nxt
+            j.workers, j.next_id, j.keepers = new_workers, nxt, []
+        if before.phase == "paused":
+            _remember_gpus(j.handle, j, keepers=[])
         out = RescaleOutcome(spec.name, before.layout, str(layout), res.generation,
                              pause_seconds=res.pause_seconds or 0.0, total_seconds=res.wall_seconds,
                              bytes_moved=res.bytes_moved, bytes_planned=res.planned_bytes,
@@ -367,7 +404,7 @@ class RayBackend:
                 notes.append(self._adopt_replica(name, rest))
             elif kind == "coordinator":
                 notes.append(self._adopt_job(rest, [w for w in workers if w.startswith(f"worker:{rest}:")]))
-        owned = {f"worker:{job}:{w}" for job, j in self.jobs.items() for w in j.workers.values()}
+        owned = {f"worker:{job}:{w}" for job, j in self.jobs.items() for w in [*j.workers.values(), *j.keepers]}
         for name in workers:
             if name not in owned:
                 _kill_named(name, self.namespace)
@@ -401,6 +438,13 @@ class RayBackend:
                 _kill_named(n, self.namespace)
             return f"job {job}: coordinator unusable ({type(e).__name__}: {e}); its actors were killed"
         st = handle.settle(self.train_options.rescale_timeout_s if self.train_options else 120.0)
+        if st.phase == "paused":  # its keepers hold the state and no GPU: adopt them as they are
+            j = _Job(handle, next_id=int(handle.meta.get("next_id", 0)), keepers=list(st.workers))
+            handle.keepers.update(st.workers)
+            handle.forget_except(st.workers)
+            with self._lock:
+                self.jobs[job] = j
+            return f"adopted paused job {job}: state held as {st.layout} at step {st.step + 1} by {', '.join(st.workers)}"
         if st.phase not in ("running", "rescaling"):
             handle.stop(timeout=10.0)
             return f"job {job} was {st.phase} ({st.error or st.reason}); stopped and cleaned up"
@@ -441,7 +485,8 @@ def _embedded_handle_class() -> type:
     class EmbeddedJobHandle(TrainingJobHandle):
         def _spawn(self, worker: str, env: dict[str, str]) -> None:
             # our worker actor: a leaver ends through exit_actor(), not os._exit (no "SYSTEM_ERROR" noise)
-            actor = _worker_actor(self._gpus_per_worker).remote()
+            keeper = env.get("ELASTIC_KEEPER") == "1"  # holds a paused job's state: no GPU
+            actor = _worker_actor(0 if keeper else self._gpus_per_worker).remote()
             self.actors[worker] = actor
             self._runs[worker] = actor.run.remote(env)
 
@@ -476,11 +521,12 @@ def _kill_named(name: str, namespace: str) -> None:
         pass
 
 
-def _remember_gpus(handle: Any, j: _Job) -> None:
-    """Store worker -> GPU with the job (detached mode: in its coordinator actor)."""
+def _remember_gpus(handle: Any, j: _Job, *, keepers: list[str] | None = None) -> None:
+    """Store worker -> GPU (and, when it changes, the keepers of a paused job) with the job
+    (detached mode: in its coordinator actor)."""
     remember = getattr(handle, "remember", None)
     if remember is not None:
-        remember({w: [g.node, g.index] for g, w in j.workers.items()}, j.next_id)
+        remember({w: [g.node, g.index] for g, w in j.workers.items()}, j.next_id, keepers=keepers)
 
 
 class _LeftJob(BaseException):
@@ -662,7 +708,7 @@ class RayJobHandle(JobHandle):
         spec = TrainingSpec.model_validate(meta["spec"])
         h = cls(job, trainer_config(spec), namespace=namespace, spec_doc=meta["spec"], actor=actor, **kw)
         h.meta = meta
-        for w in meta.get("gpus", {}):
+        for w in [*meta.get("gpus", {}), *meta.get("keepers", [])]:
             try:
                 h.actors[w] = ray.get_actor(f"worker:{job}:{w}", namespace=namespace)
             except ValueError:
@@ -672,12 +718,15 @@ class RayJobHandle(JobHandle):
         h._watcher.start()
         return h
 
-    def remember(self, gpus: dict[str, list[Any]], next_id: int) -> None:
+    def remember(self, gpus: dict[str, list[Any]], next_id: int, *, keepers: list[str] | None = None) -> None:
         import ray
 
         self.meta["gpus"] = {**self.meta.get("gpus", {}), **gpus}
         self.meta["next_id"] = next_id
-        ray.get(self._actor.update_meta.remote(gpus=self.meta["gpus"], next_id=next_id), timeout=60)
+        if keepers is not None:
+            self.meta["keepers"] = list(keepers)
+        ray.get(self._actor.update_meta.remote(gpus=self.meta["gpus"], next_id=next_id,
+                                               keepers=self.meta.get("keepers", [])), timeout=60)
 
     def settle(self, timeout: float) -> Any:
         """Wait for a rescale left in flight (its members finish it without a controller)."""
@@ -706,8 +755,9 @@ class RayJobHandle(JobHandle):
 
     # ---- JobHandle launcher hooks -------------------------------------------------------------
     def _spawn(self, worker: str, env: dict[str, str]) -> None:
-        actor = self._wcls.options(name=f"worker:{self.job}:{worker}", namespace=self.namespace,
-                                   lifetime="detached").remote()
+        cls = _worker_actor(0) if env.get("ELASTIC_KEEPER") == "1" else self._wcls  # a keeper holds no GPU
+        actor = cls.options(name=f"worker:{self.job}:{worker}", namespace=self.namespace,
+                            lifetime="detached").remote()
         self.actors[worker] = actor
         self._runs[worker] = actor.run.remote(env)
 
@@ -757,7 +807,7 @@ class RayJobHandle(JobHandle):
             self._kill(w)
             self.actors.pop(w, None)
             self._runs.pop(w, None)
-        target = self._gpus_free_before + len(workers)
+        target = self._gpus_free_before + len(gpu_workers(workers, self.keepers))
         deadline = time.monotonic() + timeout
         while ray.available_resources().get("GPU", 0.0) < target - 1e-9:
             if time.monotonic() > deadline:

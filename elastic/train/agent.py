@@ -263,7 +263,9 @@ class WorkerAgent:
     def _train(self, step: int) -> int:
         last: dict[str, Any] | None = None
         while True:
-            resp = self.client.call("step", generation=self.generation, step=step, result=last)
+            held = isinstance(self.engine, HeldState)
+            resp = self.client.call("step", generation=self.generation, step=step, result=last,
+                                    **({"wait_s": self.opts.long_poll_s} if held else {}))
             action = resp["action"]
             log.debug("worker %s gen %d step %d: %s", self.worker, self.generation, step, action)
             if action == "go":
@@ -280,6 +282,10 @@ class WorkerAgent:
                 if nxt is None:
                     return 0  # a leaver (normally gone already through os._exit)
                 step = nxt
+            elif action == "hold" and held:
+                last = None  # a keeper: the job is paused at ``step``; the coordinator long-polled already
+                self._bury()  # the reshard group that brought the state in
+                time.sleep(_REASK_S)
             elif action in ("stop", "finish"):
                 log.info("worker %s: %s at step %d (%s)", self.worker, action, step, resp.get("reason", ""))
                 self._close_engine()
@@ -372,9 +378,10 @@ class WorkerAgent:
         if prep.prepared is not None and not old_group:
             # 2a. a transient group will carry the bytes (someone joins): the old groups are idle
             # already, so drop them now and build the new default group while the bytes move
+            # (keepers of a held generation need none: they run no collective)
             self._close_engine()
             clock.mark("close")
-            if rank is not None:
+            if rank is not None and not d.hold:
                 new_pg = self._pool.submit(self._init_default_group, d, layout, rank, own_store=True)
         # 2. move the bytes over a group of old union new (the old default group when it is exactly that)
         new_state, stats = self._execute(d, prep, clock, old_group=old_group)
@@ -388,10 +395,13 @@ class WorkerAgent:
         # 4. the new layout's default group (or what is left of building it) and engine
         if new_pg is not None:
             new_pg.result()
-        elif not keep_default:
+        elif not keep_default and not d.hold:
             self._init_default_group(d, layout, rank)
         clock.mark("init_pg")
-        self.engine = self.factory(self.config, layout, rank, new_state if d.old_ranks else None)
+        if d.hold:  # a keeper: hold the state as received, build nothing, step nothing
+            self.engine = HeldState(new_state)
+        else:
+            self.engine = self.factory(self.config, layout, rank, new_state if d.old_ranks else None)
         self.generation, self.layout = d.generation, layout
         clock.mark("engine")
         self._report_result(d, {**stats, "rank": rank, **clock.report()})
@@ -551,6 +561,29 @@ class WorkerAgent:
 # --------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------
+
+
+class HeldState:
+    """What a keeper holds while its job is paused: the state tensors of its box, nothing else.
+
+    It stands where the engine stands so the next directive's plan and prepare read
+    ``state()`` as from any engine; it has no model, no process group and runs no step.
+    """
+
+    def __init__(self, state: State) -> None:
+        self._state = state
+
+    def state(self) -> State:
+        return self._state
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._state.values())
+
+    def train_step(self, step: int) -> Any:
+        raise RuntimeError(f"a keeper holds a paused job's state and runs no step (asked for step {step})")
+
+    def close(self) -> None:
+        self._state = {}
 
 
 class _Phases:

@@ -4,7 +4,10 @@ What it is for: a :class:`JobHandle` owns one job's :class:`~elastic.train.rende
 and its worker processes. ``start(layout, workers)`` launches the workers and waits for the
 first step; ``rescale(layout, workers)`` validates the new layout, launches the joiners,
 posts the directive, waits until the new generation has run its first step and the leavers
-are gone, and returns the timings; ``status()`` and ``stop()`` do what they say. Subclasses
+are gone, and returns the timings; ``pause()`` moves the whole state into keepers (processes
+that hold it in host memory, no GPU) so every GPU is freed and nothing is lost, and a later
+``rescale()`` (or ``resume()``) moves it back onto GPU workers at the same step;
+``status()`` and ``stop()`` do what they say. Subclasses
 only say how to spawn, watch and kill one worker: :class:`ProcessJobHandle` (here, plain
 ``python -m elastic.train.worker`` subprocesses) and
 :class:`~elastic.train.ray_handle.TrainingJobHandle` (Ray actors with one GPU each).
@@ -131,6 +134,7 @@ class JobHandle(ABC):
         self._cancel = threading.Event()
         self._cancellable = False
         self._cancel_lock = threading.Lock()
+        self.keepers: set[str] = set()  # workers launched to hold a paused job's state (no GPU)
 
     # ---- launcher specifics -------------------------------------------------------------------
     @abstractmethod
@@ -168,14 +172,48 @@ class JobHandle(ABC):
     def rescale(self, layout: Layout | str, workers: Sequence[str], *, remap: bool = True,
                 timeout: float | None = None) -> RescaleResult:
         """Move the job to ``layout`` on ``workers`` in place. Raises SpecError (refused, nothing changed),
-        RescaleFailed (abandoned: the job continues on its old layout) or JobFailed."""
+        RescaleFailed (abandoned: the job continues on its old layout) or JobFailed.
+
+        A paused job resumes this way: its keepers send the state to ``workers`` and leave, and
+        training continues at the step it paused at."""
         lay = _layout(layout)
         self.validate(lay, list(workers))
         st = self.coordinator.status()
-        if st.phase not in ("running",):
+        if st.phase not in ("running", "paused"):
             raise SpecError(f"job {self.job} is {st.phase}" + (f" ({st.error})" if st.error else "")
-                            + "; only a running job can be rescaled")
+                            + "; only a running or paused job can be rescaled")
+        if st.phase == "paused" and set(workers) & set(st.workers):
+            raise SpecError(f"job {self.job} is paused: its keepers {', '.join(st.workers)} hold no GPU and "
+                            "cannot train; resume it on new workers")
         return self._apply(st.generation + 1, lay, list(workers), remap=remap, timeout=timeout)
+
+    resume = rescale
+
+    def pause(self, keepers: Sequence[str] | None = None, *, timeout: float | None = None) -> RescaleResult:
+        """Free every GPU of the job and keep its state: pause it at a step boundary.
+
+        The state moves peer to peer, as in a rescale, into ``keepers``: new processes without
+        a GPU that hold it in host memory, laid out as the current layout without data
+        parallelism (``tp.pp.dp1``: one copy of everything, ``tp * pp`` keepers, each as large
+        as one model-parallel shard with its optimizer state). Every training worker then
+        exits. The keepers run no step; ``rescale()``/``resume()`` later moves the state back
+        onto GPU workers and training goes on at the same step, on the same loss curve.
+        Raises SpecError when the job is not running (nothing changed), RescaleFailed when
+        the move was abandoned before any byte moved (the job trains on), JobFailed.
+        """
+        st = self.coordinator.status()
+        if st.phase != "running" or not st.layout:
+            raise SpecError(f"job {self.job} is {st.phase}" + (f" ({st.error})" if st.error else "")
+                            + "; only a running job can be paused")
+        lay = hold_layout(Layout.parse(st.layout))
+        names = list(keepers) if keepers is not None else [
+            f"{self.job}-keep{st.generation + 1}-{i}" for i in range(lay.world_size)]
+        if len(names) != lay.world_size:
+            raise SpecError(f"job {self.job}: pausing {st.layout} holds its state as {lay} on {lay.world_size} "
+                            f"keeper(s); got {len(names)}: {names}")
+        if clash := sorted(set(names) & set(st.workers)):
+            raise SpecError(f"job {self.job}: keeper name(s) {', '.join(clash)} are training workers; use new names")
+        return self._apply(st.generation + 1, lay, names, remap=True, timeout=timeout, hold=True)
 
     def cancel_pending(self) -> bool:
         """Call off the rescale in progress if it still waits for its joiners to start.
@@ -215,7 +253,7 @@ class JobHandle(ABC):
 
     # ---- orchestration ------------------------------------------------------------------------
     def _apply(self, generation: int, layout: Layout, workers: list[str], *, remap: bool,
-               timeout: float | None) -> RescaleResult:
+               timeout: float | None, hold: bool = False) -> RescaleResult:
         t0 = time.perf_counter()
         old = set(self.coordinator.status().workers)
         joiners = [w for w in workers if w not in old]
@@ -228,7 +266,7 @@ class JobHandle(ABC):
             self._cancellable = True
         try:
             for w in joiners:
-                self._launch(w)
+                self._launch(w, keeper=hold)
             self._wait_registered(joiners)
         except RescaleCancelled:
             pass  # seen while waiting; dismissed below
@@ -244,7 +282,8 @@ class JobHandle(ABC):
         self._before_directive()
         # 3. post the directive; the coordinator picks the step boundary
         try:
-            self.coordinator.directive(generation, layout, workers, remap=remap)
+            self.coordinator.directive(generation, layout, workers, remap=remap,
+                                       **({"hold": True} if hold else {}))
         except SpecError:
             self._dismiss(joiners)  # refused meanwhile (e.g. the job neared max_steps while they started)
             raise
@@ -264,7 +303,7 @@ class JobHandle(ABC):
                              rec.bytes_moved, rec.planned_bytes, rec.lower_bound_bytes, t_end - t0, rec,
                              leave_seconds=t_end - t_run)
 
-    def _launch(self, worker: str) -> None:
+    def _launch(self, worker: str, *, keeper: bool = False) -> None:
         env = {
             "ELASTIC_JOB": self.job,
             "ELASTIC_WORKER_ID": worker,
@@ -283,6 +322,10 @@ class JobHandle(ABC):
             env["ELASTIC_ENGINE_FACTORY"] = self.opts.engine_factory
         if self.opts.nice:
             env["ELASTIC_NICE"] = str(self.opts.nice)
+        if keeper:  # holds a paused job's state in host memory: no GPU, no CUDA
+            env["ELASTIC_KEEPER"] = "1"
+            env["ELASTIC_DEVICE"] = "cpu"
+            self.keepers.add(worker)
         self._spawn(worker, env)
         with self._lock:  # only now: the watcher must never look for a process that does not exist yet
             self._spawned.add(worker)
@@ -391,6 +434,16 @@ class ProcessJobHandle(JobHandle):
 
     def pid(self, worker: str) -> int:
         return self.procs[worker].pid
+
+
+def hold_layout(layout: Layout) -> Layout:
+    """How keepers hold a paused job's state: the same model-parallel split, one data-parallel copy."""
+    return replace(layout, dp=1, ep=1, zero=0)
+
+
+def gpu_workers(workers: Sequence[str], keepers: set[str]) -> list[str]:
+    """The workers that hold a GPU (keepers do not)."""
+    return [w for w in workers if w not in keepers]
 
 
 def _layout(layout: Layout | str) -> Layout:

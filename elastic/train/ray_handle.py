@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from elastic.train.launch import JobHandle
+from elastic.train.launch import JobHandle, gpu_workers
 
 log = logging.getLogger(__name__)
 
@@ -100,13 +100,14 @@ class TrainingJobHandle(JobHandle):
             raise RuntimeError("Ray is not initialised: call elastic.train.ray_handle.init_local_ray() or ray.init()")
         super().__init__(job, cfg, **kw)
         self._cls = _worker_actor_class(num_gpus_per_worker, num_cpus_per_worker)
+        self._keeper_cls = _worker_actor_class(0, num_cpus_per_worker)  # holds a paused job's state: no GPU
         self.actors: dict[str, Any] = {}
         self._runs: dict[str, Any] = {}
         self._gpus_free_before = 0.0
         self._gpus_per_worker = num_gpus_per_worker
 
     def _spawn(self, worker: str, env: dict[str, str]) -> None:
-        actor = self._cls.remote()
+        actor = (self._keeper_cls if env.get("ELASTIC_KEEPER") == "1" else self._cls).remote()
         self.actors[worker] = actor
         self._runs[worker] = actor.run.remote(env)
 
@@ -163,7 +164,7 @@ class TrainingJobHandle(JobHandle):
             self._observe_exit(w)
             self.actors.pop(w, None)
             self._runs.pop(w, None)
-        target = self._gpus_free_before + len(workers) * self._gpus_per_worker
+        target = self._gpus_free_before + len(gpu_workers(workers, self.keepers)) * self._gpus_per_worker
         while ray.available_resources().get("GPU", 0.0) < target - 1e-9:
             if time.monotonic() > deadline:
                 log.warning("job %s: Ray shows %.1f GPUs free, expected >= %.1f after %d workers left",

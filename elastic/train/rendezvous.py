@@ -19,7 +19,11 @@ see identically:
    the digests differ. Both are decided before any byte moves, and are final. Arrivals and
    joiners' polls are long polls (``wait_s``): the answer leaves the moment it is decided.
    A directive whose switch step would come at or after ``max_steps`` is refused.
-3. **Whether the job is alive.** Missing heartbeats, a worker's own failure report or a
+3. **Whether a generation trains or holds.** A *hold* directive (``hold=True``) pauses the
+   job without losing it: its members are keepers that hold the whole training state in host
+   memory and run no step; they sit at the switch step until the next directive moves the
+   state back onto GPU workers, and the step counter goes on from there.
+4. **Whether the job is alive.** Missing heartbeats, a worker's own failure report or a
    launcher's report (process exit) turn the job ``failed`` with a reason; every later
    request from a worker is answered ``stop``.
 
@@ -104,6 +108,7 @@ class Directive:
     store_host: str
     store_port: int
     join_timeout_s: float
+    hold: bool = False  # a paused generation: its workers keep the state and run no step
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -168,12 +173,13 @@ class RescaleRecord:
     execute_seconds: float = 0.0
     new_ranks: dict[str, int] = field(default_factory=dict)
     worker_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    hold: bool = False  # the job was paused by this directive (pause_seconds: until the state was held)
 
 
 @dataclass
 class JobStatus:
     job: str
-    phase: str  # starting | running | rescaling | failed | stopping | stopped | finished
+    phase: str  # starting | running | rescaling | paused | failed | stopping | stopped | finished
     generation: int
     layout: str | None
     workers: list[str]  # current generation's workers in rank order
@@ -201,6 +207,7 @@ class _Gen:
     layout: str
     ranks: dict[str, int]
     start_step: int
+    hold: bool = False
 
 
 @dataclass
@@ -317,38 +324,57 @@ class Coordinator:
 
     # ---- controller API -------------------------------------------------------------------
     def directive(self, generation: int, layout: Layout | str, members: Sequence[str], *, remap: bool = True,
-                  join_timeout_s: float | None = None) -> Directive:
+                  join_timeout_s: float | None = None, hold: bool = False) -> Directive:
         """Post generation ``generation``: train ``layout`` on ``members`` (new-rank order if not ``remap``).
 
+        ``hold=True`` pauses the job instead: ``members`` (keepers, no GPU) receive the state laid
+        out as ``layout`` and run no step until the next directive, which switches at the step
+        the job paused at. The validator (GPU memory) does not apply to keepers.
+
         Refused (SpecError) before anything changes when the generation is out of sequence,
-        another rescale is in flight, the member list does not match the layout, or the
+        another rescale is in flight, the member list does not match the layout, the job is
+        new (a first generation cannot hold: there is nothing to keep) or already held, or the
         validator (model/planner checks) rejects it.
         """
         lay = layout if isinstance(layout, Layout) else Layout.parse(layout)
         members = [str(m) for m in members]
         _check_members(lay, members)
-        if self.validator is not None:
+        if self.validator is not None and not hold:
             self.validator(lay, members)
         with self._cv:
             self._check_can_post(generation)
             cur = self._current
+            if hold and (cur is None or cur.hold):
+                raise SpecError(f"job {self.job}: " + ("a job that has not started has no state to hold; start it"
+                                                       if cur is None else "is paused already; resume it first"))
             old_ranks = dict(cur.ranks) if cur else {}
-            start = cur.start_step if cur else 0
-            switch = max(self._max_begun + 1 + self.lookahead_steps, start) if cur else 0
+            switch = self._switch_step_locked() if cur else 0
             self._check_before_max_steps(generation, switch)
             d = Directive(
                 job=self.job, generation=generation, layout=str(lay), workers=tuple(members), remap=remap,
                 old_layout=cur.layout if cur else None, old_ranks=old_ranks, switch_step=switch,
                 store_host=self.advertise_host, store_port=self.store_port,
                 join_timeout_s=join_timeout_s if join_timeout_s is not None else self.join_timeout_s,
+                hold=hold,
             )
             rec = RescaleRecord(generation, d.old_layout, d.layout, list(members), list(d.joiners),
-                                list(d.leavers), switch)
+                                list(d.leavers), switch, hold=hold)
             self._pending = _Pending(d, rec, self._clock())
             self._rescales[generation] = rec
             self._phase = "rescaling" if cur else "starting"
             self._cv.notify_all()
             return d
+
+    def _switch_step_locked(self) -> int:
+        """The earliest step boundary every member of the current generation can still stop at.
+
+        Training: after the highest step any member has begun, plus the lookahead. Held: the
+        step the keepers sit at (they begin no step)."""
+        cur = self._current
+        assert cur is not None
+        if cur.hold:
+            return cur.start_step
+        return max(self._max_begun + 1 + self.lookahead_steps, cur.start_step)
 
     def _check_can_post(self, generation: int) -> None:
         if self._phase in ("failed", "stopped", "stopping", "finished"):
@@ -370,8 +396,7 @@ class Coordinator:
         with self._cv:
             self._check_can_post(generation)
             if self._current is not None:
-                switch = max(self._max_begun + 1 + self.lookahead_steps, self._current.start_step)
-                self._check_before_max_steps(generation, switch)
+                self._check_before_max_steps(generation, self._switch_step_locked())
 
     def _check_before_max_steps(self, generation: int, switch: int) -> None:
         """A rescale must switch before the job's last step, or the old layout finishes first and the
@@ -506,7 +531,7 @@ class Coordinator:
         if self._current is None:
             self._fail_locked(f"job could not start: {reason}")
         elif self._phase == "rescaling":
-            self._phase = "running"
+            self._phase = "paused" if self._current.hold else "running"
         self._cv.notify_all()
 
     def _go_locked(self) -> None:
@@ -523,7 +548,7 @@ class Coordinator:
         p.record.lower_bound_bytes = int(info.get("lower_bound_bytes", 0))
         p.record.plan_seconds = float(info.get("plan_seconds", 0.0))
         self._decisions[d.generation] = ("go", "")
-        self._current = _Gen(d.generation, d.layout, new_ranks, d.switch_step)
+        self._current = _Gen(d.generation, d.layout, new_ranks, d.switch_step, hold=d.hold)
         self._gen_sizes[d.generation] = (d.layout, len(d.workers))
         self._max_begun = d.switch_step - 1
         self.metrics.record_generation(d.generation, len(d.workers))
@@ -537,9 +562,11 @@ class Coordinator:
         d = p.directive
         if not set(d.members) <= set(p.results):
             return
-        if not any(r.generation == d.generation for r in self._history[-3:]):
+        if not d.hold and not any(r.generation == d.generation for r in self._history[-3:]):
             return
         rec = p.record
+        if d.hold and p.stopped_at is not None and rec.pause_seconds is None:  # held: nothing will step
+            rec.pause_seconds = self._clock() - p.stopped_at
         rec.ok = True
         rec.bytes_moved = sum(int(r.get("bytes_sent", 0)) for r in p.results.values())
         rec.execute_seconds = max((float(r.get("execute_seconds", 0.0)) for r in p.results.values()), default=0.0)
@@ -547,10 +574,16 @@ class Coordinator:
         if self._history and d.old_ranks:
             self.metrics.record_rescale(rec.pause_seconds or 0.0, rec.bytes_moved, rec.planned_bytes,
                                         rec.lower_bound_bytes)
-        self._reason = (f"generation {d.generation} on {d.layout} running since step {d.switch_step}"
-                        + (f" (pause {rec.pause_seconds:.3f} s, {rec.bytes_moved} bytes moved)" if d.old_ranks else ""))
+        if d.hold:
+            self._reason = (f"paused at step {d.switch_step}: generation {d.generation} holds the state as {d.layout} "
+                            f"on {len(d.workers)} keeper(s) off-GPU ({rec.bytes_moved} bytes moved in "
+                            f"{rec.pause_seconds or 0.0:.3f} s)")
+        else:
+            self._reason = (f"generation {d.generation} on {d.layout} running since step {d.switch_step}"
+                            + (f" (pause {rec.pause_seconds:.3f} s, {rec.bytes_moved} bytes moved)"
+                               if d.old_ranks else ""))
         if self._phase in ("rescaling", "starting"):
-            self._phase = "running"
+            self._phase = "paused" if d.hold else "running"
         self._pending = None
         self._cv.notify_all()
 
@@ -639,6 +672,8 @@ class Coordinator:
         if cur is None or gen != cur.generation:
             return {"action": "stop", "reason": f"worker {w} is on generation {gen}, the job on "
                                                 f"{cur.generation if cur else 'none'}; stale worker"}
+        if cur.hold:
+            return self._hold_answer_locked(w, gen, float(b.get("wait_s") or 0.0))
         if self.max_steps is not None and step >= self.max_steps:
             self._finished.add(w)
             if set(cur.ranks) <= self._finished:
@@ -657,6 +692,35 @@ class Coordinator:
             return {"action": "go", "pending": p.directive.to_json()}
         self._max_begun = max(self._max_begun, step)
         return {"action": "go"}
+
+    def _hold_answer_locked(self, w: str, gen: int, wait_s: float) -> dict[str, Any]:
+        """A keeper of a held generation asks before the step it sits at: switch when the next
+        directive is posted, stop when the job stops, else ``hold`` (after a long poll)."""
+
+        def answer() -> dict[str, Any] | None:
+            if self._phase in ("failed", "stopping", "stopped"):
+                return {"action": "stop", "reason": self._error or self._reason or self._phase}
+            cur = self._current
+            if cur is None or cur.generation != gen:
+                return {"action": "stop", "reason": f"worker {w} is on generation {gen}, the job on "
+                                                    f"{cur.generation if cur else 'none'}; stale worker"}
+            p = self._pending
+            if p is not None and p.decision is None and w in p.directive.old_ranks:
+                self._note_boundary_locked(p, w)
+                return {"action": "switch", "directive": p.directive.to_json()}
+            return None
+
+        out = answer()
+        if out is None and wait_s > 0:
+            def moved() -> bool:  # something to answer besides "hold" (no side effects: wait_for re-checks)
+                p, cur = self._pending, self._current
+                return (self._closing.is_set() or self._phase in ("failed", "stopping", "stopped")
+                        or cur is None or cur.generation != gen
+                        or (p is not None and p.decision is None and w in p.directive.old_ranks))
+
+            self._cv.wait_for(moved, min(wait_s, LONG_POLL_MAX_S))
+            out = answer()
+        return out or {"action": "hold", "reason": self._reason}
 
     def _note_boundary_locked(self, p: _Pending, w: str) -> None:
         p.boundary.add(w)

@@ -338,3 +338,77 @@ def test_wait_generation_never_hangs_on_a_finished_job() -> None:
     with pytest.raises(JobFailed, match="is finished"):
         c.wait_generation(2, timeout=5)
     assert time.monotonic() - t0 < 4  # answered by the phase, not by the timeout
+
+
+def _pause(c: Coordinator, clock: Clock, keepers=("k0",), workers=("w0", "w1"), gen: int = 2):
+    """Post a hold directive moving generation ``gen - 1`` into ``keepers`` and run it to its end."""
+    for k in keepers:
+        call(c, "register", k)
+    d = c.directive(gen, "tp1.pp1.dp1", list(keepers), hold=True)
+    assert d.hold and d.joiners == tuple(sorted(keepers)) and set(d.leavers) == set(workers)
+    for k in keepers:
+        assert call(c, "poll", k)["action"] == "join"
+    run_step(c, workers, gen - 1, d.switch_step - 1)
+    assert run_step(c, workers, gen - 1, d.switch_step) == ["switch"] * len(workers)
+    clock.t += 0.25
+    plan = {"new_ranks": {k: i for i, k in enumerate(keepers)}, "planned_bytes": 100, "lower_bound_bytes": 100}
+    for m in d.members:
+        call(c, "arrive", m, generation=gen, digest="x", plan=plan)
+    for m in d.members:
+        call(c, "result", m, generation=gen, ok=True, stats={"bytes_sent": 100 if m in workers[:1] else 0})
+    return d
+
+
+def test_a_held_generation_pauses_the_job_until_the_next_directive_and_resumes_at_the_same_step() -> None:
+    c, clock, reg = started()
+    d = _pause(c, clock)
+    rec = c.wait_generation(2, timeout=1)  # a hold completes without a step: nothing will step
+    assert (rec.ok, rec.hold, rec.bytes_moved, rec.pause_seconds) == (True, True, 100, pytest.approx(0.25))
+    st = c.status()
+    assert (st.phase, st.workers, st.layout, st.step) == ("paused", ["k0"], "tp1.pp1.dp1", d.switch_step - 1)
+    assert "paused at step" in st.reason
+    # the keeper asks before the step it sits at and is told to hold (after the long poll, here none)
+    assert call(c, "step", "k0", generation=2, step=d.switch_step)["action"] == "hold"
+    with pytest.raises(SpecError, match="paused already"):
+        c.directive(3, "tp1.pp1.dp1", ["k1"], hold=True)
+    # resume on two new workers: the switch is the step the keeper sits at (no lookahead: it steps nothing)
+    for w in ("w5", "w6"):
+        call(c, "register", w)
+    r = c.directive(3, "tp2.pp1.dp1", ["w5", "w6"])
+    assert (r.switch_step, r.old_ranks, r.leavers, r.hold) == (d.switch_step, {"k0": 0}, ("k0",), False)
+    assert call(c, "step", "k0", generation=2, step=d.switch_step)["action"] == "switch"
+    for m in r.members:
+        call(c, "arrive", m, generation=3, digest="y", plan={"new_ranks": {"w5": 0, "w6": 1}})
+    for m in r.members:
+        call(c, "result", m, generation=3, ok=True, stats={"bytes_sent": 100 if m == "k0" else 0})
+    clock.t += 0.5
+    assert [call(c, "step", w, generation=3, step=d.switch_step)["action"] for w in ("w5", "w6")] == ["go", "go"]
+    assert run_step(c, ["w5", "w6"], 3, d.switch_step + 1) == ["go", "go"]
+    assert c.rescale_record(3).pause_seconds == pytest.approx(0.5)  # keeper at the boundary -> training again
+    assert c.wait_generation(3, timeout=1).ok
+    st = c.status()
+    assert (st.phase, st.workers, st.step) == ("running", ["w5", "w6"], d.switch_step)
+    assert [h.step for h in c.history()] == list(range(d.switch_step + 1))  # no step lost, none repeated
+
+
+def test_a_held_job_can_be_stopped_and_an_abandoned_resume_leaves_it_paused() -> None:
+    c, clock, _ = started()
+    d = _pause(c, clock)
+    c.wait_generation(2, timeout=1)
+    call(c, "register", "w9")
+    c.directive(3, "tp1.pp1.dp1", ["w9"], join_timeout_s=5)
+    assert call(c, "step", "k0", generation=2, step=d.switch_step)["action"] == "switch"
+    call(c, "arrive", "k0", generation=2 + 1, digest="y")
+    clock.t += 6  # the joiner never arrives (the keeper keeps beating)
+    call(c, "heartbeat", "k0")
+    c.tick()
+    assert c.status().phase == "paused" and c.status().workers == ["k0"]
+    assert call(c, "step", "k0", generation=2, step=d.switch_step)["action"] == "hold"
+    c.request_stop("done for today")
+    assert call(c, "step", "k0", generation=2, step=d.switch_step)["action"] == "stop"
+
+
+def test_hold_is_refused_for_a_job_with_nothing_to_keep() -> None:
+    c, _, _ = make()
+    with pytest.raises(SpecError, match="has not started"):
+        c.directive(1, "tp1.pp1.dp1", ["k0"], hold=True)
