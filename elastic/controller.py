@@ -176,12 +176,12 @@ class Controller:
         notes: list[str] = list(getattr(self.backend, "adopted", None) or [])
         for act in db.open_actions(self.store, self.pool):
             rt = self.backend.job_runtime(act.workload) if act.kind.endswith("training") else None
-            truth = f"backend reports {rt.layout} on {len(rt.gpus)} GPUs" if rt else "backend reports nothing running"
+            truth = f"backend reports {_recorded_layout(rt)} on {len(rt.gpus)} GPUs" if rt else "backend reports nothing running"
             db.finish_action(self.store, act.id, error=f"interrupted (controller restarted); {truth}")
             notes.append(f"{act.kind} {act.workload} interrupted: {truth}")
         for ev in db.in_flight_reshards(self.store, self.pool):
             rt = self.backend.job_runtime(ev.job)
-            done = rt is not None and rt.layout == ev.to_layout and rt.generation >= ev.generation
+            done = rt is not None and _recorded_layout(rt) == ev.to_layout and rt.generation >= ev.generation
             if done:
                 db.finish_reshard(self.store, ev.id, bytes_moved=rt.last_bytes_moved, pause_seconds=rt.last_pause_seconds,
                                   now=_dt(now))
@@ -189,7 +189,7 @@ class Controller:
             else:
                 db.finish_reshard(self.store, ev.id, bytes_moved=None, pause_seconds=None, now=_dt(now),
                                   error=f"interrupted (controller restarted); job is on "
-                                        f"{rt.layout if rt else 'nothing'} generation {rt.generation if rt else 0}")
+                                        f"{_recorded_layout(rt) if rt else 'nothing'} generation {rt.generation if rt else 0}")
             notes.append(f"reshard {ev.job} g{ev.generation} {ev.from_layout} -> {ev.to_layout}: "
                          f"{'completed by the workers' if done else 'abandoned'}")
         self._record_allocations(self._observed_allocation(), generation=0)
@@ -413,9 +413,11 @@ class Controller:
             for s in self.cfg.services)
         jobs = tuple(
             JobState(j.name, self.pinned.get(j.name, self._throughput[j.name]), j.min_gpus, j.max_gpus, j.priority,
-                     layout=(runtimes[j.name].layout if runtimes[j.name] else None),
+                     layout=(runtimes[j.name].layout if _trains(runtimes[j.name]) else None),
                      last_rescale_at=self.last_rescale.get(j.name),
-                     status="running" if runtimes[j.name] else "pending")
+                     status=_job_status(runtimes[j.name]),
+                     # a backend that cannot keep a job's state off-GPU can only preempt it: say so
+                     on_below_minimum=j.on_below_minimum if self._can_pause else "preempt")
             for j in self.cfg.jobs)
         return Snapshot(now, nodes, services, jobs, previous, Knobs.from_pool(self.cfg.pool))
 
@@ -479,9 +481,16 @@ class Controller:
             applied.append(f"{step.action} {step.workload}")
         return applied, None
 
+    @property
+    def _can_pause(self) -> bool:
+        return callable(getattr(self.backend, "pause_job", None))
+
     def _apply_step(self, step: PlanStep, spec: Any, gpus: tuple[GPU, ...], now: float) -> None:
         if step.action in ("scale_inference_up", "scale_inference_down"):
             self.backend.set_service_gpus(spec, gpus)
+            return
+        if step.action == "pause_training" and self._can_pause:
+            self._pause(spec, now)
             return
         layout = None
         target = step.target
@@ -492,7 +501,7 @@ class Controller:
         rid = None
         if before is not None and layout is not None:
             rid = db.start_reshard(self.store, job=spec.name, pool=self.pool, generation=before.generation + 1,
-                                   from_layout=before.layout or "", to_layout=str(layout), bytes_planned=0,
+                                   from_layout=_recorded_layout(before) or "", to_layout=str(layout), bytes_planned=0,
                                    bytes_lower_bound=0, now=_dt(now))
         try:
             out = self.backend.set_job_gpus(spec, gpus, layout)
@@ -503,6 +512,27 @@ class Controller:
             raise
         if rid is not None:
             # planned and lower-bound bytes are known only once the workers planned at the boundary
+            db.finish_reshard(self.store, rid, bytes_moved=out.bytes_moved, pause_seconds=out.pause_seconds,
+                              now=_dt(self.clock()), bytes_planned=out.bytes_planned,
+                              bytes_lower_bound=out.bytes_lower_bound)
+        self.last_rescale[spec.name] = now
+
+    def _pause(self, spec: Any, now: float) -> None:
+        """Free every GPU of a job and keep its state off-GPU (keepers); recorded as a reshard to
+        ``paused:<layout the keepers hold>``, with its bytes and seconds."""
+        before = self.backend.job_runtime(spec.name)
+        rid = None
+        if before is not None and before.layout and before.phase != "Paused":
+            rid = db.start_reshard(self.store, job=spec.name, pool=self.pool, generation=before.generation + 1,
+                                   from_layout=before.layout, to_layout=paused_tag(Layout.parse(before.layout).held()),
+                                   bytes_planned=0, bytes_lower_bound=0, now=_dt(now))
+        try:
+            out = self.backend.pause_job(spec)  # type: ignore[attr-defined]
+        except BackendError as e:
+            if rid is not None:
+                db.finish_reshard(self.store, rid, bytes_moved=None, pause_seconds=None, error=str(e))
+            raise
+        if rid is not None:
             db.finish_reshard(self.store, rid, bytes_moved=out.bytes_moved, pause_seconds=out.pause_seconds,
                               now=_dt(self.clock()), bytes_planned=out.bytes_planned,
                               bytes_lower_bound=out.bytes_lower_bound)
@@ -553,3 +583,23 @@ class Controller:
         for w in current:
             if w not in alloc.holdings:
                 db.release_allocation(self.store, self.pool, w)
+
+
+def paused_tag(held: Layout | str) -> str:
+    """How the reshard history names a pause: the layout its keepers hold, marked ``paused:``."""
+    return f"paused:{held}"
+
+
+def _recorded_layout(rt: JobRuntime) -> str | None:
+    """The layout as the reshard history writes it (a paused job's with its ``paused:`` mark)."""
+    return paused_tag(rt.layout) if rt.phase == "Paused" and rt.layout else rt.layout
+
+
+def _trains(rt: JobRuntime | None) -> bool:
+    return rt is not None and rt.phase != "Paused"
+
+
+def _job_status(rt: JobRuntime | None) -> str:
+    if rt is None:
+        return "pending"
+    return "paused" if rt.phase == "Paused" else "running"

@@ -305,7 +305,11 @@ class ElasticTrainingJobSpec(_CR):
     allowed_pp: list[int] | None = Field(default=None, alias="allowedPP")
     """Pipeline-parallel degrees the planner may use (default: any)."""
     min_gpus: int = Field(default=1, ge=1, alias="minGPUs")
-    """Fewest GPUs the job runs on; below it the job pauses."""
+    """Fewest GPUs the job runs on; below it the job pauses (see onBelowMinimum)."""
+    on_below_minimum: Literal["pause", "preempt"] = Field(default="pause", alias="onBelowMinimum")
+    """When inference needs GPUs the job cannot spare above minGPUs: ``pause`` keeps its state off-GPU and
+    resumes it at the same step later (on backends that can; else it is preempted); ``preempt`` stops it
+    (state dropped, it starts again from step 0)."""
     max_gpus: int = Field(default=8, ge=1, alias="maxGPUs")
     """Most GPUs the job takes."""
     global_batch: int = Field(default=16, ge=1)
@@ -638,7 +642,8 @@ def to_training_spec(workload: str, spec: ElasticTrainingJobSpec, model_dir: str
     assert model_ref is not None
     return TrainingSpec(name=workload, model=model_ref, min_gpus=spec.min_gpus, max_gpus=spec.max_gpus,
                         priority=spec.priority, global_batch=spec.global_batch, micro_batch=spec.micro_batch,
-                        allowed_tp=spec.allowed_tp, allowed_pp=spec.allowed_pp, zero=spec.zero)
+                        allowed_tp=spec.allowed_tp, allowed_pp=spec.allowed_pp, zero=spec.zero,
+                        on_below_minimum=spec.on_below_minimum)
 
 
 def _inline_model(workload: str, data: dict[str, Any], model_dir: str | Path | None) -> str:

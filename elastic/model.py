@@ -396,6 +396,11 @@ class Layout:
             s += f".z{self.zero}"
         return s
 
+    def held(self) -> Layout:
+        """How keepers hold a paused job's state: the same model-parallel split, one data-parallel copy
+        (``tp.pp.dp1``; ZeRO-1 shards gather into it)."""
+        return Layout(self.tp, self.pp, 1, vpp=self.vpp)
+
     # ---- ranks --------------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
@@ -574,6 +579,11 @@ class TrainingSpec(_Spec):
     min_gpus: int = Field(default=1, gt=0)
     max_gpus: int = Field(default=8, gt=0)
     priority: int = Field(default=0)
+    on_below_minimum: Literal["pause", "preempt"] = Field(
+        default="pause",
+        description="when inference needs GPUs the job cannot spare above min_gpus: 'pause' moves its state "
+                    "off-GPU into keepers and resumes it at the same step later; 'preempt' stops it (state dropped, "
+                    "it starts again from step 0)")
     global_batch: int = Field(default=16, gt=0)
     micro_batch: int = Field(default=1, gt=0)
     allowed_tp: list[int] | None = None

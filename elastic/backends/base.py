@@ -92,6 +92,11 @@ class Backend(Protocol):
         """Start, rescale in place, or stop (``gpus == ()``) a training job. Returns once the
         new layout has run its first step (or the job has released its GPUs)."""
 
+    # Optional: ``pause_job(spec) -> RescaleOutcome`` frees every GPU of a running job and keeps
+    # its state off-GPU (phase ``Paused``, no GPUs, ``layout`` = what the keepers hold); a later
+    # ``set_job_gpus`` with GPUs resumes it at the same step. A backend without it can only
+    # preempt (stop) a job that must go below its minimum; the controller then says so.
+
     def cancel_grow(self, job: str) -> bool:
         """Call off a ``set_job_gpus`` grow of ``job`` running in another thread if its joiners
         have not joined yet (no directive posted); that call then raises GrowCancelled. True

@@ -31,6 +31,7 @@ from elastic.scheduler.types import (
     ServiceDemand,
     Snapshot,
     StepTarget,
+    below_minimum_note,
 )
 
 
@@ -234,7 +235,8 @@ class _Ctx:
             status = "paused" if j.on_below_minimum == "pause" else "preempted"
             self.targets[j.name] = JobTarget(0, Reason.BELOW_MINIMUM,
                                              f"inference replicas need node {node}; below min_gpus={j.min_gpus}, "
-                                             f"{status} with {before} GPUs released", forced=True, status=status)
+                                             f"{status} with {before} GPUs released" + below_minimum_note(status),
+                                             forced=True, status=status)
         else:
             self.targets[j.name] = JobTarget(to, Reason.INFERENCE_DEMAND,
                                              f"gives back node {node} to inference ({before} -> {to} GPUs), losing "

@@ -20,7 +20,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from elastic.scheduler.types import JobState, Knobs, Reason, ServiceDemand
+from elastic.scheduler.types import JobState, Knobs, Reason, ServiceDemand, below_minimum_note
 
 
 @dataclass
@@ -128,7 +128,7 @@ def forced_shrinks(jobs: list[JobState], current: dict[str, int], budget: int) -
             0, Reason.BELOW_MINIMUM,
             f"inference needs {have} more GPUs than {j.name} can spare above min_gpus={j.min_gpus}; "
             f"{status} with {current[j.name]} GPUs released"
-            + (" (state kept off-GPU, resumes when GPUs are free)" if status == "paused" else " (restarts from checkpoint)"),
+            + below_minimum_note(status),
             forced=True, status=status,
         )
     return out

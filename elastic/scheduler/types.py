@@ -77,7 +77,7 @@ class JobState:
     Counts missing from the table have no valid layout. The job's current GPUs are read from
     the snapshot's previous allocation. ``on_below_minimum`` says what happens when inference
     needs GPUs the job cannot spare: ``pause`` (state kept off-GPU, resumes later) or
-    ``preempt`` (stopped; restarts from its last checkpoint).
+    ``preempt`` (stopped; state dropped, starts again from step 0).
     """
 
     name: str
@@ -115,6 +115,13 @@ class JobState:
 
     def layout_at(self, gpus: int) -> str | None:
         return self.throughput[gpus][0] if gpus in self.throughput else None
+
+
+def below_minimum_note(status: str) -> str:
+    """What pausing or preempting does to a job's state, for the step's message."""
+    if status == "paused":
+        return " (its state is kept off-GPU; it resumes at the same step when GPUs are free)"
+    return " (stopped, its state dropped: it starts again from step 0)"
 
 
 @dataclass(frozen=True)

@@ -437,8 +437,8 @@ class ProcessJobHandle(JobHandle):
 
 
 def hold_layout(layout: Layout) -> Layout:
-    """How keepers hold a paused job's state: the same model-parallel split, one data-parallel copy."""
-    return replace(layout, dp=1, ep=1, zero=0)
+    """How keepers hold a paused job's state (:meth:`elastic.model.Layout.held`)."""
+    return layout.held()
 
 
 def gpu_workers(workers: Sequence[str], keepers: set[str]) -> list[str]:

@@ -72,6 +72,16 @@ class FakeBackend:
     def cancel_grow(self, job: str) -> bool:
         return False  # its set_job_gpus is instantaneous: nothing is ever waiting to be called off
 
+    def pause_job(self, spec: TrainingSpec) -> RescaleOutcome:
+        """The job's GPUs are freed; it keeps its layout (as ``tp.pp.dp1``), generation and step."""
+        self.ping()
+        before = self.jobs[spec.name]
+        held = str(Layout.parse(before.layout).held())
+        self.calls.append(("pause", spec.name, 0))
+        self.jobs[spec.name] = JobRuntime(spec.name, "Paused", held, (), before.generation + 1, before.step)
+        return RescaleOutcome(spec.name, before.layout, held, before.generation + 1, pause_seconds=0.02,
+                              bytes_moved=500, bytes_planned=500, bytes_lower_bound=500, step=before.step)
+
     def set_job_gpus(self, spec: TrainingSpec, gpus: tuple[GPU, ...], layout: Layout | None) -> RescaleOutcome:
         self.ping()
         self._check(spec.name, gpus)
@@ -80,6 +90,8 @@ class FakeBackend:
         if not gpus:
             self.jobs.pop(spec.name, None)
             return RescaleOutcome(spec.name, before.layout if before else None, None, 0)
+        if before is not None and before.phase == "Paused":
+            self.calls.append(("resume", spec.name, len(gpus)))
         assert layout is not None and layout.world_size == len(gpus), (layout, len(gpus))
         gen = (before.generation + 1) if before else 0
         step = before.step if before else 0

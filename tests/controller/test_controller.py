@@ -141,6 +141,8 @@ def test_failed_step_stops_the_plan_and_is_recorded(env) -> None:
     ({"jobs": [{"name": "j", "model": "tiny", "min_gpus": 8, "max_gpus": 8}]}, "jobs[0].min_gpus=8 cannot fit"),
     ({"jobs": [{"name": "j", "model": "no-such-model"}]}, "jobs[0].model: unknown model 'no-such-model'"),
     ({"pool": {"nodez": 3}}, "unknown field 'pool.nodez'"),
+    ({"jobs": [{"name": "j", "model": "tiny", "on_below_minimum": "drop"}]},
+     "'jobs.0.on_below_minimum': Input should be 'pause' or 'preempt'"),
 ])
 def test_bad_config_is_rejected_at_load(patch, needle) -> None:
     data = dict(CONFIG, **patch)
@@ -259,3 +261,73 @@ def test_throughput_table_honours_the_jobs_zero_setting() -> None:
         L = Layout.parse(text)
         assert L.world_size == n and tps > 0 and L.vpp == 1
         assert L.zero == 1 or L.dp == 1, f"{text}: zero=1 asks for ZeRO-1 wherever dp > 1"
+
+
+def _env_with(db_url: str, backend: FakeBackend, **job):
+    import copy
+
+    data = copy.deepcopy(CONFIG)
+    data["jobs"][0].update(job)
+    db.upgrade(db_url)
+    store = db.Store.from_url(db_url)
+    clock, source = Clock(), InProcessSource(max_age=60)
+    ctl = Controller(load_config(data=data), backend, store, {"chat": source}, owner="ctl-a", clock=clock)
+    return ctl, source, clock, store
+
+
+def test_a_job_at_its_minimum_is_paused_with_its_state_kept_and_resumes_at_the_same_step(db_url: str) -> None:
+    from dataclasses import replace
+
+    backend = FakeBackend({"n0": 4, "n1": 4})
+    ctl, source, clock, store = _env_with(db_url, backend, min_gpus=4)
+    try:
+        _tick(ctl, source, clock, 10.0)
+        running = backend.jobs["pretrain"]
+        assert running.phase == "Running" and len(running.gpus) >= 4
+        backend.jobs["pretrain"] = running = replace(running, step=123)  # it trained meanwhile
+        res = _tick(ctl, source, clock, 60.0)  # 6 replicas: the job cannot keep its minimum of 4
+        paused = backend.jobs["pretrain"]
+        assert (paused.phase, paused.gpus, paused.step) == ("Paused", (), 123)
+        assert len(backend.service_gpus("chat")) > 4  # more than the job's minimum left room for
+        kinds = [c[0] for c in backend.calls]
+        assert kinds.index("pause") < len(kinds) - 1 - kinds[::-1].index("service")  # GPUs freed before inference
+        assert any(s.startswith("pause_training pretrain") for s in res.applied), res.applied
+        d = db.list_decisions(store, limit=50, pool="p")[-1]
+        step = next(s for s in d.plan["steps"] if s["workload"] == "pretrain")
+        assert (step["action"], step["reason"]) == ("pause_training", "BelowMinimum")
+        assert "state is kept off-GPU" in step["message"] and "same step" in step["message"]
+        ev = db.list_reshards(store, job="pretrain")[-1]
+        assert (ev.from_layout, ev.to_layout, ev.status, ev.bytes_moved) == (
+            running.layout, f"paused:{paused.layout}", "done", 500)
+
+        backend.calls.clear()
+        _tick(ctl, source, clock, 10.0)  # traffic falls: inference drains, the job resumes where it paused
+        resumed = backend.jobs["pretrain"]
+        assert resumed.phase == "Running" and len(resumed.gpus) >= 4 and resumed.step == 123
+        assert [c[0] for c in backend.calls].count("resume") == 1, backend.calls
+        ev = db.list_reshards(store, job="pretrain")[-1]
+        assert (ev.from_layout, ev.to_layout, ev.status) == (f"paused:{paused.layout}", resumed.layout, "done")
+    finally:
+        store.dispose()
+
+
+@pytest.mark.parametrize("can_pause", [True, False])
+def test_a_job_that_cannot_be_paused_is_preempted_and_the_decision_says_its_state_is_dropped(
+        db_url: str, can_pause: bool) -> None:
+    class NoPause(FakeBackend):
+        pause_job = None  # a backend that cannot keep state off-GPU
+
+    backend = FakeBackend({"n0": 4, "n1": 4}) if can_pause else NoPause({"n0": 4, "n1": 4})
+    # can_pause: the job asks to be preempted; otherwise the backend leaves no choice
+    ctl, source, clock, store = _env_with(db_url, backend, min_gpus=4,
+                                          **({"on_below_minimum": "preempt"} if can_pause else {}))
+    try:
+        _tick(ctl, source, clock, 10.0)
+        _tick(ctl, source, clock, 60.0)
+        assert "pretrain" not in backend.jobs and len(backend.service_gpus("chat")) > 4
+        d = db.list_decisions(store, limit=50, pool="p")[-1]
+        step = next(s for s in d.plan["steps"] if s["workload"] == "pretrain")
+        assert step["action"] == "preempt_training" and "state dropped" in step["message"]
+        assert "pause" not in [c[0] for c in backend.calls]
+    finally:
+        store.dispose()

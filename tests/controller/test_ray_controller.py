@@ -67,6 +67,12 @@ def _spy_backend(pool):
             self.calls.append(("job", len(gpus), t0, time.monotonic()))
             return out
 
+        def pause_job(self, spec):
+            t0 = time.monotonic()
+            out = super().pause_job(spec)
+            self.calls.append(("pause", 0, t0, time.monotonic()))
+            return out
+
     return Spy(pool, replica_config=ReplicaConfig(model="tiny", max_running=4),
                train_options=LaunchOptions(pg_timeout_s=90, heartbeat_timeout_s=60, join_timeout_s=120),
                drain_seconds=0.5)
@@ -133,6 +139,66 @@ def test_shrink_in_place_before_inference_grows_and_the_reverse(ray_local, tmp_p
         db.current_allocation(store, "ray-local").check_disjoint()
         print("reshards:", [(r.from_layout, r.to_layout, r.bytes_moved, round(r.pause_seconds, 3))
                             for r in reshards])
+    finally:
+        backend.shutdown()
+        store.dispose()
+
+
+def test_a_job_pushed_below_its_minimum_is_paused_off_gpu_and_resumes_at_the_same_step(ray_local, tmp_path) -> None:
+    """min_gpus=3: six replicas leave two GPUs, too few, so the job is paused (state into a keeper
+    actor without a GPU), not killed; when traffic falls it resumes on 4 GPUs at the step it paused at."""
+    import copy
+
+    url = f"sqlite:///{tmp_path}/state.db"
+    db.upgrade(url)
+    store = db.Store.from_url(url)
+    data = copy.deepcopy(CONFIG)
+    data["jobs"][0]["min_gpus"] = 3
+    data["services"][0]["behavior"]["scaleUp"]["policies"] = [{"type": "Pods", "value": 8, "periodSeconds": 1}]
+    cfg = load_config(data=data)
+    backend = _spy_backend(cfg.pool)
+    source, clock = InProcessSource(max_age=3600), Clock()
+    ctl = Controller(cfg, backend, store, {"chat": source}, owner="t", clock=clock)
+    ray = ray_local
+    try:
+        _tick(ctl, source, clock, 10.0)
+        rt0 = backend.job_runtime("tiny-job")
+        assert rt0 is not None and len(rt0.gpus) == 4
+        handle = backend.jobs["tiny-job"].handle
+        handle.wait_step(rt0.step + 2, timeout=120)
+        backend.calls.clear()
+
+        # 1. six replicas' worth of load: the job cannot keep 3 GPUs; paused first, then chat grows
+        res = _tick(ctl, source, clock, 60.0)
+        assert [c[:2] for c in backend.calls] == [("pause", 0), ("service", 6)], backend.calls
+        assert backend.calls[0][3] <= backend.calls[1][2], "inference started before the pause freed the GPUs"
+        assert any(a.startswith("pause_training") for a in res.applied), res.applied
+        rt1 = backend.job_runtime("tiny-job")
+        assert (rt1.phase, rt1.gpus) == ("Paused", ())
+        assert backend.jobs["tiny-job"].handle is handle and handle.status().phase == "paused"
+        paused_at = handle.status().step
+        assert ray.available_resources().get("GPU", 0) == 2  # 6 replicas; the keeper holds no GPU
+        time.sleep(1.0)
+        assert handle.status().step == paused_at  # nothing trains while paused
+
+        # 2. traffic falls: chat drains to 1, then the job resumes on 4 GPUs, same job, same step counter
+        backend.calls.clear()
+        _tick(ctl, source, clock, 10.0)
+        assert [c[:2] for c in backend.calls] == [("service", 1), ("job", 4)], backend.calls
+        rt2 = backend.job_runtime("tiny-job")
+        assert rt2.phase == "Running" and len(rt2.gpus) == 4 and backend.jobs["tiny-job"].handle is handle
+        handle.wait_step(paused_at + 2, timeout=120)
+        steps = [r.step for r in handle.history()]
+        assert steps == list(range(steps[0], steps[0] + len(steps))), "a step was lost or repeated"
+        assert handle.history()[-1].step > paused_at
+
+        reshards = db.list_reshards(store, job="tiny-job")
+        assert [(r.from_layout.startswith("paused:"), r.to_layout.startswith("paused:"), r.status)
+                for r in reshards] == [(False, True, "done"), (True, False, "done")], reshards
+        assert all(r.bytes_moved and r.bytes_moved > 0 for r in reshards)
+        db.current_allocation(store, "ray-local").check_disjoint()
+        print("pause/resume:", [(r.from_layout, r.to_layout, r.bytes_moved, round(r.pause_seconds or 0, 3))
+                                for r in reshards])
     finally:
         backend.shutdown()
         store.dispose()

@@ -35,6 +35,9 @@ def test_maps_camel_case_specs_onto_the_controller_types(tmp_path) -> None:
     assert svc.behavior.scale_down.policies[0].period_seconds == 30
     job = to_training_spec("ml/train", parse_spec(ElasticTrainingJobSpec, JOB))
     assert (job.min_gpus, job.max_gpus, job.global_batch, job.micro_batch, job.allowed_tp) == (2, 8, 32, 2, [1, 2])
+    assert job.on_below_minimum == "pause"
+    job = to_training_spec("ml/train", parse_spec(ElasticTrainingJobSpec, {**JOB, "onBelowMinimum": "preempt"}))
+    assert job.on_below_minimum == "preempt"
     tiny = {k: v for k, v in MODEL_PRESETS["tiny"].model_dump(mode="json").items() if k != "name"}
     inline = {**JOB, "model": None, "modelSpec": tiny}
     job = to_training_spec("ml/inline", parse_spec(ElasticTrainingJobSpec, inline), tmp_path)
@@ -49,6 +52,7 @@ BAD: list[tuple[str, dict[str, Any], str, str]] = [
     ("job", {**JOB, "allowedTP": []}, "spec.allowedTP", "InvalidAllowedTP"),
     ("job", {**JOB, "template": {}}, "spec.template.image", "InvalidTemplateImage"),
     ("job", {**JOB, "modelSpec": None, "model": None}, "spec.model", "InvalidModel"),
+    ("job", {**JOB, "onBelowMinimum": "drop"}, "spec.onBelowMinimum", "InvalidOnBelowMinimum"),
     ("svc", {**SVC, "minReplicas": 5}, "spec.minReplicas", "InvalidMinReplicas"),
     ("svc", {**SVC, "metric": {"preset": "nope", "target": 1}}, "spec.metric.preset", "InvalidMetricPreset"),
     ("svc", {**SVC, "metric": {"query": "up", "target": 1}}, "spec.metric.prometheus", "InvalidMetricPrometheus"),
