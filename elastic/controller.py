@@ -567,7 +567,7 @@ class Controller:
             rt = self.backend.job_runtime(j.name)
             jd = plan.jobs.get(j.name)
             db.set_job_status(self.store, j.name, {
-                "phase": rt.phase if rt else "Pending", "layout": rt.layout if rt else None,
+                "phase": rt.phase if rt else "Pending", "layout": _recorded_layout(rt) if rt else None,
                 "generation": rt.generation if rt else 0, "step": rt.step if rt else 0,
                 "loss": rt.loss if rt else None, "tokensPerSecond": rt.tokens_per_second if rt else 0.0,
                 "worldSize": len(rt.gpus) if rt else 0,

@@ -552,6 +552,8 @@ class Coordinator:
         self._gen_sizes[d.generation] = (d.layout, len(d.workers))
         self._max_begun = d.switch_step - 1
         self.metrics.record_generation(d.generation, len(d.workers))
+        if not d.hold:
+            self.metrics.record_paused(False)
         self._cv.notify_all()
 
     def _maybe_complete_locked(self) -> None:
@@ -571,7 +573,9 @@ class Coordinator:
         rec.bytes_moved = sum(int(r.get("bytes_sent", 0)) for r in p.results.values())
         rec.execute_seconds = max((float(r.get("execute_seconds", 0.0)) for r in p.results.values()), default=0.0)
         rec.worker_stats = {w: dict(r) for w, r in p.results.items()}
-        if self._history and d.old_ranks:
+        if d.hold:
+            self.metrics.record_paused(True, rec.bytes_moved)
+        elif self._history and d.old_ranks:
             self.metrics.record_rescale(rec.pause_seconds or 0.0, rec.bytes_moved, rec.planned_bytes,
                                         rec.lower_bound_bytes)
         if d.hold:

@@ -34,6 +34,7 @@ class _Families:
     generation: Gauge
     world_size: Gauge
     failed: Gauge
+    paused: Gauge
     rescales: Counter
     rescale_failures: Counter
     pause_seconds: Histogram
@@ -69,6 +70,8 @@ def _families(registry: CollectorRegistry) -> _Families:
             world_size=Gauge("elastic_training_world_size", "Workers in the current layout", L, registry=r),
             failed=Gauge("elastic_training_failed", "1 when the job has failed (see status for the reason)", L,
                          registry=r),
+            paused=Gauge("elastic_training_paused", "1 while the job is paused: its state held off-GPU by keepers, "
+                         "no step runs", L, registry=r),
             rescales=Counter("elastic_training_rescales", "Rescales completed in place", L, registry=r),
             rescale_failures=Counter("elastic_training_rescale_failures",
                                      "Rescales abandoned or failed (the job kept or lost its layout)", L, registry=r),
@@ -127,6 +130,15 @@ class TrainingMetrics:
         f.last_reshard_bytes.labels(j).set(bytes_moved)
         f.last_planned_bytes.labels(j).set(planned_bytes)
         f.last_lower_bound_bytes.labels(j).set(lower_bound_bytes)
+
+    def record_paused(self, paused: bool, bytes_moved: int = 0) -> None:
+        """The job was paused (its state moved into keepers: ``bytes_moved`` count as reshard bytes) or resumed."""
+        f, j = self._f, self.job
+        f.paused.labels(j).set(1 if paused else 0)
+        if paused:
+            f.world_size.labels(j).set(0)  # keepers hold the state; nobody trains
+            f.reshard_bytes.labels(j).inc(bytes_moved)
+            f.last_reshard_bytes.labels(j).set(bytes_moved)
 
     def record_rescale_failure(self) -> None:
         self._f.rescale_failures.labels(self.job).inc()

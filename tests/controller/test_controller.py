@@ -296,6 +296,9 @@ def test_a_job_at_its_minimum_is_paused_with_its_state_kept_and_resumes_at_the_s
         step = next(s for s in d.plan["steps"] if s["workload"] == "pretrain")
         assert (step["action"], step["reason"]) == ("pause_training", "BelowMinimum")
         assert "state is kept off-GPU" in step["message"] and "same step" in step["message"]
+        job = next(j for j in db.list_jobs(store) if j.name == "pretrain")
+        assert (job.status["phase"], job.status["layout"], job.status["worldSize"], job.status["step"]) == (
+            "Paused", f"paused:{paused.layout}", 0, 123)
         ev = db.list_reshards(store, job="pretrain")[-1]
         assert (ev.from_layout, ev.to_layout, ev.status, ev.bytes_moved) == (
             running.layout, f"paused:{paused.layout}", "done", 500)

@@ -367,6 +367,9 @@ def test_a_held_generation_pauses_the_job_until_the_next_directive_and_resumes_a
     st = c.status()
     assert (st.phase, st.workers, st.layout, st.step) == ("paused", ["k0"], "tp1.pp1.dp1", d.switch_step - 1)
     assert "paused at step" in st.reason
+    assert (metric(reg, "elastic_training_paused"), metric(reg, "elastic_training_world_size")) == (1, 0)
+    assert metric(reg, "elastic_training_rescales_total") == 0  # a pause is not a rescale; its bytes count
+    assert metric(reg, "elastic_training_reshard_bytes_total") == 100
     # the keeper asks before the step it sits at and is told to hold (after the long poll, here none)
     assert call(c, "step", "k0", generation=2, step=d.switch_step)["action"] == "hold"
     with pytest.raises(SpecError, match="paused already"):
@@ -389,6 +392,8 @@ def test_a_held_generation_pauses_the_job_until_the_next_directive_and_resumes_a
     st = c.status()
     assert (st.phase, st.workers, st.step) == ("running", ["w5", "w6"], d.switch_step)
     assert [h.step for h in c.history()] == list(range(d.switch_step + 1))  # no step lost, none repeated
+    assert (metric(reg, "elastic_training_paused"), metric(reg, "elastic_training_world_size")) == (0, 2)
+    assert metric(reg, "elastic_training_rescales_total") == 1
 
 
 def test_a_held_job_can_be_stopped_and_an_abandoned_resume_leaves_it_paused() -> None:

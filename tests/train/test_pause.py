@@ -72,3 +72,21 @@ def test_pause_frees_every_worker_keeps_the_state_and_resume_continues_the_loss_
     ref = _mp.reference_losses(CFG, len(history))
     for r, want in zip(history, ref, strict=True):
         assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step} ({r.layout}): {r.loss} vs {want}"
+
+
+def test_a_paused_job_stops_cleanly_and_its_keepers_exit(tmp_path) -> None:
+    from prometheus_client import CollectorRegistry
+
+    reg = CollectorRegistry()
+    opts = LaunchOptions(pg_timeout_s=90, heartbeat_timeout_s=60, join_timeout_s=120)
+    h = ProcessJobHandle("pause-stop", CFG, options=opts, registry=reg, log_dir=str(tmp_path))
+    try:
+        h.start("tp1.pp1.dp2", ["w0", "w1"], timeout=180)
+        h.wait_step(1, timeout=120)
+        paused = h.pause(timeout=240)  # default keeper names
+        assert paused.record.workers == ["pause-stop-keep2-0"] and h.status().phase == "paused"
+        assert reg.get_sample_value("elastic_training_paused", {"job": "pause-stop"}) == 1
+    finally:
+        final = h.stop(timeout=30)
+    assert final.phase == "stopped" and final.error is None
+    assert h.procs["pause-stop-keep2-0"].poll() == 0
