@@ -65,14 +65,16 @@ def _dt(t: float) -> datetime:
 
 def throughput_table(model: ModelSpec, hardware: HardwareSpec, max_gpus: int, *, gpus_per_node: int,
                      global_batch: int, allowed_tp: list[int] | None = None,
-                     allowed_pp: list[int] | None = None, zero: int = 0) -> dict[int, tuple[str, float]]:
-    """GPU count -> (best feasible layout, tokens/s), from the planner; honours allowed tp/pp and
-    ``zero=1`` (ZeRO-1 wherever dp > 1; with 0 the planner chooses per layout)."""
+                     allowed_pp: list[int] | None = None, zero: int = 0,
+                     replicate_optimizer: bool = False) -> dict[int, tuple[str, float]]:
+    """GPU count -> (best feasible layout, tokens/s), from the planner; honours allowed tp/pp,
+    ``zero=1`` (ZeRO-1 wherever dp > 1; with 0 the planner chooses per layout) and
+    ``replicate_optimizer`` (no ZeRO-1: every replica a full copy, for recovery from a lost worker)."""
     from elastic.parallel.planner import best_by_gpu_count, feasible_layouts
 
     # vpp=1: the reference trainer runs non-interleaved 1F1B only
     opts: dict[str, Any] = {"vpps": (1,)}
-    if not allowed_tp and not allowed_pp and not zero:
+    if not allowed_tp and not allowed_pp and not zero and not replicate_optimizer:
         best = best_by_gpu_count(model, hardware, max_gpus, gpus_per_node=gpus_per_node, global_batch=global_batch,
                                  **opts)
         out = {n: (str(p.layout), p.tokens_per_second) for n, p in best.items()}
@@ -84,7 +86,7 @@ def throughput_table(model: ModelSpec, hardware: HardwareSpec, max_gpus: int, *,
             L = p.layout
             if L.world_size != n or (allowed_tp and L.tp not in allowed_tp) or (allowed_pp and L.pp not in allowed_pp):
                 continue
-            if zero and L.dp > 1 and not L.zero:
+            if (zero and L.dp > 1 and not L.zero) or (replicate_optimizer and L.zero):
                 continue
             out[n] = (str(L), p.tokens_per_second)
             break
@@ -97,7 +99,8 @@ def job_throughput_tables(cfg: ControllerConfig) -> dict[str, dict[int, tuple[st
     models = cfg.models()
     return {j.name: throughput_table(models[j.name], hw, min(j.max_gpus, cfg.pool.total_gpus),
                                      gpus_per_node=cfg.pool.gpus_per_node, global_batch=j.global_batch,
-                                     allowed_tp=j.allowed_tp, allowed_pp=j.allowed_pp, zero=j.zero)
+                                     allowed_tp=j.allowed_tp, allowed_pp=j.allowed_pp, zero=j.zero,
+                                     replicate_optimizer=j.replicate_optimizer)
             for j in cfg.jobs}
 
 
@@ -133,6 +136,7 @@ class Controller:
         self.hardware = load_hardware(cfg.pool.hardware)
         self.policy_state: dict[str, PolicyState] = {s.name: PolicyState() for s in cfg.services}
         self.last_rescale: dict[str, float] = {}
+        self._recoveries_seen: dict[str, int] = {}  # job -> generation whose recovery is on record
         self.paused = False
         self.ready = False
         self.last_error: str | None = None
@@ -149,7 +153,8 @@ class Controller:
                 self._throughput[j.name] = throughput_table(
                     cfg.models()[j.name], self.hardware, min(j.max_gpus, cfg.pool.total_gpus),
                     gpus_per_node=cfg.pool.gpus_per_node, global_batch=j.global_batch,
-                    allowed_tp=j.allowed_tp, allowed_pp=j.allowed_pp, zero=j.zero)
+                    allowed_tp=j.allowed_tp, allowed_pp=j.allowed_pp, zero=j.zero,
+                    replicate_optimizer=j.replicate_optimizer)
         check_feasible(cfg, self._throughput)
         self._register()
 
@@ -324,7 +329,28 @@ class Controller:
     def _observe_jobs(self, failed: set[str]) -> tuple[Allocation, dict[str, JobRuntime | None]]:
         """What every workload holds, and each job's runtime (None: not running, or failed)."""
         runtimes = {j.name: None if j.name in failed else self.backend.job_runtime(j.name) for j in self.cfg.jobs}
+        for name, rt in runtimes.items():
+            if rt is not None and rt.recovery and self._recoveries_seen.get(name) != rt.generation:
+                self._record_recovery(rt)
         return self._observed_allocation(exclude=failed), runtimes
+
+    def _record_recovery(self, rt: JobRuntime) -> None:
+        """A job recovered from a lost worker on its own (no action of ours): put it on record as a
+        finished reshard and a ``WorkerLost`` decision, once."""
+        self._recoveries_seen[rt.name] = rt.generation
+        now = self.clock()
+        if not any(ev.generation == rt.generation
+                   for ev in db.list_reshards(self.store, job=rt.name, limit=5, newest_first=True)):
+            rid = db.start_reshard(self.store, job=rt.name, pool=self.pool, generation=rt.generation,
+                                   from_layout=rt.recovered_from or "", to_layout=rt.layout or "",
+                                   bytes_planned=rt.last_bytes_moved or 0, bytes_lower_bound=0, now=_dt(now))
+            db.finish_reshard(self.store, rid, bytes_moved=rt.last_bytes_moved, pause_seconds=rt.last_pause_seconds,
+                              now=_dt(now))
+        msg = (f"{rt.name} recovered in place from {rt.recovery}: {rt.recovered_from} -> {rt.layout} on "
+               f"{len(rt.gpus)} GPUs, training resumed (pause {rt.last_pause_seconds or 0.0:.2f} s)")
+        log.warning("%s", msg)
+        db.record_decision(self.store, pool=self.pool, tick_at=_dt(now), reason="WorkerLost", message=msg,
+                           plan={"steps": [], "notes": [msg]}, inputs={})
 
     def _observed_allocation(self, exclude: set[str] | None = None) -> Allocation:
         hold: dict[str, tuple[GPU, ...]] = {}

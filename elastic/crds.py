@@ -318,6 +318,9 @@ class ElasticTrainingJobSpec(_CR):
     """Sequences per micro-batch."""
     zero: int = Field(default=0, ge=0, le=1)
     """1 = ZeRO-1 (optimizer state sharded across data-parallel ranks)."""
+    replicate_optimizer: bool = Field(default=False, alias="replicateOptimizer")
+    """Never shard the optimizer state, so every data-parallel replica holds a full copy and a lost worker
+    is recovered from its replica without a restart (costs optimizer memory)."""
     priority: int = 0
     """Higher wins GPUs first among training jobs; inference defaults to 100."""
     template: WorkerTemplate
@@ -643,6 +646,7 @@ def to_training_spec(workload: str, spec: ElasticTrainingJobSpec, model_dir: str
     return TrainingSpec(name=workload, model=model_ref, min_gpus=spec.min_gpus, max_gpus=spec.max_gpus,
                         priority=spec.priority, global_batch=spec.global_batch, micro_batch=spec.micro_batch,
                         allowed_tp=spec.allowed_tp, allowed_pp=spec.allowed_pp, zero=spec.zero,
+                        replicate_optimizer=spec.replicate_optimizer,
                         on_below_minimum=spec.on_below_minimum)
 
 

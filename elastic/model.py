@@ -589,9 +589,17 @@ class TrainingSpec(_Spec):
     allowed_tp: list[int] | None = None
     allowed_pp: list[int] | None = None
     zero: int = Field(default=0, ge=0, le=1)
+    replicate_optimizer: bool = Field(
+        default=False,
+        description="never shard the optimizer state (no ZeRO-1) so that every data-parallel replica holds "
+                    "a full copy: a lost worker is then recovered from its replica without a restart; costs "
+                    "optimizer memory (GPU counts where only ZeRO-1 fits drop out)")
 
     @model_validator(mode="after")
     def _bounds(self) -> TrainingSpec:
+        if self.zero and self.replicate_optimizer:
+            raise ValueError("zero=1 shards the optimizer state and replicate_optimizer=true forbids it; "
+                             "choose one")
         if self.min_gpus > self.max_gpus:
             raise ValueError(f"min_gpus={self.min_gpus} > max_gpus={self.max_gpus}; raise max_gpus or lower min_gpus")
         return self

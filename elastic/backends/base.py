@@ -44,6 +44,9 @@ class JobRuntime:
     error: str | None = None
     last_pause_seconds: float | None = None
     last_bytes_moved: int | None = None
+    # the job recovered on its own from a lost worker into ``generation``: what was lost, and why
+    recovery: str = ""
+    recovered_from: str | None = None  # the layout before that recovery
 
 
 @dataclass(frozen=True)

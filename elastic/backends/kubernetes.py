@@ -303,7 +303,10 @@ class KubernetesBackend:
             return None
         st = j.handle.status()
         phase = {"running": "Running", "rescaling": "Rescaling", "failed": "Failed", "starting": "Pending",
-                 "stopping": "Stopping", "stopped": "Stopped", "finished": "Finished"}.get(st.phase, st.phase)
+                 "stopping": "Stopping", "stopped": "Stopped", "finished": "Finished",
+                 "recovering": "Recovering"}.get(st.phase, st.phase)
+        if st.phase == "running" and j.workers and not set(j.workers.values()) <= set(st.workers):
+            j.workers = {g: w for g, w in j.workers.items() if w in st.workers}  # recovered without some
         last = j.last
         return JobRuntime(job, phase, st.layout, tuple(sorted(j.workers, key=lambda g: (g.node, g.index))),
                           st.generation, max(st.step, 0), st.loss, st.tokens_per_second or 0.0, st.error,

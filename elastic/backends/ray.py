@@ -218,6 +218,11 @@ class RayBackend:
             if j is None:
                 return None
             st = j.handle.status()
+            if st.phase == "running" and j.workers and not set(j.workers.values()) <= set(st.workers):
+                # the job recovered from a lost worker on its own: the dead one's GPU and those of
+                # survivors it did not keep are no longer the job's (their actors have ended)
+                j.workers = {g: w for g, w in j.workers.items() if w in st.workers}
+                _remember_gpus(j.handle, j)
             gpus = tuple(sorted(j.workers, key=lambda g: (g.node, g.index)))
             last = j.last
             if last is None and st.last_rescale is not None and st.last_rescale.ok:
@@ -228,10 +233,19 @@ class RayBackend:
                                       step=rec.switch_step)
             phase = {"running": "Running", "rescaling": "Rescaling", "failed": "Failed", "starting": "Pending",
                      "stopping": "Stopping", "stopped": "Stopped", "finished": "Finished",
-                     "paused": "Paused"}.get(st.phase, st.phase)
+                     "paused": "Paused", "recovering": "Recovering"}.get(st.phase, st.phase)
+            rec = st.last_rescale
+            recovered = rec is not None and rec.ok and bool(rec.recovery) and rec.generation == st.generation
+            if recovered:  # the coordinator's own record: no controller asked for this rescale
+                last = RescaleOutcome(job, rec.from_layout, rec.to_layout, rec.generation,
+                                      pause_seconds=rec.pause_seconds or 0.0, bytes_moved=rec.bytes_moved,
+                                      bytes_planned=rec.planned_bytes, bytes_lower_bound=rec.lower_bound_bytes,
+                                      step=rec.switch_step)
             return JobRuntime(job, phase, st.layout, gpus, st.generation, max(st.step, 0), st.loss,
                               st.tokens_per_second or 0.0, st.error,
-                              last.pause_seconds if last else None, last.bytes_moved if last else None)
+                              last.pause_seconds if last else None, last.bytes_moved if last else None,
+                              recovery=rec.recovery if recovered else "",
+                              recovered_from=rec.from_layout if recovered else None)
 
     def set_job_gpus(self, spec: TrainingSpec, gpus: tuple[GPU, ...], layout: Layout | None) -> RescaleOutcome:
         with self._lock:
@@ -665,7 +679,7 @@ class _RemoteCoordinator:
 
 def _coordinator_settings(opts: Any) -> dict[str, Any]:
     return {"heartbeat_interval_s": opts.heartbeat_interval_s, "heartbeat_timeout_s": opts.heartbeat_timeout_s,
-            "join_timeout_s": opts.join_timeout_s, "max_steps": opts.max_steps}
+            "join_timeout_s": opts.join_timeout_s, "max_steps": opts.max_steps, "recover": opts.recover}
 
 
 class RayJobHandle(JobHandle):

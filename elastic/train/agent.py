@@ -166,6 +166,9 @@ class AgentOptions:
     # of GBs of tensors; the launcher sees the process go). False: run() returns instead, for
     # hosts that must end the process themselves (a Ray actor: os._exit there reads as a crash).
     exit_on_leave: bool = True
+    # a collective that breaks because a peer died: report and wait for the coordinator's recovery
+    # directive (it fails the job itself when no recovery is possible); False: fail at once
+    recover: bool = True
 
 
 @dataclass
@@ -202,6 +205,8 @@ class WorkerAgent:
         self._prep_gen = 0
         self._stop = threading.Event()
         self._job_failed = ""
+        self._applied = -1  # the last step whose optimizer update this worker applied
+        self._broken = False  # a peer failed: communicators shut down, waiting for the recovery directive
 
     # ---- entry ----------------------------------------------------------------------------
     def run(self) -> int:
@@ -263,7 +268,7 @@ class WorkerAgent:
     def _train(self, step: int) -> int:
         last: dict[str, Any] | None = None
         while True:
-            held = isinstance(self.engine, HeldState)
+            held = isinstance(self.engine, HeldState) or self._broken
             resp = self.client.call("step", generation=self.generation, step=step, result=last,
                                     **({"wait_s": self.opts.long_poll_s} if held else {}))
             action = resp["action"]
@@ -272,17 +277,37 @@ class WorkerAgent:
                 if resp.get("pending"):
                     self._prepare_early(Directive.from_json(resp["pending"]))
                 assert self.engine is not None
-                last = _result_json(self.engine.train_step(step))
+                try:
+                    result = self.engine.train_step(step)
+                except Exception as e:
+                    if not (self.opts.recover and _is_comm_error(e) and hasattr(self.engine, "recovery_state")):
+                        raise
+                    last = None
+                    self._break(step, f"{type(e).__name__}: {_short(e)}")
+                    continue
+                last = _result_json(result)
+                self._applied = step
                 step += 1
                 self._bury()  # the first step after a rescale is done: its old groups may go now
+            elif action == "break" and not self._broken:
+                last = None  # a peer was lost while we were between steps: report what we hold, then wait
+                self._break(step, f"told to break: {resp.get('reason', '')}")
             elif action == "switch":
                 last = None
                 d = Directive.from_json(resp["directive"])
-                nxt = self._transition(d, self._take_prep(d))
+                if d.commit_step is not None and self._applied < d.commit_step:
+                    # recovery: a survivor passed this step's commit, so our reduced gradients are final
+                    self.engine.apply_ready(d.commit_step)  # type: ignore[union-attr]
+                    self._applied = d.commit_step
+                if self._broken:
+                    self._prep, self._broken = None, False
+                    nxt = self._transition(d, self._prepare_now(d))
+                else:
+                    nxt = self._transition(d, self._take_prep(d))
                 if nxt is None:
                     return 0  # a leaver (normally gone already through os._exit)
                 step = nxt
-            elif action == "hold" and held:
+            elif action in ("hold", "break") and held:
                 last = None  # a keeper: the job is paused at ``step``; the coordinator long-polled already
                 self._bury()  # the reshard group that brought the state in
                 time.sleep(_REASK_S)
@@ -403,6 +428,7 @@ class WorkerAgent:
         else:
             self.engine = self.factory(self.config, layout, rank, new_state if d.old_ranks else None)
         self.generation, self.layout = d.generation, layout
+        self._applied = d.switch_step - 1
         clock.mark("engine")
         self._report_result(d, {**stats, "rank": rank, **clock.report()})
         return d.switch_step
@@ -452,6 +478,30 @@ class WorkerAgent:
         st = prep.prepared.stats
         return new_state, {"bytes_sent": st.bytes_sent, "bytes_received": st.bytes_received,
                            "prepare_seconds": st.prepare_seconds, "exchange_seconds": st.exchange_seconds}
+
+    def _break(self, step: int, error: str) -> None:
+        """A peer failed (or the coordinator says one did): shut every communicator down so peers
+        blocked on us fail now rather than at their timeout, keep the state (and reduced
+        gradients), and report what we hold. The recovery directive comes as a ``switch``."""
+        log.warning("worker %s: step %d broke (%s); waiting for the recovery", self.worker, step, error)
+        info: dict[str, Any] = {"ready": None, "dirty": False, "local_apply": True}
+        if self.engine is not None and hasattr(self.engine, "recovery_state"):
+            info.update(self.engine.recovery_state())  # type: ignore[union-attr]
+        retired: list[Any] = []
+        if self.engine is not None and hasattr(self.engine, "abort"):
+            retired += _engine_backends(self.engine)
+            self.engine.abort()  # type: ignore[union-attr]
+        if dist.is_initialized():
+            retired.append(dist.group.WORLD)
+            dist.destroy_process_group()
+        for pg in retired:
+            _shutdown(pg)
+        # destroyed now, not after the next step like a rescale's: shutdown() alone leaves the
+        # connections open, and a peer blocked on one of them would wait for its timeout
+        retired.clear()
+        self._broken = True
+        self.client.call("broken", generation=self.generation, step=step, applied=self._applied, error=error,
+                         **info)
 
     def _init_default_group(self, d: Directive, layout: Layout, rank: int, *, own_store: bool = False) -> None:
         """The new layout's default group. ``own_store``: on a TCPStore connection of its own (it is
@@ -634,6 +684,17 @@ def _engine_backends(engine: Any) -> list[Any]:
     groups = getattr(engine, "groups", None)
     comms = [getattr(groups, axis, None) for axis in ("tp", "dp", "pp", "embed")]
     return [b for c in comms if (b := getattr(c, "backend", None)) is not None]
+
+
+_COMM_ERRORS = ("connection closed", "connection reset", "read error", "write error", "timed out", "gloo",
+                "nccl", "broken pipe", "socket")
+
+
+def _is_comm_error(e: BaseException) -> bool:
+    """A collective failed because a peer went away (as opposed to a bug or a bad input here)."""
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(e, RuntimeError) and any(m in str(e).lower() for m in _COMM_ERRORS)
 
 
 def _same_tensors(a: State, b: State) -> bool:

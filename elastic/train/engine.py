@@ -177,6 +177,8 @@ class TrainEngine:
         hp = AdamHyper(cfg.lr, tuple(cfg.betas), cfg.eps, cfg.weight_decay)
         self.optimizer = ShardedAdam(self.spec, rank, self.params, self._state, self.groups.dp, hp)
         self.data = SyntheticData(cfg.model.vocab, cfg.model.seq_len, cfg.seed, cfg.data_noise)
+        self.ready_step: int | None = None  # gradients of this step reduced, update not applied yet
+        self.dirty = False  # an optimizer update was interrupted half-way
         self.act = P2PShape((self.micro_batch, cfg.model.seq_len, cfg.model.hidden), cfg.dtype, cfg.device)
 
     # ---- state ------------------------------------------------------------------------------
@@ -204,8 +206,15 @@ class TrainEngine:
 
     # ---- one optimizer step -----------------------------------------------------------------
     def train_step(self, step: int) -> StepResult:
-        """One optimizer step over the global batch of ``step``."""
+        """One optimizer step over the global batch of ``step``.
+
+        Failure points, for recovery from surviving replicas (see :meth:`recovery_state`): until
+        the commit (step 4) nothing of the state has changed; a rank that passed the commit
+        knows every rank had reduced its gradients, so any rank left with ``ready_step ==
+        step`` may apply the step later (:meth:`apply_ready`) and all end on the same state.
+        """
         t0 = time.perf_counter()
+        self.ready_step = None
         # 1. forget the previous step's gradients
         for p in self.params.values():
             p.grad = None
@@ -214,12 +223,34 @@ class TrainEngine:
         one_f_one_b(lambda m, x: self._forward_step(step, m, x, losses), self.grad_accum, self.groups.pp, self.act)
         # 3. gradients: tied-embedding copies, then the DP mean
         self._reduce_grads()
-        # 4. Adam on this rank's (ZeRO) slices, bias correction at t = step + 1
-        self.optimizer.step(step)
-        # 5. the global-batch mean loss, on every rank
-        loss = self._global_loss(losses)
+        # 4. commit: one all-reduce over every rank carries the global-batch mean loss; passing it
+        #    means every rank has its gradients reduced (the step can be applied everywhere)
+        self.ready_step = step
+        loss = self._commit_loss(losses)
+        # 5. Adam on this rank's (ZeRO) slices, bias correction at t = step + 1
+        self.apply_ready(step)
         tokens = self.cfg.global_batch * self.cfg.model.seq_len
         return StepResult(step, loss, tokens, time.perf_counter() - t0)
+
+    def apply_ready(self, step: int) -> None:
+        """Apply the optimizer update of ``step``, whose gradients are reduced (``ready_step``)."""
+        if self.ready_step != step:
+            raise RuntimeError(f"rank {self.rank}: step {step} is not ready to apply (ready: {self.ready_step})")
+        self.dirty = True  # a failure inside a ZeRO-1 update leaves slices at two steps
+        self.optimizer.step(step)
+        self.dirty = False
+        self.ready_step = None
+
+    def recovery_state(self) -> dict[str, object]:
+        """What this rank can contribute after a peer failed mid-step: ``ready`` (a step whose
+        reduced gradients it holds and has not applied), ``dirty`` (an update broke half-way),
+        ``local_apply`` (the update needs no peer: no ZeRO-1 across replicas)."""
+        return {"ready": self.ready_step, "dirty": self.dirty, "local_apply": not self.optimizer.zero}
+
+    def abort(self) -> None:
+        """A peer failed: shut this generation's communicators down (peers blocked on us error out
+        at once instead of at their timeout); state tensors and gradients stay."""
+        self.groups.close()
 
     def _forward_step(self, step: int, micro: int, x: torch.Tensor | None, losses: list[torch.Tensor]) -> torch.Tensor:
         mb = self.micro_batch
@@ -260,15 +291,15 @@ class TrainEngine:
             g.copy_(flat[off:off + n].view_as(g))  # type: ignore[union-attr]
             off += n
 
-    def _global_loss(self, losses: list[torch.Tensor]) -> float:
-        t = torch.zeros(1, dtype=torch.float64, device=self.cfg.device)
-        if self.stage.is_last:
-            t += torch.stack([v.double() for v in losses]).sum() / self.grad_accum
-            self.groups.dp.all_reduce(t)
-            t /= self.layout.dp
-        # every stage reports it: broadcast from the last stage along the pipeline
-        self.groups.pp.broadcast(t, self.layout.pp - 1)
-        return float(t.item())
+    def _commit_loss(self, losses: list[torch.Tensor]) -> float:
+        """The global-batch mean loss on every rank, from one all-reduce over all ranks (the commit):
+        each replica's last stage (its first TP rank) contributes its mean, everyone else zero."""
+        t = torch.zeros(1, dtype=torch.float64)
+        if self.stage.is_last and self.tp_rank == 0:
+            t += (torch.stack([v.double() for v in losses]).sum() / self.grad_accum).cpu()
+        assert self.groups.world is not None
+        self.groups.world.all_reduce(t)
+        return float(t.item()) / self.layout.dp
 
     def close(self) -> None:
         """Destroy this generation's communicators and drop gradients (the state tensors stay valid)."""

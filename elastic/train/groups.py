@@ -114,11 +114,15 @@ class ParallelGroups:
     dp: Comm
     pp: Comm
     embed: Comm | None
+    # every rank of the layout: the parent group itself (not owned: close() leaves it to its creator)
+    world: Comm | None = None
 
     def close(self) -> None:
         for c in (self.tp, self.dp, self.pp, self.embed):
             if c is not None:
                 c.close()
+        if self.world is not None:
+            self.world.backend = None  # forget, do not shut down: the parent group is not ours
 
 
 def _embed_ranks(layout: Layout, rank: int) -> list[int]:
@@ -145,7 +149,7 @@ def build_groups(
     layout.coords(rank)  # validates the rank
     want_embed = tied_embeddings and layout.pp > 1
     if layout.world_size == 1:
-        return ParallelGroups(layout, rank, Comm.solo(rank), Comm.solo(rank), Comm.solo(rank), None)
+        return ParallelGroups(layout, rank, Comm.solo(rank), Comm.solo(rank), Comm.solo(rank), None, Comm.solo(rank))
     parent = _check_parent(layout, rank, pg)
 
     # 2. the nonce keeps this generation's rendezvous keys apart from every earlier one
@@ -167,7 +171,9 @@ def build_groups(
     pp = make("pp", layout.pp_group(rank))
     _, _, p = layout.coords(rank)
     embed = make("embed", _embed_ranks(layout, rank)) if want_embed and p in (0, layout.pp - 1) else None
-    return ParallelGroups(layout, rank, tp, dp, pp, embed)
+    # the parent (default) group is gloo: its CPU backend carries the step's commit (a few bytes)
+    world = Comm(tuple(range(layout.world_size)), rank, parent._get_backend(torch.device("cpu")))
+    return ParallelGroups(layout, rank, tp, dp, pp, embed, world)
 
 
 def _check_parent(layout: Layout, rank: int, pg: dist.ProcessGroup | None) -> dist.ProcessGroup:

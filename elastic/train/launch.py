@@ -82,6 +82,10 @@ class LaunchOptions:
     # (``elastic demo``), training then yields the cores to the inference replicas, as work
     # on separate GPUs would not compete; 0 = leave the priority alone.
     nice: int = 0
+    # A worker lost while training (process gone, heartbeat lost) does not fail the job when its
+    # state survives in data-parallel replicas (dp >= 2, no ZeRO-1): the survivors resume on the
+    # same TP x PP split with fewer replicas, at the step they all reach (see rendezvous).
+    recover: bool = True
 
 
 def make_validator(cfg: Any, hardware: HardwareSpec | str | None = None, gpus_per_node: int | None = None):
@@ -121,7 +125,7 @@ class JobHandle(ABC):
         self.coordinator = Coordinator(
             job, config_json(cfg), host=host, registry=registry, heartbeat_interval_s=o.heartbeat_interval_s,
             heartbeat_timeout_s=o.heartbeat_timeout_s, join_timeout_s=o.join_timeout_s, max_steps=o.max_steps,
-            validator=self.validate,
+            validator=self.validate, recover=o.recover,
         )
         self._spawned: set[str] = set()
         self._gone: set[str] = set()
@@ -311,6 +315,7 @@ class JobHandle(ABC):
             "ELASTIC_PG_TIMEOUT": str(self.opts.pg_timeout_s),
             "ELASTIC_COORDINATOR_TIMEOUT": str(self.opts.coordinator_timeout_s),
             "ELASTIC_VERIFY_RESHARD": "1" if self.opts.verify_reshard else "0",
+            "ELASTIC_RECOVER": "1" if self.opts.recover else "0",
             "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
             # several workers share this host's cores: one intra-op thread each avoids oversubscription
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
@@ -384,7 +389,10 @@ class JobHandle(ABC):
             self._gone.update(workers)
 
     def _watch(self) -> None:
-        """An exit the coordinator did not expect (not a leaver, joiner or stop) fails the job."""
+        """An exit the coordinator did not expect (not a leaver, joiner or stop) is a lost worker: the
+        coordinator recovers without it or fails the job. A worker the coordinator gave up for lost
+        (heartbeat) but whose process still runs is killed: a frozen process holds its peers' sockets."""
+        killed: set[str] = set()
         while not self._watching.wait(0.2):
             for w in self._live():
                 reason = self._observe_exit(w)
@@ -393,7 +401,12 @@ class JobHandle(ABC):
                 with self._lock:
                     self._gone.add(w)
                 if not self._stopping and not self.coordinator.has_left(w):
-                    self.coordinator.fail(f"worker {w} {reason}")
+                    self.coordinator.worker_lost(w, f"worker {w} {reason}")
+            for w in self.coordinator.lost_workers():
+                if w not in killed and w in self._live():
+                    log.warning("job %s: killing worker %s, given up for lost", self.job, w)
+                    self._kill(w)
+                    killed.add(w)
 
 
 class ProcessJobHandle(JobHandle):

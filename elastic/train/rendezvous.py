@@ -23,8 +23,16 @@ see identically:
    job without losing it: its members are keepers that hold the whole training state in host
    memory and run no step; they sit at the switch step until the next directive moves the
    state back onto GPU workers, and the step counter goes on from there.
-4. **Whether the job is alive.** Missing heartbeats, a worker's own failure report or a
-   launcher's report (process exit) turn the job ``failed`` with a reason; every later
+4. **Whether the job is alive, or recovers.** A worker lost while the job trains (its
+   process exited, its heartbeat stopped, or a peer's collective broke on it) puts the job
+   in ``recovering`` when ``recover`` is on and the layout has data-parallel replicas: every
+   survivor shuts its communicators down and reports what it holds (the last step it
+   applied; a step whose reduced gradients it holds unapplied); the coordinator picks the
+   step they can all reach (the highest applied one: a survivor that passed a step's commit
+   proves every rank reached it, so the others apply it from their own gradients) and posts
+   a recovery directive: the same TP x PP split with as many replicas as the survivors fill,
+   the state moving from survivors as in any rescale, training resuming at the next step.
+   Otherwise (or when recovery fails) the job turns ``failed`` with a reason and every later
    request from a worker is answered ``stop``.
 
 It also aggregates per-step reports into the loss history and the Prometheus metrics
@@ -41,6 +49,7 @@ import http.client
 import json
 import logging
 import math
+import sys
 import threading
 import time
 import urllib.parse
@@ -109,6 +118,7 @@ class Directive:
     store_port: int
     join_timeout_s: float
     hold: bool = False  # a paused generation: its workers keep the state and run no step
+    commit_step: int | None = None  # recovery: survivors first apply this step if they hold it ready
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -174,12 +184,13 @@ class RescaleRecord:
     new_ranks: dict[str, int] = field(default_factory=dict)
     worker_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
     hold: bool = False  # the job was paused by this directive (pause_seconds: until the state was held)
+    recovery: str = ""  # a recovery directive: which workers were lost and why
 
 
 @dataclass
 class JobStatus:
     job: str
-    phase: str  # starting | running | rescaling | paused | failed | stopping | stopped | finished
+    phase: str  # starting | running | rescaling | paused | recovering | failed | stopping | stopped | finished
     generation: int
     layout: str | None
     workers: list[str]  # current generation's workers in rank order
@@ -224,6 +235,16 @@ class _Pending:
     plan_info: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class _Recovery:
+    generation: int
+    started_at: float
+    reason: str
+    lost: set[str] = field(default_factory=set)
+    reports: dict[str, dict[str, Any]] = field(default_factory=dict)  # survivor -> {applied, ready, dirty, ...}
+    posted: bool = False
+
+
 Validator = Callable[[Layout, Sequence[str]], None]
 
 
@@ -245,6 +266,8 @@ class Coordinator:
         lookahead_steps: int = 1,
         max_steps: int | None = None,
         validator: Validator | None = None,
+        recover: bool = False,
+        recovery_timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if heartbeat_timeout_s <= heartbeat_interval_s:
@@ -262,6 +285,9 @@ class Coordinator:
         self.lookahead_steps = lookahead_steps
         self.max_steps = max_steps
         self.validator = validator
+        self.recover = recover
+        # survivors must report within this after a loss (default: the heartbeat timeout)
+        self.recovery_timeout_s = recovery_timeout_s if recovery_timeout_s is not None else heartbeat_timeout_s
         self.metrics = TrainingMetrics(job, registry)
         self._clock = clock
         self._cv = threading.Condition()
@@ -286,6 +312,8 @@ class Coordinator:
         self._decisions: dict[int, tuple[str, str]] = {}
         self._finished: set[str] = set()
         self._failures: list[str] = []
+        self._recovery: _Recovery | None = None
+        self.lost: set[str] = set()  # workers given up for lost (a launcher makes sure they are gone)
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> Coordinator:
@@ -293,7 +321,7 @@ class Coordinator:
         import torch.distributed as dist
 
         self._store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
-        self._server = ThreadingHTTPServer((self.host, self.port), _make_handler(self))
+        self._server = _Server((self.host, self.port), _make_handler(self))
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         for target, name in ((self._server.serve_forever, "http"), (self._watch, "watch")):
@@ -485,6 +513,18 @@ class Coordinator:
         with self._cv:
             self._fail_locked(reason)
 
+    def worker_lost(self, worker: str, reason: str) -> None:
+        """A launcher saw ``worker`` die (or a check gave it up): recover without it if the job can,
+        else fail the job with ``reason``. Idempotent."""
+        with self._cv:
+            self._lost_locked(worker, reason)
+
+    def lost_workers(self) -> list[str]:
+        """Workers given up for lost; a launcher makes sure each is gone (a frozen process still
+        holds its sockets, and its peers would wait for it)."""
+        with self._cv:
+            return sorted(self.lost)
+
     def worker_left(self, worker: str) -> None:
         """A launcher confirms ``worker`` is gone on purpose; its silence is not a failure."""
         with self._cv:
@@ -528,7 +568,10 @@ class Coordinator:
         self._reason = f"rescale to generation {gen} ({p.directive.layout}) abandoned: {reason}"
         log.warning("job %s: %s", self.job, self._reason)
         self.metrics.record_rescale_failure()
-        if self._current is None:
+        if self._recovery is not None:
+            self._recovery = None
+            self._fail_locked(f"recovery failed: {reason}")
+        elif self._current is None:
             self._fail_locked(f"job could not start: {reason}")
         elif self._phase == "rescaling":
             self._phase = "paused" if self._current.hold else "running"
@@ -567,6 +610,10 @@ class Coordinator:
         if not d.hold and not any(r.generation == d.generation for r in self._history[-3:]):
             return
         rec = p.record
+        if self._recovery is not None:  # training stood still from the loss until this first step
+            rec.pause_seconds = self._clock() - self._recovery.started_at
+            self._recovery = None
+            self.metrics.record_recovery()
         if d.hold and p.stopped_at is not None and rec.pause_seconds is None:  # held: nothing will step
             rec.pause_seconds = self._clock() - p.stopped_at
         rec.ok = True
@@ -586,7 +633,9 @@ class Coordinator:
             self._reason = (f"generation {d.generation} on {d.layout} running since step {d.switch_step}"
                             + (f" (pause {rec.pause_seconds:.3f} s, {rec.bytes_moved} bytes moved)"
                                if d.old_ranks else ""))
-        if self._phase in ("rescaling", "starting"):
+            if rec.recovery:
+                self._reason = f"recovered ({rec.recovery}): {self._reason}"
+        if self._phase in ("rescaling", "starting", "recovering"):
             self._phase = "paused" if d.hold else "running"
         self._pending = None
         self._cv.notify_all()
@@ -672,6 +721,8 @@ class Coordinator:
         self._note_resumed_locked(w, gen, step)
         if self._phase in ("failed", "stopping", "stopped"):
             return {"action": "stop", "reason": self._error or self._reason or self._phase}
+        if self._recovery is not None and gen == self._recovery.generation:
+            return self._recovery_answer_locked(w, gen, float(b.get("wait_s") or 0.0))
         cur = self._current
         if cur is None or gen != cur.generation:
             return {"action": "stop", "reason": f"worker {w} is on generation {gen}, the job on "
@@ -800,9 +851,204 @@ class Coordinator:
         return {}
 
     def _h_fail(self, b: dict[str, Any]) -> dict[str, Any]:
+        """A worker failed and exits: a lost worker (the job recovers without it if it can, else fails)."""
         w = str(b["worker"])
-        self._fail_locked(f"worker {w}: {b.get('reason', 'no reason given')}")
+        self._lost_locked(w, f"worker {w}: {b.get('reason', 'no reason given')}")
         return {}
+
+    def _h_broken(self, b: dict[str, Any]) -> dict[str, Any]:
+        """A worker's collective broke (a peer died) or it was told to ``break``: it has shut its
+        communicators down and reports what it holds: ``applied`` (last step whose update it
+        applied), ``ready`` (a step whose reduced gradients it holds unapplied, or None),
+        ``dirty`` (an update broke half-way), ``local_apply`` (it can apply ``ready`` alone)."""
+        w, gen = str(b["worker"]), int(b["generation"])
+        self._touch(w)
+        cur = self._current
+        if self._phase in ("failed", "stopping", "stopped") or cur is None or gen != cur.generation:
+            return {"action": "stop", "reason": self._error or self._reason or f"generation {gen} is over"}
+        error = str(b.get("error") or "told to break")
+        if self._recovery is None:
+            if not self._can_recover_locked():
+                self._fail_locked(f"worker {w} at step {b.get('step')}: {error}")
+                return {"action": "stop", "reason": self._error or ""}
+            self._start_recovery_locked(f"worker {w}'s collective broke at step {b.get('step')}: {error}")
+        assert self._recovery is not None
+        if w not in self._recovery.lost:
+            self._recovery.reports[w] = {k: b.get(k) for k in ("step", "applied", "ready", "dirty", "local_apply")}
+        self._maybe_post_recovery_locked()
+        return {"action": "hold"}
+
+    # ---- recovery from surviving replicas (call with _cv held) ----------------------------
+    def _can_recover_locked(self) -> bool:
+        cur, p = self._current, self._pending
+        if not self.recover or cur is None or cur.hold or self._phase not in ("running", "rescaling", "recovering"):
+            return False
+        if p is not None and p.decision == "go":  # a rescale already moving bytes: state is in flight
+            return False
+        lay = Layout.parse(cur.layout)
+        # every box needs a surviving copy: replicas (dp >= 2) without ZeRO sharding their optimizer state
+        return lay.dp >= 2 and not lay.zero
+
+    def _start_recovery_locked(self, reason: str) -> None:
+        cur = self._current
+        assert cur is not None
+        p = self._pending
+        if p is not None and p.decision is None:  # a rescale not yet begun: call it off first
+            self._abandon_locked(f"a worker was lost before the switch ({reason})")
+        self._phase = "recovering"
+        self._recovery = _Recovery(cur.generation, self._clock(), reason)
+        self._reason = f"recovering: {reason}"
+        log.warning("job %s: %s", self.job, self._reason)
+        self._cv.notify_all()
+
+    def _lost_locked(self, w: str, reason: str) -> None:
+        cur = self._current
+        if self._recovery is None and (cur is None or w not in cur.ranks or not self._can_recover_locked()):
+            self._fail_locked(reason)
+            return
+        if self._recovery is None:
+            self._start_recovery_locked(reason)
+        rec = self._recovery
+        assert rec is not None
+        if cur is None or w not in cur.ranks or rec.posted:
+            if w in (self._pending.directive.members if self._pending else ()):
+                self._fail_locked(f"{reason} (during the recovery itself)")
+            return
+        rec.lost.add(w)
+        rec.reports.pop(w, None)
+        self.lost.add(w)
+        self._left.add(w)
+        self._seen.pop(w, None)
+        self._maybe_post_recovery_locked()
+
+    def _recovery_answer_locked(self, w: str, gen: int, wait_s: float) -> dict[str, Any]:
+        """A survivor of the broken generation asks before a step: break (report first), switch to
+        the recovery directive, stop (given up for lost), or hold (after a long poll)."""
+
+        def answer() -> dict[str, Any] | None:
+            rec = self._recovery
+            if self._phase in ("failed", "stopping", "stopped") or rec is None or rec.generation != gen:
+                return {"action": "stop", "reason": self._error or self._reason or self._phase}
+            if w in rec.lost:
+                return {"action": "stop", "reason": f"worker {w} was given up for lost"}
+            if w not in rec.reports:
+                return {"action": "break", "reason": rec.reason}
+            p = self._pending
+            if p is not None and p.decision is None and w in p.directive.old_ranks:
+                self._note_boundary_locked(p, w)
+                return {"action": "switch", "directive": p.directive.to_json()}
+            return None
+
+        out = answer()
+        if out is None and wait_s > 0:
+            def moved() -> bool:
+                p, rec = self._pending, self._recovery
+                return (self._closing.is_set() or rec is None or self._phase in ("failed", "stopping", "stopped")
+                        or (p is not None and p.decision is None and w in p.directive.old_ranks))
+
+            self._cv.wait_for(moved, min(wait_s, LONG_POLL_MAX_S))
+            out = answer()
+        return out or {"action": "hold", "reason": self._reason}
+
+    def _maybe_post_recovery_locked(self, *, timed_out: bool = False) -> None:
+        """Once every survivor reported (or the timeout gave the silent ones up): pick the step and the
+        layout, and post the recovery directive. Fails the job when no consistent recovery exists."""
+        rec, cur = self._recovery, self._current
+        if rec is None or rec.posted or cur is None:
+            return
+        silent = [w for w in cur.ranks if w not in rec.lost and w not in rec.reports]
+        if silent and not timed_out:
+            return
+        for w in silent:
+            rec.lost.add(w)
+            self.lost.add(w)
+            self._left.add(w)
+            self._seen.pop(w, None)
+        survivors = sorted((w for w in cur.ranks if w not in rec.lost), key=cur.ranks.__getitem__)
+        lost = ", ".join(sorted(rec.lost))
+        why = f"lost {lost or 'nobody'} ({rec.reason})"
+        if not rec.lost:  # every worker is alive: a bug or a network fault, which a retry would repeat
+            self._fail_locked(f"{rec.reason}; every worker reported back alive, so no worker was lost: failing "
+                              "rather than retrying the step")
+            return
+        if not survivors:
+            self._fail_locked(f"{why}; no survivor to recover from")
+            return
+        # 1. the step every survivor can reach: a survivor that applied step r passed r's commit,
+        #    so every rank had reduced r's gradients; the others hold them ready and apply them
+        reps = {w: rec.reports[w] for w in survivors}
+        r = max(int(x["applied"]) for x in reps.values())
+        for w, x in reps.items():
+            applied, ready = int(x["applied"]), x.get("ready")
+            if x.get("dirty"):
+                self._fail_locked(f"{why}; worker {w} broke inside an optimizer update (state at two steps); "
+                                  "cannot recover")
+                return
+            if applied != r and not (applied == r - 1 and ready == r and x.get("local_apply")):
+                self._fail_locked(f"{why}; worker {w} holds step {applied} (ready {ready}) while others applied "
+                                  f"{r}; cannot recover a consistent state")
+                return
+        # 2. the layout: the same model-parallel split, as many replicas as the survivors fill
+        old = Layout.parse(cur.layout)
+        per = old.tp * old.pp
+        members, lay, refusals = self._recovery_members(old, survivors)
+        if lay is None:
+            self._fail_locked(f"{why}; no layout fits the {len(survivors)} survivor(s): {'; '.join(refusals)}")
+            return
+        if self.max_steps is not None and r + 1 >= self.max_steps:
+            self._recovery = None
+            self._phase, self._reason = "finished", f"reached max_steps={self.max_steps} ({why})"
+            self._cv.notify_all()
+            return
+        # 3. the step of the commit goes on record if a survivor reported it
+        gen = cur.generation
+        if not any(h.step == r for h in self._history[-3:]) and (parts := self._reports.pop((gen, r), None)):
+            losses = [float(x["loss"]) for x in parts.values() if x.get("loss") is not None and math.isfinite(x["loss"])]
+            step_rec = StepRecord(r, gen, cur.layout, losses[0] if losses else None,
+                                  max(int(x.get("tokens", 0)) for x in parts.values()),
+                                  max(float(x.get("seconds", 0.0)) for x in parts.values()))
+            self._history.append(step_rec)
+            self.metrics.record_step(step_rec.step, step_rec.loss, step_rec.tokens, step_rec.seconds)
+        d = Directive(
+            job=self.job, generation=gen + 1, layout=str(lay), workers=tuple(members), remap=True,
+            old_layout=cur.layout, old_ranks={w: cur.ranks[w] for w in survivors}, switch_step=r + 1,
+            store_host=self.advertise_host, store_port=self.store_port, join_timeout_s=self.join_timeout_s,
+            commit_step=r,
+        )
+        record = RescaleRecord(gen + 1, cur.layout, d.layout, list(members), [], list(d.leavers), r + 1,
+                               recovery=why)
+        self._pending = _Pending(d, record, self._clock())
+        self._rescales[gen + 1] = record
+        rec.posted = True
+        self._reason = (f"recovering: {why}; survivors resume at step {r + 1} on {lay} "
+                        f"({len(members)} of {len(survivors)} survivors, {per} per replica)")
+        log.warning("job %s: %s", self.job, self._reason)
+        self._cv.notify_all()
+
+    def _recovery_members(self, old: Layout, survivors: list[str]) -> tuple[list[str], Layout | None, list[str]]:
+        """The most replicas the survivors fill whose layout the validator accepts; intact replicas first."""
+        cur = self._current
+        assert cur is not None
+        per = old.tp * old.pp
+        by_replica: dict[int, list[str]] = {}
+        for w in survivors:
+            by_replica.setdefault(old.coords(cur.ranks[w])[1], []).append(w)
+        ordered = [w for _, ws in sorted(by_replica.items(), key=lambda kv: (len(kv[1]) < per, kv[0])) for w in ws]
+        refusals: list[str] = []
+        for dp in range(len(survivors) // per, 0, -1):
+            lay = Layout(old.tp, old.pp, dp, vpp=old.vpp)
+            members = ordered[:per * dp]
+            try:
+                if self.validator is not None:
+                    self.validator(lay, members)
+                gb, mb = self.config.get("global_batch"), int(self.config.get("micro_batch") or 1)
+                if gb is not None and int(gb) % (dp * mb):
+                    raise SpecError(f"global_batch={gb} does not split into dp={dp} x micro_batch={mb}")
+            except SpecError as e:
+                refusals.append(f"{lay}: {e}")
+                continue
+            return members, lay, refusals
+        return [], None, refusals or [f"fewer than tp*pp={per} survivors"]
 
     def _h_exit(self, b: dict[str, Any]) -> dict[str, Any]:
         """A worker exits on purpose (stop, finish, abandoned joiner): stop watching it."""
@@ -827,6 +1073,9 @@ class Coordinator:
         with self._cv:
             self._check_deadline_locked()
             self._check_heartbeats_locked()
+            rec = self._recovery
+            if rec is not None and not rec.posted and self._clock() - rec.started_at > self.recovery_timeout_s:
+                self._maybe_post_recovery_locked(timed_out=True)
 
     def _check_deadline_locked(self) -> None:
         p = self._pending
@@ -853,9 +1102,9 @@ class Coordinator:
             last = self._seen.get(w)
             if last is not None and now - last > self.heartbeat_timeout_s:
                 step = self._history[-1].step if self._history else -1
-                self._fail_locked(f"worker {w} lost: no heartbeat for {now - last:.1f} s "
-                                  f"(heartbeat_timeout_s={self.heartbeat_timeout_s:g}; process died or hung; "
-                                  f"last completed step {step})")
+                self._lost_locked(w, f"worker {w} lost: no heartbeat for {now - last:.1f} s "
+                                     f"(heartbeat_timeout_s={self.heartbeat_timeout_s:g}; process died or hung; "
+                                     f"last completed step {step})")
                 return
 
 
@@ -867,6 +1116,7 @@ _ROUTES: dict[str, Callable[[Coordinator, dict[str, Any]], dict[str, Any]]] = {
     f"{API}/arrive": Coordinator._h_arrive,
     f"{API}/result": Coordinator._h_result,
     f"{API}/fail": Coordinator._h_fail,
+    f"{API}/broken": Coordinator._h_broken,
     f"{API}/exit": Coordinator._h_exit,
     f"{API}/status": Coordinator._h_status,
 }
@@ -881,6 +1131,17 @@ def _check_members(layout: Layout, members: list[str]) -> None:
         raise SpecError(f"workers listed twice: {dup}; every worker holds one rank")
     if any(not m for m in members):
         raise SpecError("worker ids must be non-empty strings")
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # a worker killed in the middle of a request resets its connection: the launcher and the
+        # heartbeat report the loss; a traceback on stderr would only alarm
+        if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            return
+        super().handle_error(request, client_address)
 
 
 def _make_handler(coord: Coordinator) -> type[BaseHTTPRequestHandler]:

@@ -35,6 +35,7 @@ class _Families:
     world_size: Gauge
     failed: Gauge
     paused: Gauge
+    recoveries: Counter
     rescales: Counter
     rescale_failures: Counter
     pause_seconds: Histogram
@@ -72,6 +73,8 @@ def _families(registry: CollectorRegistry) -> _Families:
                          registry=r),
             paused=Gauge("elastic_training_paused", "1 while the job is paused: its state held off-GPU by keepers, "
                          "no step runs", L, registry=r),
+            recoveries=Counter("elastic_training_recoveries", "Lost workers recovered from surviving replicas "
+                               "(training resumed without a restart)", L, registry=r),
             rescales=Counter("elastic_training_rescales", "Rescales completed in place", L, registry=r),
             rescale_failures=Counter("elastic_training_rescale_failures",
                                      "Rescales abandoned or failed (the job kept or lost its layout)", L, registry=r),
@@ -139,6 +142,9 @@ class TrainingMetrics:
             f.world_size.labels(j).set(0)  # keepers hold the state; nobody trains
             f.reshard_bytes.labels(j).inc(bytes_moved)
             f.last_reshard_bytes.labels(j).set(bytes_moved)
+
+    def record_recovery(self) -> None:
+        self._f.recoveries.labels(self.job).inc()
 
     def record_rescale_failure(self) -> None:
         self._f.rescale_failures.labels(self.job).inc()

@@ -10,7 +10,8 @@ Environment:
   authoritative (every worker must compute the same maths); a value given here that disagrees
   with it stops the worker with exit code 2 and a message naming the field.
 * ``ELASTIC_PG_TIMEOUT`` (seconds, default 120), ``ELASTIC_COORDINATOR_TIMEOUT`` (default 30),
-  ``ELASTIC_DEVICE`` (default ``cpu``), ``ELASTIC_VERIFY_RESHARD`` (``1`` = checksum reshards).
+  ``ELASTIC_DEVICE`` (default ``cpu``), ``ELASTIC_VERIFY_RESHARD`` (``1`` = checksum reshards),
+  ``ELASTIC_RECOVER`` (default ``1``: when a peer dies, report and wait for the job's recovery).
 * ``ELASTIC_EXIT_ON_LEAVE`` (default ``1``): a leaver ends its process with ``os._exit`` once its
   bytes have landed; ``0`` returns from :func:`main` instead (a Ray actor, whose process Ray ends).
 * ``ELASTIC_ENGINE_FACTORY`` (optional, ``module:function``): an engine other than
@@ -72,6 +73,7 @@ def options_from_env(env: Mapping[str, str]) -> AgentOptions:
         device=env.get("ELASTIC_DEVICE", "cpu") or "cpu",
         verify_reshard=_flag(env, "ELASTIC_VERIFY_RESHARD", False),
         exit_on_leave=_flag(env, "ELASTIC_EXIT_ON_LEAVE", True),
+        recover=_flag(env, "ELASTIC_RECOVER", True),
     )
 
 

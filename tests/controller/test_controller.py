@@ -334,3 +334,29 @@ def test_a_job_that_cannot_be_paused_is_preempted_and_the_decision_says_its_stat
         assert "pause" not in [c[0] for c in backend.calls]
     finally:
         store.dispose()
+
+
+def test_a_job_that_recovered_from_a_lost_worker_is_put_on_record_once_and_grown_back(db_url: str) -> None:
+    from dataclasses import replace
+
+    backend = FakeBackend({"n0": 4, "n1": 4})
+    ctl, source, clock, store = _env_with(db_url, backend)
+    try:
+        _tick(ctl, source, clock, 10.0)
+        before = backend.jobs["pretrain"]
+        assert len(before.gpus) == 6
+        # the trainer lost a worker and resumed on the survivors by itself (no action of ours)
+        kept = before.gpus[:3]
+        backend.jobs["pretrain"] = replace(before, layout="tp1.pp3.dp1", gpus=kept, generation=before.generation + 1,
+                                           recovery="lost pretrain-w5 (worker exited with code -9)",
+                                           recovered_from=before.layout, last_bytes_moved=0, last_pause_seconds=0.2)
+        _tick(ctl, source, clock, 10.0)
+        _tick(ctl, source, clock, 10.0)
+        lost = [d for d in db.list_decisions(store, limit=50, pool="p") if d.reason == "WorkerLost"]
+        assert len(lost) == 1 and "recovered in place from lost pretrain-w5" in lost[0].message
+        evs = [e for e in db.list_reshards(store, job="pretrain") if e.from_layout == before.layout
+               and e.to_layout == "tp1.pp3.dp1"]
+        assert len(evs) == 1 and evs[0].status == "done" and evs[0].pause_seconds == pytest.approx(0.2)
+        assert len(backend.jobs["pretrain"].gpus) == 6  # the freed GPUs were lent to it again
+    finally:
+        store.dispose()

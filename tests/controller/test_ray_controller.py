@@ -202,3 +202,54 @@ def test_a_job_pushed_below_its_minimum_is_paused_off_gpu_and_resumes_at_the_sam
     finally:
         backend.shutdown()
         store.dispose()
+
+
+def test_a_killed_training_worker_is_recovered_in_place_recorded_and_grown_back(ray_local, tmp_path) -> None:
+    """A worker actor is killed: the trainer resumes on the three survivors by itself (no restart,
+    same step counter), the controller puts the loss on record and lends the freed GPU back."""
+    import copy
+
+    url = f"sqlite:///{tmp_path}/state.db"
+    db.upgrade(url)
+    store = db.Store.from_url(url)
+    data = copy.deepcopy(CONFIG)
+    data["jobs"][0]["replicate_optimizer"] = True  # every replica a full copy: recoverable
+    cfg = load_config(data=data)
+    backend = _spy_backend(cfg.pool)
+    source, clock = InProcessSource(max_age=3600), Clock()
+    ctl = Controller(cfg, backend, store, {"chat": source}, owner="t", clock=clock)
+    ray = ray_local
+    try:
+        _tick(ctl, source, clock, 10.0)
+        rt0 = backend.job_runtime("tiny-job")
+        assert rt0.layout == "tp1.pp1.dp4" and len(rt0.gpus) == 4
+        handle = backend.jobs["tiny-job"].handle
+        handle.wait_step(rt0.step + 3, timeout=120)
+        victim = sorted(handle.actors)[1]
+        ray.kill(handle.actors[victim], no_restart=True)
+        deadline = time.monotonic() + 120
+        while not ((st := handle.status()).phase == "running" and st.generation > rt0.generation):
+            assert st.phase in ("running", "recovering") and time.monotonic() < deadline, (st.phase, st.error)
+            time.sleep(0.05)
+        assert st.layout == "tp1.pp1.dp3" and victim not in st.workers
+        rt1 = backend.job_runtime("tiny-job")
+        assert len(rt1.gpus) == 3 and rt1.recovery.startswith(f"lost {victim}")
+
+        backend.calls.clear()
+        _tick(ctl, source, clock, 10.0)  # the loss goes on record; the free GPU goes back to the job
+        assert [c[:2] for c in backend.calls] == [("job", 4)], backend.calls
+        assert backend.jobs["tiny-job"].handle is handle, "the job was restarted, not recovered in place"
+        rt2 = backend.job_runtime("tiny-job")
+        assert len(rt2.gpus) == 4 and ray.available_resources().get("GPU", 0) == 3  # 1 replica + 4 workers
+        handle.wait_step(rt2.step + 2, timeout=120)
+        steps = [r.step for r in handle.history()]
+        assert steps == list(range(steps[0], steps[0] + len(steps))), "a step was lost or repeated"
+        lost = [d for d in db.list_decisions(store, limit=50, pool="ray-local") if d.reason == "WorkerLost"]
+        assert len(lost) == 1 and victim in lost[0].message
+        reshards = [(r.from_layout, r.to_layout, r.status) for r in db.list_reshards(store, job="tiny-job")]
+        assert reshards == [("tp1.pp1.dp4", "tp1.pp1.dp3", "done"), ("tp1.pp1.dp3", "tp1.pp1.dp4", "done")], reshards
+        db.current_allocation(store, "ray-local").check_disjoint()
+        print("recovery:", lost[0].message)
+    finally:
+        backend.shutdown()
+        store.dispose()

@@ -1,6 +1,7 @@
 """Bad input and faults on a live job of real worker processes: refused layouts change nothing, a joiner
 that never arrives leaves the job on its old layout with its state intact, and a worker that dies or
-freezes mid-training surfaces as a failed status with the reason -- within a bounded time, never a hang.
+freezes mid-training, with recovery off, surfaces as a failed status with the reason -- within a bounded
+time, never a hang.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 CFG = TrainConfig(model=load_model("tiny"), global_batch=8, micro_batch=1)
 OPTS = LaunchOptions(pg_timeout_s=60, heartbeat_interval_s=0.5, heartbeat_timeout_s=8, join_timeout_s=60)
+# the failure path itself: with recovery off, a lost worker fails the job (tests/train/test_recover.py
+# covers the job recovering from the same faults)
+NO_RECOVER = replace(OPTS, recover=False)
 
 
 def reference_losses(steps: int) -> list[float]:
@@ -148,7 +152,10 @@ def test_rescale_near_max_steps_completes_or_is_refused_and_never_hangs(tmp_path
     assert [r.generation for r in hist] == [1] * shrink.switch_step + [2] * (14 - shrink.switch_step)
 
 
-def test_frozen_worker_fails_the_job_by_heartbeat_loss(job) -> None:
+def test_frozen_worker_fails_the_job_by_heartbeat_loss(tmp_path) -> None:
+    job = ProcessJobHandle("frozen", CFG, options=NO_RECOVER, log_dir=str(tmp_path))
+    job.start("tp1.pp1.dp2", ["w0", "w1"], timeout=180)
+    job.wait_step(1, timeout=120)
     os.kill(job.pid("w1"), signal.SIGSTOP)  # alive but silent: only the heartbeat can tell
     try:
         assert job.coordinator.wait_phase(["failed"], timeout=60) == "failed"
@@ -161,10 +168,11 @@ def test_frozen_worker_fails_the_job_by_heartbeat_loss(job) -> None:
         assert job.procs["w0"].poll() is not None, "w0 must not outlive a failed job"
     finally:
         os.kill(job.pid("w1"), signal.SIGKILL)
+        job.stop()
 
 
 def test_worker_killed_mid_step_fails_the_job_with_the_reason(tmp_path) -> None:
-    h = ProcessJobHandle("killed", CFG, options=OPTS, log_dir=str(tmp_path))
+    h = ProcessJobHandle("killed", CFG, options=NO_RECOVER, log_dir=str(tmp_path))
     try:
         h.start("tp1.pp1.dp2", ["w0", "w1"], timeout=180)
         h.wait_step(2, timeout=120)

@@ -417,3 +417,92 @@ def test_hold_is_refused_for_a_job_with_nothing_to_keep() -> None:
     c, _, _ = make()
     with pytest.raises(SpecError, match="has not started"):
         c.directive(1, "tp1.pp1.dp1", ["k0"], hold=True)
+
+
+# ---- recovery from surviving replicas ---------------------------------------------------------
+
+W4 = ("w0", "w1", "w2", "w3")  # tp1.pp2.dp2: w0 (dp0, pp0), w1 (dp1, pp0), w2 (dp0, pp1), w3 (dp1, pp1)
+
+
+def _res(step: int) -> dict:
+    return {"step": step, "loss": 1.0, "tokens": 256, "seconds": 0.2}
+
+
+def test_a_lost_worker_is_recovered_from_the_surviving_replica_at_the_step_they_all_reach() -> None:
+    c, clock, reg = started(workers=W4, layout="tp1.pp2.dp2", recover=True)
+    run_step(c, W4, 1, 2)
+    run_step(c, W4, 1, 3)  # steps 0..2 on record; everyone is inside step 3
+    c.worker_lost("w3", "worker w3 exited with code -9")
+    st = c.status()
+    assert st.phase == "recovering" and "w3 exited" in st.reason
+    # w0 and w2 passed step 3's commit (they report its result); w1 broke inside the commit
+    assert call(c, "step", "w0", generation=1, step=4, result=_res(3))["action"] == "break"
+    call(c, "broken", "w0", generation=1, step=4, applied=3, ready=None, dirty=False, local_apply=True)
+    call(c, "step", "w2", generation=1, step=4, result=_res(3))
+    call(c, "broken", "w2", generation=1, step=4, applied=3, ready=None, dirty=False, local_apply=True)
+    assert c.status().last_rescale.generation == 1  # not posted until every survivor reported
+    clock.t += 0.3
+    call(c, "broken", "w1", generation=1, step=3, applied=2, ready=3, dirty=False, local_apply=True)
+    rec = c.rescale_record(2)
+    assert rec is not None and "lost w3" in rec.recovery
+    # the intact replica (w0, w2) keeps the model-parallel split; w1 sends what it holds and leaves
+    out = call(c, "step", "w1", generation=1, step=3)
+    assert out["action"] == "switch"
+    d = out["directive"]
+    assert (d["layout"], d["workers"], d["commit_step"], d["switch_step"]) == ("tp1.pp2.dp1", ["w0", "w2"], 3, 4)
+    assert d["old_ranks"] == {"w0": 0, "w1": 1, "w2": 2}  # w3 holds nothing any more
+    for w in ("w0", "w2"):
+        assert call(c, "step", w, generation=1, step=4)["action"] == "switch"
+    for w in ("w0", "w1", "w2"):
+        call(c, "arrive", w, generation=2, digest="r", plan={"new_ranks": {"w0": 0, "w2": 1}})
+    for w in ("w0", "w1", "w2"):
+        call(c, "result", w, generation=2, ok=True, stats={})
+    clock.t += 0.2
+    for w in ("w0", "w2"):  # the first step of a generation carries no result
+        assert call(c, "step", w, generation=2, step=4)["action"] == "go"
+    run_step(c, ["w0", "w2"], 2, 5)
+    rec = c.wait_generation(2, timeout=1)
+    assert rec.ok and rec.pause_seconds == pytest.approx(0.5)  # from the loss to the first step again
+    st = c.status()
+    assert (st.phase, st.workers, st.layout) == ("running", ["w0", "w2"], "tp1.pp2.dp1")
+    assert st.reason.startswith("recovered (lost w3")
+    assert [h.step for h in c.history()] == [0, 1, 2, 3, 4]  # step 3 on record from the survivors' reports
+    assert c.lost_workers() == ["w3"]
+    assert metric(reg, "elastic_training_recoveries_total") == 1 and metric(reg, "elastic_training_failed") == 0
+
+
+@pytest.mark.parametrize("layout, workers, why", [
+    ("tp2.pp1.dp1", ("w0", "w1"), "no replica"),  # a TP shard has no second copy
+    ("tp1.pp1.dp2.z1", ("w0", "w1"), "zero"),  # ZeRO-1: the lost rank's optimizer slice is gone
+])
+def test_a_loss_without_a_surviving_copy_fails_the_job(layout, workers, why) -> None:
+    c, _, reg = started(workers=workers, layout=layout, recover=True)
+    c.worker_lost("w1", "worker w1 exited with code -9")
+    st = c.status()
+    assert st.phase == "failed" and st.error == "worker w1 exited with code -9", why
+    assert metric(reg, "elastic_training_failed") == 1
+
+
+def test_recovery_refuses_inconsistent_or_unlost_states_and_gives_silent_survivors_up() -> None:
+    # every worker reports back alive: no worker was lost, a retry would repeat the fault
+    c, _, _ = started(workers=W4, layout="tp1.pp2.dp2", recover=True)
+    for w in W4:
+        call(c, "broken", w, generation=1, step=2, applied=1, ready=None, dirty=False, local_apply=True)
+    assert c.status().phase == "failed" and "no worker was lost" in c.status().error
+    # a survivor broke inside an optimizer update: its state is at two steps
+    c, _, _ = started(workers=W4, layout="tp1.pp2.dp2", recover=True)
+    c.worker_lost("w3", "gone")
+    for w, dirty in (("w0", False), ("w1", True), ("w2", False)):
+        call(c, "broken", w, generation=1, step=2, applied=1, ready=None, dirty=dirty, local_apply=True)
+    assert c.status().phase == "failed" and "inside an optimizer update" in c.status().error
+    # a survivor that never reports within the recovery timeout is given up for lost too
+    c, clock, _ = started(workers=W4, layout="tp1.pp2.dp2", recover=True, recovery_timeout_s=3)
+    c.worker_lost("w3", "gone")
+    for w in ("w0", "w2"):
+        call(c, "broken", w, generation=1, step=2, applied=1, ready=None, dirty=False, local_apply=True)
+    clock.t += 4
+    c.tick()
+    assert c.lost_workers() == ["w1", "w3"]
+    d = c.status()
+    assert d.phase == "recovering" and c.rescale_record(2).workers == ["w0", "w2"]
+    assert call(c, "step", "w1", generation=1, step=2)["action"] == "stop"

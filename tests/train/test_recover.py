@@ -1,0 +1,103 @@
+"""A worker killed mid-training does not cost the job its progress: real worker processes, gloo on loopback.
+
+``tp1.pp2.dp2`` on four processes; one is SIGKILLed at an arbitrary point of a step. Its peers'
+collectives break (gloo sees the closed connection at once), every survivor shuts its
+communicators down and reports what it holds, and the coordinator resumes the job on the
+intact replica (``tp1.pp2.dp1``) at the step they all reach: the state moves from survivors
+as in a rescale, no checkpoint, no restart. The step counter goes on and every step's loss
+equals a never-interrupted single-process run (1e-4, fp32).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from elastic.model import load_model
+from elastic.train.engine import TrainConfig
+from elastic.train.launch import LaunchOptions, ProcessJobHandle
+from tests.train import _mp
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+CFG = TrainConfig(model=load_model("tiny"), global_batch=8, micro_batch=1)
+W4 = ["w0", "w1", "w2", "w3"]
+
+
+def _wait_recovered(h: ProcessJobHandle, generation: int, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = h.status()
+        if st.phase == "running" and st.generation >= generation:
+            return st
+        assert st.phase in ("running", "recovering"), (st.phase, st.error)
+        time.sleep(0.05)
+    raise AssertionError(f"not recovered within {timeout} s: {h.status()}")
+
+
+@pytest.mark.parametrize("layout, victim, after", [
+    ("tp1.pp2.dp2", "w3", "tp1.pp2.dp1"),  # a last-stage rank of replica 1
+    ("tp1.pp2.dp2", "w0", "tp1.pp2.dp1"),  # the first rank of replica 0
+    ("tp2.pp1.dp2", "w1", "tp2.pp1.dp1"),  # a TP peer: its replica is gone, the other TP pair goes on
+    ("tp1.pp1.dp4", "w2", "tp1.pp1.dp2"),  # 3 survivors: as many replicas as the global batch splits into
+])
+def test_a_killed_worker_is_recovered_from_the_surviving_replica_on_the_same_loss_curve(
+        tmp_path, layout, victim, after) -> None:
+    opts = LaunchOptions(pg_timeout_s=90, heartbeat_timeout_s=60, join_timeout_s=120, verify_reshard=True)
+    h = ProcessJobHandle(f"recover-{victim}", CFG, options=opts, log_dir=str(tmp_path))
+    try:
+        h.start(layout, W4, timeout=180)
+        h.wait_step(3, timeout=120)
+        t0 = time.monotonic()
+        os.kill(h.pid(victim), signal.SIGKILL)  # somewhere inside a step
+        st = _wait_recovered(h, 2)
+        took = time.monotonic() - t0
+        assert st.layout == after and victim not in st.workers
+        rec = h.coordinator.rescale_record(2)
+        assert rec is not None and rec.ok and f"lost {victim}" in rec.recovery, rec
+        assert rec.bytes_moved == rec.planned_bytes  # the state moved from survivors, nothing from disk
+        h.wait_step(rec.switch_step + 3, timeout=120)
+        leavers = [w for w in W4 if w not in st.workers and w != victim]
+        for w in leavers:
+            assert h.procs[w].poll() == 0, f"survivor {w} should have left cleanly"
+        print(f"recovered from the loss of {victim} in {took:.2f} s at step {rec.switch_step} "
+              f"({rec.bytes_moved} bytes moved, pause {rec.pause_seconds:.3f} s)")
+    finally:
+        final = h.stop()
+    assert final.error is None, final.error
+    history = h.history()
+    steps = [r.step for r in history]
+    assert steps == list(range(len(steps))), f"a step was lost or repeated: {steps}"
+    assert {r.layout for r in history} == {layout, after}
+    ref = _mp.reference_losses(CFG, len(history))
+    for r, want in zip(history, ref, strict=True):
+        assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step} ({r.layout}): {r.loss} vs {want}"
+
+
+def test_a_frozen_worker_is_given_up_by_its_heartbeat_killed_and_the_job_recovers_without_it(tmp_path) -> None:
+    """SIGSTOP: the process lives and holds its sockets, so its peers' collectives do not break on
+    their own. The heartbeat gives it up, the launcher kills it, the survivors' collectives break
+    and they recover on the intact replica."""
+    opts = LaunchOptions(pg_timeout_s=90, heartbeat_interval_s=0.5, heartbeat_timeout_s=4, join_timeout_s=60)
+    h = ProcessJobHandle("recover-frozen", CFG, options=opts, log_dir=str(tmp_path))
+    try:
+        h.start("tp1.pp2.dp2", W4, timeout=180)
+        h.wait_step(2, timeout=120)
+        os.kill(h.pid("w1"), signal.SIGSTOP)
+        st = _wait_recovered(h, 2, timeout=60)
+        assert st.layout == "tp1.pp2.dp1" and "w1" not in st.workers
+        rec = h.coordinator.rescale_record(2)
+        assert "lost w1" in rec.recovery and "no heartbeat" in rec.recovery, rec.recovery
+        assert h.procs["w1"].poll() is not None, "the frozen worker must have been killed"
+        h.wait_step(rec.switch_step + 2, timeout=120)
+    finally:
+        final = h.stop()
+    assert final.error is None, final.error
+    history = h.history()
+    assert [r.step for r in history] == list(range(len(history)))
+    ref = _mp.reference_losses(CFG, len(history))
+    for r, want in zip(history, ref, strict=True):
+        assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step} ({r.layout}): {r.loss} vs {want}"
