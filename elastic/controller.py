@@ -34,7 +34,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 from elastic import store as db
-from elastic.backends.base import Backend, BackendError, BackendUnavailable, GrowCancelled, JobRuntime
+from elastic.backends.base import (
+    Backend,
+    BackendError,
+    BackendUnavailable,
+    GrowCancelled,
+    JobRuntime,
+    RescaleOutcome,
+)
 from elastic.config import ControllerConfig
 from elastic.metrics.sample import MetricSample, MetricSource
 from elastic.model import GPU, Allocation, HardwareSpec, Layout, ModelSpec, PlanStep, SpecError, load_hardware
@@ -524,13 +531,28 @@ class Controller:
             text = getattr(target, "layout_after", None) or self._throughput[spec.name][len(gpus)][0]
             layout = Layout.parse(text)
         before = self.backend.job_runtime(spec.name)
+        to = str(layout) if before is not None and layout is not None else None
+        self._reshard_on_record(spec, before, to, now, lambda: self.backend.set_job_gpus(spec, gpus, layout))
+
+    def _pause(self, spec: Any, now: float) -> None:
+        """Free every GPU of a job and keep its state off-GPU (keepers); recorded as a reshard to
+        ``paused:<layout the keepers hold>``, with its bytes and seconds."""
+        before = self.backend.job_runtime(spec.name)
+        to = (paused_tag(Layout.parse(before.layout).held())
+              if before is not None and before.layout and before.phase != "Paused" else None)
+        self._reshard_on_record(spec, before, to, now, lambda: self.backend.pause_job(spec))  # type: ignore[attr-defined]
+
+    def _reshard_on_record(self, spec: Any, before: JobRuntime | None, to_layout: str | None, now: float,
+                           act: Callable[[], RescaleOutcome]) -> None:
+        """Run ``act`` (a start, rescale, stop or pause); when it moves state (``to_layout``), record it in
+        the reshard history: in flight first, then done with its bytes and pause, or failed/cancelled."""
         rid = None
-        if before is not None and layout is not None:
+        if before is not None and to_layout is not None:
             rid = db.start_reshard(self.store, job=spec.name, pool=self.pool, generation=before.generation + 1,
-                                   from_layout=_recorded_layout(before) or "", to_layout=str(layout), bytes_planned=0,
+                                   from_layout=_recorded_layout(before) or "", to_layout=to_layout, bytes_planned=0,
                                    bytes_lower_bound=0, now=_dt(now))
         try:
-            out = self.backend.set_job_gpus(spec, gpus, layout)
+            out = act()
         except BackendError as e:
             if rid is not None:  # a called-off grow (nothing moved) ends as cancelled, with the reason
                 db.finish_reshard(self.store, rid, bytes_moved=None, pause_seconds=None, error=str(e),
@@ -538,27 +560,6 @@ class Controller:
             raise
         if rid is not None:
             # planned and lower-bound bytes are known only once the workers planned at the boundary
-            db.finish_reshard(self.store, rid, bytes_moved=out.bytes_moved, pause_seconds=out.pause_seconds,
-                              now=_dt(self.clock()), bytes_planned=out.bytes_planned,
-                              bytes_lower_bound=out.bytes_lower_bound)
-        self.last_rescale[spec.name] = now
-
-    def _pause(self, spec: Any, now: float) -> None:
-        """Free every GPU of a job and keep its state off-GPU (keepers); recorded as a reshard to
-        ``paused:<layout the keepers hold>``, with its bytes and seconds."""
-        before = self.backend.job_runtime(spec.name)
-        rid = None
-        if before is not None and before.layout and before.phase != "Paused":
-            rid = db.start_reshard(self.store, job=spec.name, pool=self.pool, generation=before.generation + 1,
-                                   from_layout=before.layout, to_layout=paused_tag(Layout.parse(before.layout).held()),
-                                   bytes_planned=0, bytes_lower_bound=0, now=_dt(now))
-        try:
-            out = self.backend.pause_job(spec)  # type: ignore[attr-defined]
-        except BackendError as e:
-            if rid is not None:
-                db.finish_reshard(self.store, rid, bytes_moved=None, pause_seconds=None, error=str(e))
-            raise
-        if rid is not None:
             db.finish_reshard(self.store, rid, bytes_moved=out.bytes_moved, pause_seconds=out.pause_seconds,
                               now=_dt(self.clock()), bytes_planned=out.bytes_planned,
                               bytes_lower_bound=out.bytes_lower_bound)

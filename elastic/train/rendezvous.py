@@ -752,29 +752,45 @@ class Coordinator:
         """A keeper of a held generation asks before the step it sits at: switch when the next
         directive is posted, stop when the job stops, else ``hold`` (after a long poll)."""
 
-        def answer() -> dict[str, Any] | None:
-            if self._phase in ("failed", "stopping", "stopped"):
-                return {"action": "stop", "reason": self._error or self._reason or self._phase}
+        def over() -> bool:
             cur = self._current
-            if cur is None or cur.generation != gen:
+            return cur is None or cur.generation != gen
+
+        def answer() -> dict[str, Any] | None:
+            if over():
+                cur = self._current
                 return {"action": "stop", "reason": f"worker {w} is on generation {gen}, the job on "
                                                     f"{cur.generation if cur else 'none'}; stale worker"}
-            p = self._pending
-            if p is not None and p.decision is None and w in p.directive.old_ranks:
-                self._note_boundary_locked(p, w)
-                return {"action": "switch", "directive": p.directive.to_json()}
             return None
 
-        out = answer()
-        if out is None and wait_s > 0:
-            def moved() -> bool:  # something to answer besides "hold" (no side effects: wait_for re-checks)
-                p, cur = self._pending, self._current
-                return (self._closing.is_set() or self._phase in ("failed", "stopping", "stopped")
-                        or cur is None or cur.generation != gen
-                        or (p is not None and p.decision is None and w in p.directive.old_ranks))
+        return self._wait_for_switch_locked(w, answer, over, wait_s)
 
-            self._cv.wait_for(moved, min(wait_s, LONG_POLL_MAX_S))
+    def _wait_for_switch_locked(self, w: str, answer: Callable[[], dict[str, Any] | None],
+                                over: Callable[[], bool], wait_s: float) -> dict[str, Any]:
+        """For a worker that waits between steps (a keeper, a survivor): ``stop`` when the job stops,
+        ``answer()`` when it has one, ``switch`` once a directive lists it as an old member, else
+        ``hold`` after a long poll of up to ``wait_s`` (``over()``: ``answer`` would now say something)."""
+
+        def switch() -> bool:
+            p = self._pending
+            return p is not None and p.decision is None and w in p.directive.old_ranks
+
+        def now() -> dict[str, Any] | None:
+            if self._phase in ("failed", "stopping", "stopped"):
+                return {"action": "stop", "reason": self._error or self._reason or self._phase}
             out = answer()
+            if out is None and switch():
+                p = self._pending
+                assert p is not None
+                self._note_boundary_locked(p, w)
+                out = {"action": "switch", "directive": p.directive.to_json()}
+            return out
+
+        out = now()
+        if out is None and wait_s > 0:  # the predicate has no side effects: wait_for re-checks it
+            self._cv.wait_for(lambda: (self._closing.is_set() or self._phase in ("failed", "stopping", "stopped")
+                                       or over() or switch()), min(wait_s, LONG_POLL_MAX_S))
+            out = now()
         return out or {"action": "hold", "reason": self._reason}
 
     def _note_boundary_locked(self, p: _Pending, w: str) -> None:
@@ -925,30 +941,21 @@ class Coordinator:
         """A survivor of the broken generation asks before a step: break (report first), switch to
         the recovery directive, stop (given up for lost), or hold (after a long poll)."""
 
+        def over() -> bool:
+            rec = self._recovery
+            return rec is None or rec.generation != gen or w in rec.lost or w not in rec.reports
+
         def answer() -> dict[str, Any] | None:
             rec = self._recovery
-            if self._phase in ("failed", "stopping", "stopped") or rec is None or rec.generation != gen:
-                return {"action": "stop", "reason": self._error or self._reason or self._phase}
+            if rec is None or rec.generation != gen:
+                return {"action": "stop", "reason": self._error or self._reason or "the recovery is over"}
             if w in rec.lost:
                 return {"action": "stop", "reason": f"worker {w} was given up for lost"}
             if w not in rec.reports:
                 return {"action": "break", "reason": rec.reason}
-            p = self._pending
-            if p is not None and p.decision is None and w in p.directive.old_ranks:
-                self._note_boundary_locked(p, w)
-                return {"action": "switch", "directive": p.directive.to_json()}
             return None
 
-        out = answer()
-        if out is None and wait_s > 0:
-            def moved() -> bool:
-                p, rec = self._pending, self._recovery
-                return (self._closing.is_set() or rec is None or self._phase in ("failed", "stopping", "stopped")
-                        or (p is not None and p.decision is None and w in p.directive.old_ranks))
-
-            self._cv.wait_for(moved, min(wait_s, LONG_POLL_MAX_S))
-            out = answer()
-        return out or {"action": "hold", "reason": self._reason}
+        return self._wait_for_switch_locked(w, answer, over, wait_s)
 
     def _maybe_post_recovery_locked(self, *, timed_out: bool = False) -> None:
         """Once every survivor reported (or the timeout gave the silent ones up): pick the step and the
@@ -1073,8 +1080,16 @@ class Coordinator:
         with self._cv:
             self._check_deadline_locked()
             self._check_heartbeats_locked()
-            rec = self._recovery
-            if rec is not None and not rec.posted and self._clock() - rec.started_at > self.recovery_timeout_s:
+            rec, cur, now = self._recovery, self._current, self._clock()
+            if rec is not None and not rec.posted and cur is not None:
+                # a survivor stuck in a collective still beats (its heartbeat has its own thread): a
+                # member silent for a few beats is dead, whether or not its launcher has noticed yet
+                quiet = 2.5 * self.heartbeat_interval_s
+                for w in [w for w in cur.ranks if w not in rec.lost and w not in rec.reports]:
+                    if now - self._seen.get(w, now) > quiet:
+                        self._lost_locked(w, f"worker {w} silent for {now - self._seen[w]:.1f} s during a recovery "
+                                             f"(> {quiet:g} s: {2.5:g} heartbeats)")
+            if rec is not None and not rec.posted and now - rec.started_at > self.recovery_timeout_s:
                 self._maybe_post_recovery_locked(timed_out=True)
 
     def _check_deadline_locked(self) -> None:

@@ -78,6 +78,24 @@ def _spy_backend(pool):
                drain_seconds=0.5)
 
 
+def _controller(tmp_path, *, job: dict | None = None, scale_up: list | None = None):
+    """The controller on the real Ray backend, a fresh SQLite store, pushed load and an injected clock."""
+    import copy
+
+    url = f"sqlite:///{tmp_path}/state.db"
+    db.upgrade(url)
+    store = db.Store.from_url(url)
+    data = copy.deepcopy(CONFIG)
+    data["jobs"][0].update(job or {})
+    if scale_up is not None:
+        data["services"][0]["behavior"]["scaleUp"]["policies"] = scale_up
+    cfg = load_config(data=data)
+    backend = _spy_backend(cfg.pool)
+    source, clock = InProcessSource(max_age=3600), Clock()
+    ctl = Controller(cfg, backend, store, {"chat": source}, owner="t", clock=clock)
+    return ctl, backend, source, clock, store
+
+
 def _tick(ctl, source, clock, load):
     clock.t += 30
     source.set("chat", load, clock.t)
@@ -87,13 +105,7 @@ def _tick(ctl, source, clock, load):
 
 
 def test_shrink_in_place_before_inference_grows_and_the_reverse(ray_local, tmp_path) -> None:
-    url = f"sqlite:///{tmp_path}/state.db"
-    db.upgrade(url)
-    store = db.Store.from_url(url)
-    cfg = load_config(data=CONFIG)
-    backend = _spy_backend(cfg.pool)
-    source, clock = InProcessSource(max_age=3600), Clock()
-    ctl = Controller(cfg, backend, store, {"chat": source}, owner="t", clock=clock)
+    ctl, backend, source, clock, store = _controller(tmp_path)
     ray = ray_local
     try:
         # 1. load at target for one replica: training takes its maximum of 4 GPUs
@@ -147,18 +159,8 @@ def test_shrink_in_place_before_inference_grows_and_the_reverse(ray_local, tmp_p
 def test_a_job_pushed_below_its_minimum_is_paused_off_gpu_and_resumes_at_the_same_step(ray_local, tmp_path) -> None:
     """min_gpus=3: six replicas leave two GPUs, too few, so the job is paused (state into a keeper
     actor without a GPU), not killed; when traffic falls it resumes on 4 GPUs at the step it paused at."""
-    import copy
-
-    url = f"sqlite:///{tmp_path}/state.db"
-    db.upgrade(url)
-    store = db.Store.from_url(url)
-    data = copy.deepcopy(CONFIG)
-    data["jobs"][0]["min_gpus"] = 3
-    data["services"][0]["behavior"]["scaleUp"]["policies"] = [{"type": "Pods", "value": 8, "periodSeconds": 1}]
-    cfg = load_config(data=data)
-    backend = _spy_backend(cfg.pool)
-    source, clock = InProcessSource(max_age=3600), Clock()
-    ctl = Controller(cfg, backend, store, {"chat": source}, owner="t", clock=clock)
+    ctl, backend, source, clock, store = _controller(
+        tmp_path, job={"min_gpus": 3}, scale_up=[{"type": "Pods", "value": 8, "periodSeconds": 1}])
     ray = ray_local
     try:
         _tick(ctl, source, clock, 10.0)
@@ -207,17 +209,8 @@ def test_a_job_pushed_below_its_minimum_is_paused_off_gpu_and_resumes_at_the_sam
 def test_a_killed_training_worker_is_recovered_in_place_recorded_and_grown_back(ray_local, tmp_path) -> None:
     """A worker actor is killed: the trainer resumes on the three survivors by itself (no restart,
     same step counter), the controller puts the loss on record and lends the freed GPU back."""
-    import copy
-
-    url = f"sqlite:///{tmp_path}/state.db"
-    db.upgrade(url)
-    store = db.Store.from_url(url)
-    data = copy.deepcopy(CONFIG)
-    data["jobs"][0]["replicate_optimizer"] = True  # every replica a full copy: recoverable
-    cfg = load_config(data=data)
-    backend = _spy_backend(cfg.pool)
-    source, clock = InProcessSource(max_age=3600), Clock()
-    ctl = Controller(cfg, backend, store, {"chat": source}, owner="t", clock=clock)
+    # every replica a full copy (no ZeRO-1): recoverable
+    ctl, backend, source, clock, store = _controller(tmp_path, job={"replicate_optimizer": True})
     ray = ray_local
     try:
         _tick(ctl, source, clock, 10.0)

@@ -495,14 +495,30 @@ def test_recovery_refuses_inconsistent_or_unlost_states_and_gives_silent_survivo
     for w, dirty in (("w0", False), ("w1", True), ("w2", False)):
         call(c, "broken", w, generation=1, step=2, applied=1, ready=None, dirty=dirty, local_apply=True)
     assert c.status().phase == "failed" and "inside an optimizer update" in c.status().error
-    # a survivor that never reports within the recovery timeout is given up for lost too
-    c, clock, _ = started(workers=W4, layout="tp1.pp2.dp2", recover=True, recovery_timeout_s=3)
+    # a member silent for a few heartbeats during a recovery is dead, launcher or not
+    c, clock, _ = started(workers=W4, layout="tp1.pp2.dp2", recover=True, recovery_timeout_s=30)
     c.worker_lost("w3", "gone")
     for w in ("w0", "w2"):
         call(c, "broken", w, generation=1, step=2, applied=1, ready=None, dirty=False, local_apply=True)
-    clock.t += 4
+    clock.t += 2
+    c.tick()
+    assert c.lost_workers() == ["w3"]  # 2 s < 2.5 heartbeats: w1 may still be alive
+    clock.t += 1
+    for w in ("w0", "w2"):
+        call(c, "heartbeat", w)
     c.tick()
     assert c.lost_workers() == ["w1", "w3"]
     d = c.status()
     assert d.phase == "recovering" and c.rescale_record(2).workers == ["w0", "w2"]
     assert call(c, "step", "w1", generation=1, step=2)["action"] == "stop"
+    # a survivor that never reports (it beats, but its main thread is stuck) is given up at the timeout
+    c, clock, _ = started(workers=W4, layout="tp1.pp2.dp2", recover=True, recovery_timeout_s=3)
+    c.worker_lost("w3", "gone")
+    for w in ("w0", "w2"):
+        call(c, "broken", w, generation=1, step=2, applied=1, ready=None, dirty=False, local_apply=True)
+    for _ in range(4):
+        clock.t += 1
+        for w in ("w0", "w1", "w2"):
+            call(c, "heartbeat", w)
+        c.tick()
+    assert c.lost_workers() == ["w1", "w3"] and c.rescale_record(2).workers == ["w0", "w2"]
