@@ -308,8 +308,10 @@ class WorkerAgent:
                     return 0  # a leaver (normally gone already through os._exit)
                 step = nxt
             elif action in ("hold", "break") and held:
-                last = None  # a keeper: the job is paused at ``step``; the coordinator long-polled already
-                self._bury()  # the reshard group that brought the state in
+                # a keeper (its job is paused at ``step``) or a survivor waiting for its recovery
+                # directive; the coordinator long-polled already
+                last = None
+                self._bury()  # a keeper: the reshard group that brought the state in
                 time.sleep(_REASK_S)
             elif action in ("stop", "finish"):
                 log.info("worker %s: %s at step %d (%s)", self.worker, action, step, resp.get("reason", ""))
