@@ -18,6 +18,13 @@ rescale reports:
   new engine and its TP/DP/PP groups);
 * ``leave_seconds``: new layout running -> every leaver's process gone.
 
+Then the job goes to two data-parallel replicas and one worker is SIGKILLed half-way through
+a step: ``recovery`` reports the seconds from the kill until the survivors train again (on
+the remaining replica, state kept in place, no checkpoint), the steps redone (the one in
+flight, or none when the survivors had passed its commit) and the bytes moved. Without
+recovery the job would start again from step 0; restarting from a checkpoint costs 7-10 s
+for 2 GB of state on these machines (REFERENCE.md) plus the steps since the checkpoint.
+
 Prints a table and writes ``benchmarks/results/train.json``. Run: ``make bench-train``.
 Figures on the 2-core project VMs are dominated by CPU sharing between the workers; on
 real GPUs the step time shrinks far more than the pause does.
@@ -109,12 +116,46 @@ def run_model(name: str, steps: int, timeout: float) -> dict[str, Any]:
                     "wall_seconds": res.wall_seconds, "leave_seconds": res.leave_seconds,
                     "phases": _phases(res.record.worker_stats),
                 })
+        recovery = _recover(h, workers, steps, timeout)
     finally:
         st = h.stop()
     if st.error:
         raise SystemExit(f"{name}: job failed: {st.error} (worker logs in {logs})")
     return {"params": cfg.model.total_params(), "global_batch": global_batch, "seq_len": cfg.model.seq_len,
-            "layouts": rows, "rescales": rescales}
+            "layouts": rows, "rescales": rescales, "recovery": recovery}
+
+
+def _recover(h: ProcessJobHandle, workers: list[str], steps: int, timeout: float) -> dict[str, Any]:
+    """Two replicas, then SIGKILL one worker half-way through a step; time until training resumes."""
+    import signal
+
+    layout = "tp1.pp1.dp2"
+    workers = _workers(layout, workers)
+    res = h.rescale(layout, workers, remap=True, timeout=timeout)
+    h.wait_step(res.switch_step + steps - 1, timeout=timeout)
+    step_s = statistics.median(_steps_of(h, res.generation)[1:] or [1.0])
+    last = h.history()[-1].step
+    time.sleep(step_s / 2)
+    victim = workers[-1]
+    t0 = time.perf_counter()
+    os.kill(h.pid(victim), signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while True:
+        st = h.status()
+        if st.phase == "running" and st.generation > res.generation:
+            break
+        if st.phase not in ("running", "recovering") or time.monotonic() > deadline:
+            raise SystemExit(f"recovery from the loss of {victim} did not happen: {st.phase} {st.error or st.reason}")
+        time.sleep(0.005)
+    seconds = time.perf_counter() - t0
+    rec = h.coordinator.rescale_record(st.generation)
+    assert rec is not None
+    h.wait_step(rec.switch_step + 1, timeout=timeout)
+    return {"from": layout, "to": st.layout, "victim": victim, "seconds": seconds,
+            "pause_seconds": rec.pause_seconds, "bytes_moved": rec.bytes_moved,
+            # killed inside step last + 1: redone unless the survivors had passed its commit
+            "steps_redone": max(0, last + 2 - rec.switch_step),
+            "resumed_at_step": rec.switch_step, "last_step_before_kill": last, "step_seconds": step_s}
 
 
 def _print(results: dict[str, Any]) -> None:
@@ -132,6 +173,11 @@ def _print(results: dict[str, Any]) -> None:
         for x in r["rescales"]:
             print(f"  {x['from'] + ' -> ' + x['to']:<28}" + "".join(f"{x['phases'][p] * 1e3:>9.1f}" for p in PHASES)
                   + f"{x['leave_seconds'] * 1e3:>9.1f}")
+        v = r["recovery"]
+        print(f"  {'worker killed mid-step':<28}{'kill->train s':>14}{'x step':>8}{'moved MB':>10}"
+              f"{'resumed at':>12}{'redone':>8}")
+        print(f"  {v['from'] + ' -> ' + v['to']:<28}{v['seconds']:>14.3f}{v['seconds'] / v['step_seconds']:>8.2f}"
+              f"{v['bytes_moved'] / 1e6:>10.1f}{'step ' + str(v['resumed_at_step']):>12}{v['steps_redone']:>8}")
 
 
 def main(argv: list[str] | None = None) -> int:
