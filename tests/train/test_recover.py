@@ -43,6 +43,7 @@ def _wait_recovered(h: ProcessJobHandle, generation: int, timeout: float = 120.0
     ("tp1.pp2.dp2", "w0", "tp1.pp2.dp1"),  # the first rank of replica 0
     ("tp2.pp1.dp2", "w1", "tp2.pp1.dp1"),  # a TP peer: its replica is gone, the other TP pair goes on
     ("tp1.pp1.dp4", "w2", "tp1.pp1.dp2"),  # 3 survivors: as many replicas as the global batch splits into
+    ("tp1.pp2.dp2", "w1+w2", "tp1.pp2.dp1"),  # one stage of each replica at once: the halves still make one
 ])
 def test_a_killed_worker_is_recovered_from_the_surviving_replica_on_the_same_loss_curve(
         tmp_path, layout, victim, after) -> None:
@@ -52,15 +53,17 @@ def test_a_killed_worker_is_recovered_from_the_surviving_replica_on_the_same_los
         h.start(layout, W4, timeout=180)
         h.wait_step(3, timeout=120)
         t0 = time.monotonic()
-        os.kill(h.pid(victim), signal.SIGKILL)  # somewhere inside a step
+        victims = victim.split("+")
+        for v in victims:
+            os.kill(h.pid(v), signal.SIGKILL)  # somewhere inside a step
         st = _wait_recovered(h, 2)
         took = time.monotonic() - t0
-        assert st.layout == after and victim not in st.workers
+        assert st.layout == after and not set(victims) & set(st.workers)
         rec = h.coordinator.rescale_record(2)
-        assert rec is not None and rec.ok and f"lost {victim}" in rec.recovery, rec
+        assert rec is not None and rec.ok and f"lost {', '.join(victims)}" in rec.recovery, rec
         assert rec.bytes_moved == rec.planned_bytes  # the state moved from survivors, nothing from disk
         h.wait_step(rec.switch_step + 3, timeout=120)
-        leavers = [w for w in W4 if w not in st.workers and w != victim]
+        leavers = [w for w in W4 if w not in st.workers and w not in victims]
         for w in leavers:
             assert h.procs[w].poll() == 0, f"survivor {w} should have left cleanly"
         print(f"recovered from the loss of {victim} in {took:.2f} s at step {rec.switch_step} "
