@@ -144,6 +144,7 @@ class Controller:
         self.policy_state: dict[str, PolicyState] = {s.name: PolicyState() for s in cfg.services}
         self.last_rescale: dict[str, float] = {}
         self._recoveries_seen: dict[str, int] = {}  # job -> generation whose recovery is on record
+        self.recoveries: list[tuple[str, int]] = []  # (job, generation) of each recovery put on record
         self.paused = False
         self.ready = False
         self.last_error: str | None = None
@@ -345,6 +346,7 @@ class Controller:
         """A job recovered from a lost worker on its own (no action of ours): put it on record as a
         finished reshard and a ``WorkerLost`` decision, once."""
         self._recoveries_seen[rt.name] = rt.generation
+        self.recoveries.append((rt.name, rt.generation))
         now = self.clock()
         if not any(ev.generation == rt.generation
                    for ev in db.list_reshards(self.store, job=rt.name, limit=5, newest_first=True)):

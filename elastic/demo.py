@@ -66,8 +66,9 @@ def demo_config(minutes: float, tick_seconds: float) -> dict[str, Any]:
             },
         }],
         # global batch 420 = lcm(1..7): every GPU count training can get (inference keeps >= 1) has a layout
+        # replicate_optimizer: no ZeRO-1, so a lost worker is recovered from its replica (--kill-worker-at)
         "jobs": [{"name": JOB, "model": "tiny", "min_gpus": 1, "max_gpus": GPUS - 1, "priority": 0,
-                  "global_batch": 420, "micro_batch": 1}],
+                  "global_batch": 420, "micro_batch": 1, "replicate_optimizer": True}],
         "controller": {"tick_seconds": tick_seconds, "lease_seconds": max(15.0, 5 * tick_seconds)},
     }
 
@@ -95,6 +96,10 @@ class DemoRun:
     warmup: float = 0.0
     # reshard events with an id above this one are this run's (./elastic.db outlives runs)
     reshards_after_id: int = 0
+    # --kill-worker-at: when a training worker was killed (t, worker), and the job's generations the
+    # trainer recovered into on its own (their reshard rows are recoveries, not rescales)
+    kills: list[tuple[float, str]] = field(default_factory=list)
+    recovered: set[int] = field(default_factory=set)
 
 
 def _replica_running(url: str) -> float:
@@ -106,7 +111,7 @@ def _replica_running(url: str) -> float:
 def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "sqlite:///./elastic.db",
              summary_json: str | None = None, plot: str | None = None, live: bool = True,
              api_port: int | None = 0, slo_ttft_seconds: float = 1.0, peak_rps: float = 11.0,
-             seed: int = 0, timeline_csv: str | None = None) -> dict[str, Any]:
+             seed: int = 0, timeline_csv: str | None = None, kill_worker_at: str | None = None) -> dict[str, Any]:
     from rich.console import Console
     from rich.live import Live
 
@@ -122,6 +127,8 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
 
     console = Console()
     day = minutes * 60.0
+    warmup = max(15.0, 5 * tick_seconds)
+    kill_t = None if kill_worker_at is None else warmup + day_offset(kill_worker_at) * day
     cfg = load_config(data=demo_config(minutes, tick_seconds))
     replica_cfg = ReplicaConfig(model="tiny", max_running=SLOTS, max_waiting=128, tokens_per_second=TOKENS_PER_SECOND)
     # 1. state and cluster
@@ -153,7 +160,6 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
     # The day starts at 03:00: night trough, morning ramp, plateau, evening descent in steps.
     # A warm-up at the night load comes first (as the simulator starts every policy warm):
     # the controller sizes the service from real metrics before the measured day begins.
-    warmup = max(15.0, 5 * tick_seconds)
     profile = DiurnalProfile(peak=peak_rps, day_seconds=day, start_fraction=0.125 - warmup / day)
     lg = LoadGenerator(lambda: backend.service_targets(SERVICE), profile, duration=warmup + day,
                        max_requests=int(peak_rps * day * 1.2) + 100, max_tokens=MAX_TOKENS, seed=seed, timeout=20.0)
@@ -174,6 +180,9 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
                 res = ctl.tick()
                 if res.error:
                     log.warning("tick: %s", res.error)
+                if kill_t is not None and not run.kills and time.monotonic() - t0 >= kill_t:
+                    _kill_a_worker(backend, run, time.monotonic() - t0, console)
+                run.recovered.update(g for j, g in ctl.recoveries if j == JOB)
                 _collect_reshards(ctl, run)
                 if live:
                     view.update(_table(run, ctl, minutes))
@@ -184,6 +193,7 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
         lg_thread.join(timeout=30)
         sampler.join(timeout=5)
         ctl.wait_idle(60)
+        run.recovered.update(g for j, g in ctl.recoveries if j == JOB)
         _collect_reshards(ctl, run)
         rt = backend.job_runtime(JOB)
         backend.shutdown()
@@ -208,6 +218,36 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
         console.print(f"plot written to {plot}")
     store.dispose()
     return summary
+
+
+def day_offset(hhmm: str) -> float:
+    """Seconds into the demo's day (which starts at 03:00) of a time of day, as a fraction of the day."""
+    try:
+        h, m = (int(x) for x in hhmm.split(":"))
+        if not (0 <= h < 24 and 0 <= m < 60):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"--kill-worker-at={hhmm!r}: expected a time of day HH:MM, e.g. 13:00") from None
+    return ((h * 60 + m) / 1440 - 0.125) % 1.0
+
+
+def _kill_a_worker(backend: Any, run: DemoRun, t: float, console: Any) -> None:
+    """Chaos: kill one training worker's actor (as a lost node would); the trainer recovers in place."""
+    import ray
+
+    from elastic.model import Layout
+
+    j = backend.jobs.get(JOB)
+    st = j.handle.status() if j else None
+    if st is None or not st.workers or st.phase != "running":
+        console.print(f"[yellow]--kill-worker-at: the job is {st.phase if st else 'not running'}; nothing killed[/]")
+        run.kills.append((t, ""))
+        return
+    victim = st.workers[-1]
+    ray.kill(j.handle.actors[victim], no_restart=True)
+    run.kills.append((t, victim))
+    console.print(f"killed training worker {victim} of {st.layout} at step {st.step}"
+                  + ("" if Layout.parse(st.layout).dp >= 2 else " (one replica only: the job cannot recover)"))
 
 
 def _trainer_config(spec: Any) -> Any:
@@ -293,7 +333,8 @@ def _collect_reshards(ctl: Any, run: DemoRun) -> None:
         page = db.list_reshards(ctl.store, job=JOB, limit=200, after_id=after)
         for r in page:
             if r.id not in seen and r.status in db.FINISHED:
-                run.reshards.append({"id": r.id, "from": r.from_layout, "to": r.to_layout, "status": r.status,
+                run.reshards.append({"id": r.id, "generation": r.generation, "from": r.from_layout, "to": r.to_layout,
+                                     "status": r.status,
                                      "pause_seconds": r.pause_seconds, "bytes_moved": r.bytes_moved,
                                      "at": r.finished_at.isoformat() if r.finished_at else None})
         if len(page) < 200:
@@ -305,7 +346,11 @@ def _collect_reshards(ctl: Any, run: DemoRun) -> None:
 def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup: float,
              bound: float | None = None) -> dict[str, Any]:
     s = [x for x in run.samples if x.t >= warmup]
-    done = [r for r in run.reshards if r["status"] == "done" and r["pause_seconds"] is not None]
+    # a recovery's seconds are not a rescale's pause, and the samples already count the job idle
+    # while it recovers: kept apart
+    recoveries = [r for r in run.reshards if r.get("generation") in run.recovered]
+    done = [r for r in run.reshards if r["status"] == "done" and r["pause_seconds"] is not None
+            and r not in recoveries]
     if len(s) >= 2:
         from elastic.model import Layout
 
@@ -345,6 +390,9 @@ def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup:
         "grows_cancelled": sum(1 for r in run.reshards if r["status"] == "cancelled"),
         "mean_reshard_pause_seconds": round(sum(pauses) / len(pauses), 3) if pauses else 0.0,
         "max_reshard_pause_seconds": round(max(pauses), 3) if pauses else 0.0,
+        "workers_killed": sum(1 for _, w in run.kills if w),
+        "recoveries": len(recoveries),
+        "recovery_seconds": [round(r["pause_seconds"] or 0.0, 3) for r in recoveries],
         "training_steps": rt.step if rt else (run.losses[-1][0] if run.losses else 0),
         "loss_first": run.losses[0][1] if run.losses else None,
         "loss_last": run.losses[-1][1] if run.losses else None,
@@ -438,6 +486,9 @@ def _plot(run: DemoRun, path: str, profile: Any, rate_at: Any) -> None:
             ax.annotate(x.layout, (x.t - run.warmup, x.replicas + x.training_gpus), fontsize=7, rotation=60)
             ax.axvline(x.t - run.warmup, color="grey", lw=0.5, ls=":")
             prev = x.layout
+    for kt, victim in run.kills:
+        if victim:
+            ax.axvline(kt - run.warmup, color="#c44e52", lw=1.2, ls="--", label=f"worker {victim} killed")
     ax.legend(loc="upper left")
     ax2.legend(loc="upper right")
     ax.set_title("elastic demo: inference follows the day, training takes the rest and reshards in place")

@@ -17,16 +17,24 @@ def register(app: typer.Typer) -> None:
         peak_rps: float = typer.Option(11.0, help="request rate at the day's peak"),
         timeline_csv: str = typer.Option("", help="also write the per-second samples (load, replicas, "
                                          "training GPUs, busy shares) as CSV here"),
+        kill_worker_at: str = typer.Option("", help="chaos: kill one training worker at this time of day "
+                                           "(HH:MM, e.g. 13:00); the job recovers in place from its replica"),
     ) -> None:
         """Run a compressed day: inference follows the load, training takes the rest and reshards in place."""
         from elastic.cli import fail
-        from elastic.demo import run_demo
+        from elastic.demo import day_offset, run_demo
 
         if minutes <= 0 or tick_seconds <= 0:
             fail(f"--minutes={minutes} and --tick-seconds={tick_seconds} must be > 0")
+        if kill_worker_at:
+            try:
+                day_offset(kill_worker_at)
+            except ValueError as e:
+                fail(str(e))
         try:
             run_demo(minutes, tick_seconds=tick_seconds, db_url=db, summary_json=summary_json, plot=plot,
-                     live=live, peak_rps=peak_rps, timeline_csv=timeline_csv or None)
+                     live=live, peak_rps=peak_rps, timeline_csv=timeline_csv or None,
+                     kill_worker_at=kill_worker_at or None)
         except KeyboardInterrupt:
             # workloads stopped, Ray shut down and the lease handed back on the way out
             fail("interrupted: the day did not finish, so no summary or plot was written", code=130)

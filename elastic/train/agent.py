@@ -283,7 +283,7 @@ class WorkerAgent:
                     if not (self.opts.recover and _is_comm_error(e) and hasattr(self.engine, "recovery_state")):
                         raise
                     last = None
-                    self._break(step, f"{type(e).__name__}: {_short(e)}")
+                    self._break(step, f"{type(e).__name__}: {_short(e, 160)}")
                     continue
                 last = _result_json(result)
                 self._applied = step

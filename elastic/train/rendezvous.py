@@ -240,7 +240,7 @@ class _Recovery:
     generation: int
     started_at: float
     reason: str
-    lost: set[str] = field(default_factory=set)
+    lost: dict[str, str] = field(default_factory=dict)  # worker -> why it was given up
     reports: dict[str, dict[str, Any]] = field(default_factory=dict)  # survivor -> {applied, ready, dirty, ...}
     posted: bool = False
 
@@ -930,7 +930,7 @@ class Coordinator:
             if w in (self._pending.directive.members if self._pending else ()):
                 self._fail_locked(f"{reason} (during the recovery itself)")
             return
-        rec.lost.add(w)
+        rec.lost[w] = reason
         rec.reports.pop(w, None)
         self.lost.add(w)
         self._left.add(w)
@@ -967,13 +967,12 @@ class Coordinator:
         if silent and not timed_out:
             return
         for w in silent:
-            rec.lost.add(w)
+            rec.lost[w] = f"worker {w} did not report within recovery_timeout_s={self.recovery_timeout_s:g}"
             self.lost.add(w)
             self._left.add(w)
             self._seen.pop(w, None)
         survivors = sorted((w for w in cur.ranks if w not in rec.lost), key=cur.ranks.__getitem__)
-        lost = ", ".join(sorted(rec.lost))
-        why = f"lost {lost or 'nobody'} ({rec.reason})"
+        why = "lost " + ", ".join(sorted(rec.lost)) + " (" + "; ".join(rec.lost[w] for w in sorted(rec.lost)) + ")"
         if not rec.lost:  # every worker is alive: a bug or a network fault, which a retry would repeat
             self._fail_locked(f"{rec.reason}; every worker reported back alive, so no worker was lost: failing "
                               "rather than retrying the step")

@@ -93,3 +93,33 @@ def test_the_summary_counts_only_this_runs_reshards(tmp_path) -> None:
     empty = DemoRun(reshards_after_id=0)
     _collect_reshards(ctl, empty)  # from the start of the file: every page is read
     assert len(empty.reshards) == 252
+
+
+def test_a_recovery_is_counted_apart_from_the_rescales_and_not_subtracted_twice() -> None:
+    # the sampler already counts the job idle while it recovers; its reshard row must not add to the
+    # rescale pauses (nor be subtracted from training time a second time)
+    from types import SimpleNamespace
+
+    from elastic.demo import DemoRun, Sample, _summary, day_offset
+
+    run = DemoRun(warmup=0.0)
+    run.samples = [Sample(float(t), 1.0, 1, 1.0, 2, 2, "tp1.pp1.dp2", t, 1.0, 1.0) for t in range(11)]
+    run.reshards = [
+        {"id": 1, "generation": 2, "from": "tp1.pp1.dp1", "to": "tp1.pp1.dp2", "status": "done", "pause_seconds": 0.5},
+        {"id": 2, "generation": 3, "from": "tp1.pp1.dp2", "to": "tp1.pp1.dp1", "status": "done", "pause_seconds": 3.0},
+    ]
+    run.recovered, run.kills = {3}, [(5.0, "gpt-tiny-w1")]
+    report = SimpleNamespace(results=[], slo_attainment=lambda *a, **k: 1.0, ttft_quantile=lambda *a, **k: None)
+    s = _summary(run, report, 1.0, None, 10.0, 0.0)
+    assert (s["reshards"], s["mean_reshard_pause_seconds"], s["recoveries"], s["recovery_seconds"],
+            s["workers_killed"]) == (1, 0.5, 1, [3.0], 1)
+    # 11 samples of 1 s: 2 training GPUs busy each, minus the one rescale's 0.5 s x 1 GPU
+    assert s["training_busy_fraction"] == pytest.approx((22 - 0.5) / (8 * 11), abs=1e-4)
+    assert day_offset("03:00") == 0.0 and day_offset("15:00") == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="HH:MM"):
+        day_offset("noon")
+
+
+def test_the_demo_job_keeps_a_full_optimizer_copy_per_replica() -> None:
+    job = load_config(data=demo_config(5.0, 2.0)).jobs[0]
+    assert job.replicate_optimizer and not job.zero  # a killed worker is recovered from its replica
