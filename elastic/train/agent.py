@@ -26,10 +26,18 @@ stop. A rescale directive is always applied at a step boundary:
    Joiners arrive with no state and receive theirs. Old process groups are destroyed by a
    background thread (a used gloo group's destructor blocks ~20 ms).
 
-Failures are reported, never hung on: a step that raises (a peer died: gloo sees the
-closed socket or times out after ``pg_timeout_s``) is posted to the coordinator as the
-job's failure reason; a coordinator unreachable for ``coordinator_timeout_s`` or a job the
-coordinator marked failed makes the agent exit on its own (``watchdog``).
+4. A *hold* directive (the job is paused) makes the new members keepers: they receive the
+   state like any joiner but build no engine and no process group (:class:`HeldState`),
+   and wait (``hold``) until the next directive moves the state back onto GPU workers.
+
+Failures are reported, never hung on. A step whose collective breaks because a peer died
+(gloo sees the closed socket, or times out after ``pg_timeout_s``) is *broken*, not failed
+(``AgentOptions.recover``): the agent destroys its communicators at once (peers blocked on
+it fail now), keeps its state and any reduced gradients, reports what it holds and waits;
+the coordinator's recovery directive arrives as a ``switch`` with a ``commit_step`` the
+agent first applies if it holds it ready. Any other error is posted as the job's failure
+reason. A coordinator unreachable for ``coordinator_timeout_s`` or a job the coordinator
+marked failed makes the agent exit on its own (``watchdog``).
 
 What it must not do: choose layouts, compute maths (the engine does), or keep running
 after its coordinator is gone.

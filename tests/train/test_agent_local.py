@@ -137,3 +137,17 @@ def test_a_grow_called_off_before_its_directive_changes_nothing(tmp_path) -> Non
         h.stop()
     steps = [r.step for r in h.history()]
     assert steps == list(range(len(steps)))
+
+
+def test_only_a_broken_collective_is_recoverable_and_a_keeper_steps_nothing() -> None:
+    from elastic.train.agent import HeldState, _is_comm_error
+
+    assert _is_comm_error(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"))
+    assert _is_comm_error(RuntimeError("Read error [127.0.0.1]:5: Connection reset by peer"))
+    assert not _is_comm_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"))
+    assert not _is_comm_error(ValueError("gloo"))  # only runtime errors of the transport
+    state = {("w", "param"): torch.ones(2, 3)}
+    held = HeldState(state)
+    assert held.state() is state and held.state_bytes() == 24
+    with pytest.raises(RuntimeError, match="runs no step"):
+        held.train_step(5)
