@@ -833,10 +833,11 @@ class RayJobHandle(JobHandle):
     def stop(self, timeout: float | None = None) -> Any:
         """Stop the workers at a step boundary, then remove every actor of the job, coordinator included."""
         self._before_directive()
+        gone = set(self.exit_reasons)  # already gone (a lost worker): its GPU is free in the snapshot
         try:
             st = super().stop(timeout)
         finally:
-            self._after_gone(list(self.actors), 10.0)
+            self._after_gone([w for w in self.actors if w not in gone], 10.0)
             try:
                 import ray
 

@@ -174,8 +174,9 @@ class TrainingJobHandle(JobHandle):
 
     def stop(self, timeout: float | None = None) -> Any:
         self._before_directive()
+        gone = set(self.exit_reasons)  # already gone (a lost worker): its GPU is free in the snapshot
         st = super().stop(timeout)
-        self._after_gone(list(self.actors), 10.0)
+        self._after_gone([w for w in self.actors if w not in gone], 10.0)
         return st
 
 

@@ -610,8 +610,9 @@ class Coordinator:
         if not d.hold and not any(r.generation == d.generation for r in self._history[-3:]):
             return
         rec = p.record
-        if self._recovery is not None:  # training stood still from the loss until this first step
-            rec.pause_seconds = self._clock() - self._recovery.started_at
+        if self._recovery is not None:
+            if rec.pause_seconds is None:
+                rec.pause_seconds = self._clock() - self._recovery.started_at
             self._recovery = None
             self.metrics.record_recovery()
         if d.hold and p.stopped_at is not None and rec.pause_seconds is None:  # held: nothing will step
@@ -804,8 +805,11 @@ class Coordinator:
         if p is None or p.decision != "go" or gen != p.directive.generation or step != p.directive.switch_step:
             return
         p.resumed.add(w)
-        if set(p.directive.workers) <= p.resumed and p.stopped_at is not None and p.record.pause_seconds is None:
-            p.record.pause_seconds = self._clock() - p.stopped_at
+        if set(p.directive.workers) <= p.resumed and p.record.pause_seconds is None:
+            if self._recovery is not None and p.record.recovery:  # from the loss to training again
+                p.record.pause_seconds = self._clock() - self._recovery.started_at
+            elif p.stopped_at is not None:
+                p.record.pause_seconds = self._clock() - p.stopped_at
 
     def _h_arrive(self, b: dict[str, Any]) -> dict[str, Any]:
         """A member is at the meeting point of ``generation`` with its plan digest; returns the decision.
