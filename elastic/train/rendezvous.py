@@ -922,7 +922,19 @@ class Coordinator:
         self._cv.notify_all()
 
     def _lost_locked(self, w: str, reason: str) -> None:
-        cur = self._current
+        cur, p = self._current, self._pending
+        if not ((cur is not None and w in cur.ranks) or (p is not None and w in p.directive.members)):
+            # launched for a rescale whose directive is not posted yet: that rescale sees the exit
+            # and gives up (nothing changed); the job itself lost nothing
+            log.warning("job %s: %s; not in any generation yet, the job goes on", self.job, reason)
+            return
+        if (p is not None and p.decision is None and w in p.directive.joiners
+                and not (cur is not None and w in cur.ranks)):
+            self._left.add(w)
+            self._seen.pop(w, None)
+            self._abandon_locked(f"joiner lost before the rescale began ({reason}); nothing moved, the job "
+                                 "continues on its old layout")
+            return
         if self._recovery is None and (cur is None or w not in cur.ranks or not self._can_recover_locked()):
             self._fail_locked(reason)
             return

@@ -522,3 +522,25 @@ def test_recovery_refuses_inconsistent_or_unlost_states_and_gives_silent_survivo
             call(c, "heartbeat", w)
         c.tick()
     assert c.lost_workers() == ["w1", "w3"] and c.rescale_record(2).workers == ["w0", "w2"]
+
+
+def test_a_joiner_lost_before_its_rescale_began_calls_the_rescale_off_not_the_job() -> None:
+    c, _, reg = started(recover=True)
+    call(c, "register", "w2")
+    c.worker_lost("w9", "worker w9 exited with code 1")  # launched for a directive not posted yet
+    assert c.status().phase == "running"
+    d = c.directive(2, "tp1.pp1.dp3", ["w0", "w1", "w2"])
+    c.worker_lost("w2", "worker w2 exited with code 1")  # the joiner dies while starting
+    st = c.status()
+    assert st.phase == "running" and st.generation == 1 and "joiner lost before the rescale began" in st.reason
+    with pytest.raises(RescaleFailed, match="joiner lost"):
+        c.wait_generation(2, timeout=1)
+    assert run_step(c, ["w0", "w1"], 1, d.switch_step) == ["go", "go"]  # training goes on, no switch
+    assert metric(reg, "elastic_training_failed") == 0
+
+
+def test_a_worker_lost_while_the_first_generation_starts_fails_the_job() -> None:
+    c, _, _ = make(recover=True)
+    c.directive(1, "tp1.pp1.dp2", ["w0", "w1"])
+    c.worker_lost("w1", "worker w1 exited with code 1")
+    assert c.status().phase == "failed" and "could not start" in c.status().error
