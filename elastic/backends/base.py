@@ -49,6 +49,18 @@ class JobRuntime:
     recovered_from: str | None = None  # the layout before that recovery
 
 
+RUNTIME_PHASES = {"running": "Running", "rescaling": "Rescaling", "failed": "Failed", "starting": "Pending",
+                  "stopping": "Stopping", "stopped": "Stopped", "finished": "Finished", "paused": "Paused",
+                  "recovering": "Recovering"}
+"""The training coordinator's phase -> a ``JobRuntime.phase``."""
+
+
+def still_held(workers: dict[GPU, str], current: list[str]) -> dict[GPU, str]:
+    """GPU -> worker, less the workers a job no longer has: after it recovered on its own from a lost
+    worker, the dead one's GPU and those of survivors it did not keep are free (their processes ended)."""
+    return {g: w for g, w in workers.items() if w in current}
+
+
 @dataclass(frozen=True)
 class RescaleOutcome:
     """What one start/rescale/stop did, for the reshard history."""

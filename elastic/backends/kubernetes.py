@@ -42,7 +42,15 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from elastic.backends.base import BackendError, BackendUnavailable, GrowCancelled, JobRuntime, RescaleOutcome
+from elastic.backends.base import (
+    RUNTIME_PHASES,
+    BackendError,
+    BackendUnavailable,
+    GrowCancelled,
+    JobRuntime,
+    RescaleOutcome,
+    still_held,
+)
 from elastic.model import GPU, InferenceSpec, Layout, TrainingSpec, load_model
 from elastic.train.launch import JobHandle
 from elastic.train.rendezvous import RescaleCancelled
@@ -302,11 +310,9 @@ class KubernetesBackend:
         if j is None or j.handle is None:
             return None
         st = j.handle.status()
-        phase = {"running": "Running", "rescaling": "Rescaling", "failed": "Failed", "starting": "Pending",
-                 "stopping": "Stopping", "stopped": "Stopped", "finished": "Finished",
-                 "recovering": "Recovering"}.get(st.phase, st.phase)
-        if st.phase == "running" and j.workers and not set(j.workers.values()) <= set(st.workers):
-            j.workers = {g: w for g, w in j.workers.items() if w in st.workers}  # recovered without some
+        phase = RUNTIME_PHASES.get(st.phase, st.phase)
+        if st.phase == "running":
+            j.workers = still_held(j.workers, st.workers)  # after a recovery on its own: fewer
         last = j.last
         return JobRuntime(job, phase, st.layout, tuple(sorted(j.workers, key=lambda g: (g.node, g.index))),
                           st.generation, max(st.step, 0), st.loss, st.tokens_per_second or 0.0, st.error,

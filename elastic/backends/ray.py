@@ -37,7 +37,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic.backends.base import BackendError, BackendUnavailable, GrowCancelled, JobRuntime, RescaleOutcome
+from elastic.backends.base import (
+    RUNTIME_PHASES,
+    BackendError,
+    BackendUnavailable,
+    GrowCancelled,
+    JobRuntime,
+    RescaleOutcome,
+    still_held,
+)
 from elastic.model import GPU, InferenceSpec, Layout, PoolSpec, SpecError, TrainingSpec, load_model
 from elastic.train.launch import JobHandle, gpu_workers
 from elastic.train.rendezvous import RescaleCancelled
@@ -218,29 +226,20 @@ class RayBackend:
             if j is None:
                 return None
             st = j.handle.status()
-            if st.phase == "running" and j.workers and not set(j.workers.values()) <= set(st.workers):
-                # the job recovered from a lost worker on its own: the dead one's GPU and those of
-                # survivors it did not keep are no longer the job's (their actors have ended)
-                j.workers = {g: w for g, w in j.workers.items() if w in st.workers}
+            if st.phase == "running" and (held := still_held(j.workers, st.workers)) != j.workers:
+                j.workers = held  # recovered from a lost worker on its own
                 _remember_gpus(j.handle, j)
             gpus = tuple(sorted(j.workers, key=lambda g: (g.node, g.index)))
-            last = j.last
-            if last is None and st.last_rescale is not None and st.last_rescale.ok:
-                rec = st.last_rescale  # adopted job: the coordinator remembers the last rescale
-                last = RescaleOutcome(job, rec.from_layout, rec.to_layout, rec.generation,
-                                      pause_seconds=rec.pause_seconds or 0.0, bytes_moved=rec.bytes_moved,
-                                      bytes_planned=rec.planned_bytes, bytes_lower_bound=rec.lower_bound_bytes,
-                                      step=rec.switch_step)
-            phase = {"running": "Running", "rescaling": "Rescaling", "failed": "Failed", "starting": "Pending",
-                     "stopping": "Stopping", "stopped": "Stopped", "finished": "Finished",
-                     "paused": "Paused", "recovering": "Recovering"}.get(st.phase, st.phase)
             rec = st.last_rescale
             recovered = rec is not None and rec.ok and bool(rec.recovery) and rec.generation == st.generation
-            if recovered:  # the coordinator's own record: no controller asked for this rescale
+            last = j.last
+            # the coordinator's own record: an adopted job's last rescale, or a recovery nobody asked for
+            if rec is not None and rec.ok and (last is None or recovered):
                 last = RescaleOutcome(job, rec.from_layout, rec.to_layout, rec.generation,
                                       pause_seconds=rec.pause_seconds or 0.0, bytes_moved=rec.bytes_moved,
                                       bytes_planned=rec.planned_bytes, bytes_lower_bound=rec.lower_bound_bytes,
                                       step=rec.switch_step)
+            phase = RUNTIME_PHASES.get(st.phase, st.phase)
             return JobRuntime(job, phase, st.layout, gpus, st.generation, max(st.step, 0), st.loss,
                               st.tokens_per_second or 0.0, st.error,
                               last.pause_seconds if last else None, last.bytes_moved if last else None,
@@ -262,8 +261,6 @@ class RayBackend:
     def pause_job(self, spec: TrainingSpec) -> RescaleOutcome:
         """Free every GPU of the job and keep its state: it moves into keeper actors (no GPU) and
         waits there, at its step, until ``set_job_gpus`` resumes it (see ``JobHandle.pause``)."""
-        from elastic.train.launch import hold_layout
-
         with self._lock:
             j = self.jobs.get(spec.name)
         if j is None:
@@ -273,7 +270,7 @@ class RayBackend:
             return RescaleOutcome(spec.name, before.layout, before.layout, before.generation, step=max(before.step, 0))
         if not before.layout:
             raise BackendError(f"{spec.name}: cannot pause a job that is {before.phase}")
-        n = hold_layout(Layout.parse(before.layout)).world_size
+        n = Layout.parse(before.layout).held().world_size
         keepers = [f"{spec.name}-k{j.next_id + i}" for i in range(n)]
         # keepers take ids from the same counter: a name is never reused within the job. Recorded
         # before the directive: a controller that dies mid-pause leaves them on record for its successor

@@ -209,7 +209,7 @@ class JobHandle(ABC):
         if st.phase != "running" or not st.layout:
             raise SpecError(f"job {self.job} is {st.phase}" + (f" ({st.error})" if st.error else "")
                             + "; only a running job can be paused")
-        lay = hold_layout(Layout.parse(st.layout))
+        lay = Layout.parse(st.layout).held()
         names = list(keepers) if keepers is not None else [
             f"{self.job}-keep{st.generation + 1}-{i}" for i in range(lay.world_size)]
         if len(names) != lay.world_size:
@@ -447,11 +447,6 @@ class ProcessJobHandle(JobHandle):
 
     def pid(self, worker: str) -> int:
         return self.procs[worker].pid
-
-
-def hold_layout(layout: Layout) -> Layout:
-    """How keepers hold a paused job's state (:meth:`elastic.model.Layout.held`)."""
-    return layout.held()
 
 
 def gpu_workers(workers: Sequence[str], keepers: set[str]) -> list[str]:

@@ -15,7 +15,7 @@ import pytest
 
 from elastic.model import Layout, SpecError, load_model
 from elastic.train.engine import TrainConfig
-from elastic.train.launch import LaunchOptions, ProcessJobHandle, hold_layout
+from elastic.train.launch import LaunchOptions, ProcessJobHandle
 from tests.train import _mp
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -24,8 +24,8 @@ CFG = TrainConfig(model=load_model("tiny"), global_batch=8, micro_batch=1)
 
 
 def test_hold_layout_keeps_the_model_parallel_split_and_one_copy() -> None:
-    assert hold_layout(Layout.parse("tp2.pp2.dp4")) == Layout(2, 2, 1)
-    assert hold_layout(Layout(1, 2, 4, zero=1)) == Layout(1, 2, 1)  # ZeRO-1 shards gather into one copy
+    assert Layout.parse("tp2.pp2.dp4").held() == Layout(2, 2, 1)
+    assert Layout(1, 2, 4, zero=1).held() == Layout(1, 2, 1)  # ZeRO-1 shards gather into one copy
 
 
 def test_pause_frees_every_worker_keeps_the_state_and_resume_continues_the_loss_curve(tmp_path) -> None:
