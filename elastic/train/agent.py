@@ -35,8 +35,11 @@ Failures are reported, never hung on. A step whose collective breaks because a p
 (``AgentOptions.recover``): the agent destroys its communicators at once (peers blocked on
 it fail now), keeps its state and any reduced gradients, reports what it holds and waits;
 the coordinator's recovery directive arrives as a ``switch`` with a ``commit_step`` the
-agent first applies if it holds it ready. Any other error is posted as the job's failure
-reason. A coordinator unreachable for ``coordinator_timeout_s`` or a job the coordinator
+agent first applies if it holds it ready. A survivor still computing its micro-batches learns
+of the loss from its heartbeat (a long poll the coordinator answers with ``interrupt`` when the
+recovery starts) and gives the step up at its next micro-batch (``StepInterrupted``: before the
+commit nothing changed) instead of computing on to a collective with the dead peer; the step is
+redone on the recovered layout. Any other error is posted as the job's failure reason. A coordinator unreachable for ``coordinator_timeout_s`` or a job the coordinator
 marked failed makes the agent exit on its own (``watchdog``).
 
 What it must not do: choose layouts, compute maths (the engine does), or keep running
@@ -215,6 +218,9 @@ class WorkerAgent:
         self._job_failed = ""
         self._applied = -1  # the last step whose optimizer update this worker applied
         self._broken = False  # a peer failed: communicators shut down, waiting for the recovery directive
+        # engine and generation change together under it: the heartbeat thread interrupts the
+        # engine of the generation the coordinator named, never a newer one
+        self._engine_lock = threading.Lock()
 
     # ---- entry ----------------------------------------------------------------------------
     def run(self) -> int:
@@ -434,10 +440,11 @@ class WorkerAgent:
             self._init_default_group(d, layout, rank)
         clock.mark("init_pg")
         if d.hold:  # a keeper: hold the state as received, build nothing, step nothing
-            self.engine = HeldState(new_state)
+            engine: Engine = HeldState(new_state)
         else:
-            self.engine = self.factory(self.config, layout, rank, new_state if d.old_ranks else None)
-        self.generation, self.layout = d.generation, layout
+            engine = self.factory(self.config, layout, rank, new_state if d.old_ranks else None)
+        with self._engine_lock:
+            self.engine, self.generation, self.layout = engine, d.generation, layout
         self._applied = d.switch_step - 1
         clock.mark("engine")
         self._report_result(d, {**stats, "rank": rank, **clock.report()})
@@ -512,6 +519,17 @@ class WorkerAgent:
         self._broken = True
         self.client.call("broken", generation=self.generation, step=step, applied=self._applied, error=error,
                          **info)
+
+    def _interrupt(self, generation: int) -> None:
+        """The coordinator is recovering ``generation`` from a lost worker: stop our running step
+        (it would end at a collective with the dead peer; the broken-step path then reports)."""
+        with self._engine_lock:
+            eng = self.engine
+            if generation != self.generation or self._broken or eng is None or not hasattr(eng, "interrupt"):
+                return
+            log.warning("worker %s: a peer of generation %d was lost; giving the running step up",
+                        self.worker, generation)
+            eng.interrupt()
 
     def _init_default_group(self, d: Directive, layout: Layout, rank: int, *, own_store: bool = False) -> None:
         """The new layout's default group. ``own_store``: on a TCPStore connection of its own (it is
@@ -594,21 +612,33 @@ class WorkerAgent:
             pass
 
     def _heartbeat(self, interval: float) -> None:
-        """Beat; exit the process if the coordinator is gone or the job failed and we are stuck."""
+        """Beat; interrupt the running step when a peer was lost; exit the process if the
+        coordinator is gone or the job failed and we are stuck.
+
+        Each beat long-polls for ``interval``: the coordinator answers at once when it starts
+        recovering this worker's generation, so a survivor deep in a long step gives the step
+        up at its next micro-batch instead of computing on to a collective with the dead peer.
+        """
         lost_since: float | None = None
         failed_since: float | None = None
-        beat = RendezvousClient(self.client.url, self.worker, timeout_s=max(interval, 1.0), retry_s=0)
-        while not self._stop.wait(interval):
+        beat = RendezvousClient(self.client.url, self.worker, timeout_s=interval + 5.0, retry_s=0)
+        pause = interval
+        while not self._stop.wait(pause):
             now = time.monotonic()
             try:
-                resp = beat.call("heartbeat")
+                resp = beat.call("heartbeat", generation=self.generation, wait_s=interval)
                 lost_since = None
             except RendezvousError as e:
                 lost_since = lost_since or now
                 if now - lost_since > self.opts.coordinator_timeout_s:
                     _hard_exit(3, f"worker {self.worker}: coordinator unreachable for "
                                   f"{now - lost_since:.0f} s ({e}); exiting")
+                pause = interval
                 continue
+            # a coordinator that long-polled has already waited; one that answered at once has not
+            pause = 0.0 if time.monotonic() - now >= 0.5 * interval else interval
+            if resp.get("interrupt") is not None:
+                self._interrupt(int(resp["interrupt"]))
             if resp.get("failed"):
                 # The main thread may sit in a collective with a dead peer; give it a grace period
                 # to notice on its own (and exit with its own reason), then leave so no process
@@ -701,8 +731,11 @@ _COMM_ERRORS = ("connection closed", "connection reset", "read error", "write er
 
 
 def _is_comm_error(e: BaseException) -> bool:
-    """A collective failed because a peer went away (as opposed to a bug or a bad input here)."""
-    if isinstance(e, getattr(dist, "DistError", ())):
+    """A collective failed because a peer went away (as opposed to a bug or a bad input here), or
+    the step was given up because the coordinator said one did (``StepInterrupted``)."""
+    from elastic.train.groups import StepInterrupted
+
+    if isinstance(e, (StepInterrupted, getattr(dist, "DistError", ()))):
         return True
     return isinstance(e, RuntimeError) and any(m in str(e).lower() for m in _COMM_ERRORS)
 

@@ -21,6 +21,7 @@ those); create or destroy the members' process group (it only builds subgroups o
 
 from __future__ import annotations
 
+import threading
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from torch import nn
 from elastic.model import Layout, ModelSpec, SpecError
 from elastic.reshard.spec import FP32_KINDS, MIXED_KINDS, Kind, ShardingSpec, box_shape, sharding_spec
 from elastic.train.data import SyntheticData, _mix
-from elastic.train.groups import DEFAULT_TIMEOUT, ParallelGroups, build_groups
+from elastic.train.groups import DEFAULT_TIMEOUT, ParallelGroups, StepInterrupted, build_groups
 from elastic.train.model import GPTStage, check_supported
 from elastic.train.optim import AdamHyper, ShardedAdam
 from elastic.train.pipeline import P2PShape, one_f_one_b
@@ -179,6 +180,7 @@ class TrainEngine:
         self.data = SyntheticData(cfg.model.vocab, cfg.model.seq_len, cfg.seed, cfg.data_noise)
         self.ready_step: int | None = None  # gradients of this step reduced, update not applied yet
         self.dirty = False  # an optimizer update was interrupted half-way
+        self._interrupted = threading.Event()  # a peer was lost: give the running step up (interrupt())
         self.act = P2PShape((self.micro_batch, cfg.model.seq_len, cfg.model.hidden), cfg.dtype, cfg.device)
 
     # ---- state ------------------------------------------------------------------------------
@@ -247,12 +249,22 @@ class TrainEngine:
         ``local_apply`` (the update needs no peer: no ZeRO-1 across replicas)."""
         return {"ready": self.ready_step, "dirty": self.dirty, "local_apply": not self.optimizer.zero}
 
+    def interrupt(self) -> None:
+        """A peer was lost (another thread learnt it from the coordinator): the running step, or
+        the next, stops at its next micro-batch with :class:`StepInterrupted`. Only micro-batches
+        check it, so a step past its forward/backward (reducing, committing, applying) ends as
+        it would have; before the commit nothing of the state has changed."""
+        self._interrupted.set()
+
     def abort(self) -> None:
         """A peer failed: shut this generation's communicators down (peers blocked on us error out
         at once instead of at their timeout); state tensors and gradients stay."""
         self.groups.close()
 
     def _forward_step(self, step: int, micro: int, x: torch.Tensor | None, losses: list[torch.Tensor]) -> torch.Tensor:
+        if self._interrupted.is_set():
+            raise StepInterrupted(f"rank {self.rank}: step {step} given up at micro-batch {micro} of "
+                                  f"{self.grad_accum}: a peer was lost")
         mb = self.micro_batch
         # global sample index of this micro-batch: replica-major, so every layout reads the same set
         start = (self.dp_rank * self.grad_accum + micro) * mb

@@ -37,6 +37,15 @@ DEFAULT_TIMEOUT = timedelta(minutes=5)
 """A peer silent this long fails the collective (a dead worker surfaces as an error, not a hang)."""
 
 
+class StepInterrupted(RuntimeError):
+    """The step was given up before its commit because a peer was reported lost.
+
+    Raised by an engine told (``interrupt()``) that the job is recovering from a lost worker:
+    computing on would only end at a collective with the dead peer. Nothing of the state has
+    changed; the agent treats it like a collective broken by the loss.
+    """
+
+
 class Comm:
     """A communicator over ``ranks`` (layout ranks, in group order); this rank is ``ranks[index]``."""
 

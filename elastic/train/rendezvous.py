@@ -681,10 +681,28 @@ class Coordinator:
                 "heartbeat_timeout_s": self.heartbeat_timeout_s}
 
     def _h_heartbeat(self, b: dict[str, Any]) -> dict[str, Any]:
+        """A worker's liveness beat. With ``generation`` and ``wait_s`` it long-polls: answered at
+        once with ``interrupt: <generation>`` when that generation is being recovered and this
+        worker has not reported yet (it is still computing a step that cannot complete)."""
         w = str(b["worker"])
+        gen = b.get("generation")
+        wait_s = min(float(b.get("wait_s") or 0.0), LONG_POLL_MAX_S)
         if w not in self._left:
             self._touch(w)
-        return {"phase": self._phase, "failed": self._phase == "failed", "reason": self._error or ""}
+
+        def interrupt() -> bool:
+            rec = self._recovery
+            return (rec is not None and gen is not None and int(gen) == rec.generation and not rec.posted
+                    and w not in rec.reports and w not in rec.lost)
+
+        if wait_s > 0 and not interrupt():
+            self._cv.wait_for(lambda: interrupt() or self._phase == "failed" or self._closing.is_set(), wait_s)
+            if w not in self._left:
+                self._touch(w)
+        out: dict[str, Any] = {"phase": self._phase, "failed": self._phase == "failed", "reason": self._error or ""}
+        if interrupt():
+            out["interrupt"] = int(gen)  # type: ignore[arg-type]
+        return out
 
     def _h_poll(self, b: dict[str, Any]) -> dict[str, Any]:
         """A worker without a generation asks whether a directive includes it (``wait_s``: long poll)."""

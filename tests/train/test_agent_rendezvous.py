@@ -471,6 +471,30 @@ def test_a_lost_worker_is_recovered_from_the_surviving_replica_at_the_step_they_
     assert metric(reg, "elastic_training_recoveries_total") == 1 and metric(reg, "elastic_training_failed") == 0
 
 
+def test_a_heartbeat_long_polls_and_tells_a_survivor_still_computing_to_give_its_step_up() -> None:
+    c, clock, _ = started(workers=W4, layout="tp1.pp1.dp4", recover=True)
+    # nothing to say: a beat without a generation or a wait answers at once, without interrupt
+    assert "interrupt" not in call(c, "heartbeat", "w0")
+    # w0 long-polls its beat while computing step 1; w3 dies meanwhile: w0 is answered at once
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(call, c, "heartbeat", "w0", generation=1, wait_s=4.0)
+        time.sleep(0.2)
+        assert not fut.done()  # long-polling
+        t0 = time.monotonic()
+        c.worker_lost("w3", "worker w3 exited with code -9")
+        out = fut.result(timeout=2)
+    assert out["interrupt"] == 1 and time.monotonic() - t0 < 1.0
+    assert call(c, "heartbeat", "w1", generation=1, wait_s=4.0)["interrupt"] == 1  # at once, no wait
+    # the lost worker, a stale generation and a survivor that reported are not interrupted
+    assert "interrupt" not in call(c, "heartbeat", "w0", generation=0)
+    call(c, "broken", "w1", generation=1, step=1, applied=0, ready=None, dirty=False, local_apply=True)
+    assert "interrupt" not in call(c, "heartbeat", "w1", generation=1)
+    for w in ("w0", "w2"):
+        call(c, "broken", w, generation=1, step=1, applied=0, ready=None, dirty=False, local_apply=True)
+    assert c.rescale_record(2) is not None  # posted: nobody is interrupted any more
+    assert "interrupt" not in call(c, "heartbeat", "w0", generation=1)
+
+
 @pytest.mark.parametrize("layout, workers, why", [
     ("tp2.pp1.dp1", ("w0", "w1"), "no replica"),  # a TP shard has no second copy
     ("tp1.pp1.dp2.z1", ("w0", "w1"), "zero"),  # ZeRO-1: the lost rank's optimizer slice is gone
