@@ -300,13 +300,6 @@ class HardwareSpec(BaseModel):
     inter_node_bandwidth: float = Field(gt=0, description="bytes/s per GPU across nodes (IB/RoCE)")
     host_memory_bytes: int = Field(default=2 * 1024**4, gt=0, description="host RAM per node")
     gpus_per_node: int = Field(default=8, gt=0)
-    # Fixed costs, which bound small models (a few-MB model is launch-bound, not FLOP-bound).
-    kernel_seconds: float = Field(default=5e-6, ge=0,
-                                  description="fixed time of one kernel (launch and scheduling): a floor under "
-                                              "a stage's compute")
-    message_seconds: float = Field(default=10e-6, ge=0,
-                                   description="fixed time of one collective or point-to-point message (NCCL's "
-                                               "small-message latency), added to its bandwidth term")
 
 
 GiB = 1024**3
@@ -324,8 +317,7 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
         HardwareSpec(name="h200-141g", memory_bytes=141 * GB, peak_flops=989e12, intra_node_bandwidth=450 * GB,
                      inter_node_bandwidth=50 * GB),
         HardwareSpec(name="cpu", memory_bytes=16 * GiB, peak_flops=0.2e12, intra_node_bandwidth=4 * GB,
-                     inter_node_bandwidth=1 * GB, host_memory_bytes=24 * GiB, kernel_seconds=20e-6,
-                     message_seconds=50e-6),
+                     inter_node_bandwidth=1 * GB, host_memory_bytes=24 * GiB),
     ]
 }
 

@@ -17,11 +17,6 @@ simulator; it must not read the clock or any hardware counter.
 * DP: ring all-reduce of fp32 gradients (ZeRO-1: reduce-scatter fp32 + all-gather bf16);
   a fraction ``dp_overlap`` of it hides behind the last micro-batch's backward.
 * Optimizer offload: gradients down and weights up over PCIe plus a CPU Adam step.
-* Fixed costs: a stage's compute is at least its kernels x ``hw.kernel_seconds`` (about 12
-  kernels per layer forward, twice that backward: a model of a few MB is launch-bound, and
-  without the floor the model would credit it with hundreds of millions of tokens/s); every
-  collective and point-to-point message adds ``hw.message_seconds`` to its bandwidth term.
-  Both vanish next to a large model's compute.
 """
 
 from __future__ import annotations
@@ -88,10 +83,6 @@ def _ring(bytes_: float, n: int, bandwidth: float) -> float:
     return 0.0 if n <= 1 else 2.0 * (n - 1) / n * bytes_ / bandwidth
 
 
-KERNELS_PER_LAYER = 12  # one transformer layer's forward: norms, QKV, attention, projection, MLP, residuals
-KERNELS_HEAD = 4  # final norm, LM head, softmax + loss
-
-
 @dataclass(frozen=True)
 class CostInputs:
     efficiency: float
@@ -99,70 +90,44 @@ class CostInputs:
     gpus_per_node: int
 
 
-@dataclass(frozen=True)
-class StageCost:
-    """One pipeline rank's time per micro-batch as a function of its tokens: compute (at least the
-    kernel floor) plus communication (bandwidth per token plus a fixed latency per message)."""
+def stage_seconds(model: ModelSpec, prof: StageProfile, layout: Layout, hw: HardwareSpec, ci: CostInputs, *,
+                  seq: int, micro_batch: int, recompute: Recompute) -> float:
+    """Time of one micro-batch (forward + backward) on one pipeline rank, all its chunks.
 
-    compute_per_token: float
-    comm_per_token: float
-    kernel_floor: float
-    latency: float
-
-    def seconds(self, tokens: int) -> float:
-        return max(self.compute_per_token * tokens, self.kernel_floor) + self.comm_per_token * tokens + self.latency
-
-
-def stage_cost(model: ModelSpec, prof: StageProfile, layout: Layout, hw: HardwareSpec, ci: CostInputs, *,
-               seq: int, recompute: Recompute) -> StageCost:
-    """The cost of one micro-batch (forward + backward) on one pipeline rank, all its chunks,
-    split into the terms that scale with its tokens and those that do not (the planner
-    computes this once per layout and evaluates every micro-batch size from it)."""
+    Every term is proportional to the micro-batch's tokens, so the planner calls this once
+    with micro_batch=1 and scales.
+    """
+    tokens = seq * micro_batch
     mm, core = _passes(recompute)
     flops = 0.0
     for moe, n in ((False, prof.dense), (True, prof.moe)):
         if n:
             lf = layer_flops(model, moe)
             flops += n * (lf.matmul * mm + lf.core_per_seq * seq * core)
-    kernels = (prof.dense + prof.moe) * KERNELS_PER_LAYER * mm
     if prof.last:
         flops += 3.0 * head_flops_per_token(model)
-        kernels += 3 * KERNELS_HEAD
-    per_token, messages = _comm(model, prof, layout, hw, ci, recompute=recompute)
-    return StageCost(compute_per_token=flops / layout.tp / (hw.peak_flops * ci.efficiency), comm_per_token=per_token,
-                     kernel_floor=kernels * hw.kernel_seconds, latency=messages * hw.message_seconds)
+    compute = flops * tokens / layout.tp / (hw.peak_flops * ci.efficiency)
+    return compute + _comm_seconds(model, prof, layout, hw, ci, tokens=tokens, recompute=recompute)
 
 
-def stage_seconds(model: ModelSpec, prof: StageProfile, layout: Layout, hw: HardwareSpec, ci: CostInputs, *,
-                  seq: int, micro_batch: int, recompute: Recompute) -> float:
-    """Time of one micro-batch (forward + backward) on one pipeline rank, all its chunks."""
-    return stage_cost(model, prof, layout, hw, ci, seq=seq, recompute=recompute).seconds(seq * micro_batch)
-
-
-def _comm(model: ModelSpec, prof: StageProfile, layout: Layout, hw: HardwareSpec, ci: CostInputs, *,
-          recompute: Recompute) -> tuple[float, int]:
-    """(seconds per token of a micro-batch's communication, number of its messages)."""
+def _comm_seconds(model: ModelSpec, prof: StageProfile, layout: Layout, hw: HardwareSpec, ci: CostInputs, *,
+                  tokens: int, recompute: Recompute) -> float:
     t, h = layout.tp, model.hidden
-    act = 2.0 * h  # bf16 activations of one token
+    act = 2.0 * tokens * h  # bf16 activations of one micro-batch
     layers = prof.dense + prof.moe
-    messages = 0
     # 1. TP (+SP) collectives inside the node
     n_coll = 6 if recompute == "full" else 4
     secs = layers * n_coll * _ring(act, t, hw.intra_node_bandwidth)
-    if t > 1:
-        messages += layers * n_coll
     # 2. MoE all-to-all: dispatch + combine, forward + backward; inter-node once EP spans nodes
     if model.moe and layout.ep > 1 and prof.moe:
         bw = hw.intra_node_bandwidth if t * layout.ep <= ci.gpus_per_node else hw.inter_node_bandwidth
         volume = act / t * model.moe.top_k * (layout.ep - 1) / layout.ep
         secs += prof.moe * 4 * volume / bw
-        messages += prof.moe * 4
     # 3. pipeline sends (activation forward, gradient backward) per chunk boundary
     if layout.pp > 1:
         bw = hw.intra_node_bandwidth if t * layout.dp < ci.gpus_per_node else hw.inter_node_bandwidth
         secs += 2 * layout.vpp * act / t / bw
-        messages += 2 * layout.vpp
-    return secs, messages
+    return secs
 
 
 def dp_seconds(rp: RankParams, layout: Layout, hw: HardwareSpec, ci: CostInputs) -> float:
@@ -176,9 +141,9 @@ def dp_seconds(rp: RankParams, layout: Layout, hw: HardwareSpec, ci: CostInputs)
         if d <= 1 or n == 0:
             continue
         if layout.zero:
-            total += (d - 1) / d * n * (4 + 2) / bw + 2 * hw.message_seconds  # reduce-scatter fp32 + all-gather bf16
+            total += (d - 1) / d * n * (4 + 2) / bw  # reduce-scatter fp32 grads + all-gather bf16 weights
         else:
-            total += _ring(4.0 * n, d, bw) + hw.message_seconds
+            total += _ring(4.0 * n, d, bw)
     return total
 
 

@@ -27,13 +27,12 @@ from typing import Any
 from elastic.model import HardwareSpec, Layout, ModelSpec, SpecError, check_layout, padded_layers
 from elastic.parallel.cost import (
     CostInputs,
-    StageCost,
     dp_seconds,
     head_flops_per_token,
     layer_flops,
     model_flops_per_token,
     offload_seconds,
-    stage_cost,
+    stage_seconds,
     step_seconds,
 )
 from elastic.parallel.memory import (
@@ -218,7 +217,7 @@ def _static(model: ModelSpec, st: _Structure, hw: HardwareSpec, o: PlanOptions) 
 
 
 def _evaluate_choice(model: ModelSpec, st: _Structure, sx: _Static, hw: HardwareSpec, o: PlanOptions, *,
-                     micro_batch: int, recompute: Recompute, offload: bool, costs: tuple[StageCost, ...],
+                     micro_batch: int, recompute: Recompute, offload: bool, sec_per_token: float,
                      terms: tuple[ActivationTerms, ...]) -> _Choice:
     L = st.layout
     seq = o.seq(model)
@@ -239,8 +238,7 @@ def _evaluate_choice(model: ModelSpec, st: _Structure, sx: _Static, hw: Hardware
     host = max(sx.optimizer) * min(o.node(hw), L.world_size) if offload else 0
     fits = mem.total <= hw.memory_bytes and (not offload or host <= o.host_fraction * hw.host_memory_bytes)
     # 2. step time: slowest stage x (m + bubble) + exposed DP sync + offloaded optimizer
-    slowest = max(c.seconds(tokens) for c in costs)
-    step = step_seconds(slowest, m, L, sx.dp_time, sx.offload_time if offload else 0.0, sx.ci)
+    step = step_seconds(sec_per_token * tokens, m, L, sx.dp_time, sx.offload_time if offload else 0.0, sx.ci)
     return _Choice(micro_batch, recompute, offload, fits, mem, host, step)
 
 
@@ -259,10 +257,11 @@ def _planned_layout(model: ModelSpec, st: _Structure, hw: HardwareSpec, o: PlanO
         reason=_reason(c.memory, hw, c.fits, c.host, o, c.offload), host_memory_bytes_per_node=c.host)
 
 
-def _stage_costs(model: ModelSpec, st: _Structure, hw: HardwareSpec, ci: CostInputs, seq: int,
-                 recompute: Recompute) -> tuple[StageCost, ...]:
-    """Every pipeline stage's cost model, once per layout: each micro-batch size evaluates it."""
-    return tuple(stage_cost(model, p, st.layout, hw, ci, seq=seq, recompute=recompute) for p in st.profiles)
+def _seconds_per_token(model: ModelSpec, st: _Structure, hw: HardwareSpec, ci: CostInputs, seq: int,
+                       recompute: Recompute) -> float:
+    """Slowest stage's time per micro-batch token (all stage terms scale with the tokens)."""
+    return max(stage_seconds(model, p, st.layout, hw, ci, seq=seq, micro_batch=1, recompute=recompute)
+               for p in st.profiles) / seq
 
 
 def _gib(n: float) -> str:
@@ -304,13 +303,13 @@ def _best_for_structure(model: ModelSpec, st: _Structure, hw: HardwareSpec, o: P
     smallest: _Choice | None = None
     sx = _static(model, st, hw, o)
     seq = o.seq(model)
-    costs = {rc: _stage_costs(model, st, hw, sx.ci, seq, rc) for rc in o.recompute}
+    spt = {rc: _seconds_per_token(model, st, hw, sx.ci, seq, rc) for rc in o.recompute}
     terms = {rc: tuple(activation_terms(model, p, st.layout.tp, seq, rc) for p in st.profiles) for rc in o.recompute}
     for offload in sorted(set(o.offload)):
         for mb in _micro_batches(o, st.layout):
             for rc in o.recompute:
                 c = _evaluate_choice(model, st, sx, hw, o, micro_batch=mb, recompute=rc, offload=offload,
-                                     costs=costs[rc], terms=terms[rc])
+                                     sec_per_token=spt[rc], terms=terms[rc])
                 if c.fits:
                     if best is None or c.step < best.step:
                         best = c
