@@ -359,7 +359,8 @@ class Controller:
                f"{len(rt.gpus)} GPUs, training resumed (pause {rt.last_pause_seconds or 0.0:.2f} s)")
         log.warning("%s", msg)
         db.record_decision(self.store, pool=self.pool, tick_at=_dt(now), reason="WorkerLost", message=msg,
-                           plan={"steps": [], "notes": [msg]}, inputs={})
+                           plan={"steps": [], "notes": [msg], "job": rt.name, "generation": rt.generation,
+                                 "lost": rt.recovery}, inputs={})
 
     def _observed_allocation(self, exclude: set[str] | None = None) -> Allocation:
         hold: dict[str, tuple[GPU, ...]] = {}

@@ -36,6 +36,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from elastic import store as db
+from elastic.backends.base import RUNTIME_PHASES
 from elastic.model import InferenceSpec, Layout, PoolSpec, SpecError
 from elastic.store.repo import MAX_PAGE
 
@@ -45,6 +46,8 @@ _TICK_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 _RESHARD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _OUTCOME = {"NotLeader": "standby", "Paused": "paused", "Unavailable": "unavailable"}
 _RUNNING_PHASES = ("Running",)
+JOB_PHASES = ("Pending", *sorted(set(RUNTIME_PHASES.values()) - {"Pending"}))
+"""Every phase a training job reports (``elastic_job_phase``: 1 for the current one, 0 for the others)."""
 
 
 class _Labelled:
@@ -101,6 +104,11 @@ class Exporter:
         self.tokens_per_second = G("elastic_job_tokens_per_second", "Training throughput the job reported",
                                    ["job"])
         self.generation = G("elastic_job_generation", "Layout generation (one more per rescale)", ["job"])
+        self.phase = G("elastic_job_phase", "1 for the job's current phase (Running, Rescaling, Recovering, "
+                       "Paused: state held off-GPU, Failed, ...), 0 for the others", ["job", "phase"])
+        self.recoveries = Counter("elastic_job_recoveries", "Lost workers the job recovered from in place, from "
+                                  "its surviving replicas (no restart, no checkpoint)", ["job"], registry=r)
+        self._recovery_cursor = 0  # every WorkerLost decision with id <= cursor has been counted
         self.reshards = Counter("elastic_job_reshards", "Finished reshards by status (done, failed, cancelled: called off before anything moved)",
                                 ["job", "status"], registry=r)
         self.reshard_seconds = Histogram("elastic_job_reshard_duration_seconds", "Wall time of a reshard, start "
@@ -166,6 +174,7 @@ class Exporter:
     def _init_job(self, job: str) -> None:
         for status in db.FINISHED:
             self.reshards.labels(job, status)
+        self.recoveries.labels(job)
         self.reshard_bytes.labels(job)
         self.planned_bytes.labels(job)
         self.lower_bound_bytes.labels(job)
@@ -191,6 +200,7 @@ class Exporter:
             for pool in pools:
                 self._update_pool(store, pool, controller)
             self._update_reshards(store)
+            self._update_recoveries(store)
 
     def _update_pool(self, store: db.Store, pool: str, controller: Any | None) -> None:
         rec = db.get_pool(store, pool)
@@ -251,6 +261,8 @@ class Exporter:
             _set_opt(self.step, (j.name,), st.get("step"))
             _set_opt(self.tokens_per_second, (j.name,), st.get("tokensPerSecond"))
             _set_opt(self.generation, (j.name,), st.get("generation"))
+            for ph in JOB_PHASES:
+                self.phase.set((j.name, ph), 1 if st.get("phase", "Pending") == ph else 0)
             layout = _layout(st.get("layout"))
             if layout is not None:
                 labels = (j.name, str(layout.tp), str(layout.pp), str(layout.dp))
@@ -258,6 +270,7 @@ class Exporter:
                 layouts.append(labels)
         for g in (self.world_size, self.step, self.tokens_per_second, self.generation):
             g.keep_only(names)
+        self.phase.keep_only([(n, ph) for (n,) in names for ph in JOB_PHASES])
         self.layout_info.keep_only(layouts)
         return busy
 
@@ -292,6 +305,19 @@ class Exporter:
                 self._reshard_seen.discard(r.id)
             if len(rows) < MAX_PAGE or self._reshard_cursor != rows[-1].id:
                 return
+
+    def _update_recoveries(self, store: db.Store) -> None:
+        """Count the ``WorkerLost`` decisions (a job recovered in place) recorded since the last call."""
+        newest = db.list_decisions(store, 1, newest_first=True)
+        top = newest[0].id if newest else 0
+        while self._recovery_cursor < top:
+            rows = db.list_decisions(store, MAX_PAGE, self._recovery_cursor, reason="WorkerLost", up_to_id=top)
+            for d in rows:
+                # the job is in the decision's plan; older records only name it first in the message
+                job = str(d.plan.get("job") or d.message.split(" ", 1)[0])
+                self._init_job(job)
+                self.recoveries.labels(job).inc()
+            self._recovery_cursor = rows[-1].id if len(rows) == MAX_PAGE else top
 
     def _count_reshard(self, r: db.ReshardRecord) -> None:
         self._init_job(r.job)

@@ -452,11 +452,17 @@ def get_decision(db: DB, decision_id: int) -> DecisionRecord | None:
 
 
 def list_decisions(db: DB, limit: int = 50, after_id: int | None = None, *, pool: str | None = None,
-                   newest_first: bool = False) -> list[DecisionRecord]:
-    """A page of decisions after the cursor ``after_id`` (oldest first unless ``newest_first``)."""
+                   newest_first: bool = False, reason: str | None = None,
+                   up_to_id: int | None = None) -> list[DecisionRecord]:
+    """A page of decisions after the cursor ``after_id`` (oldest first unless ``newest_first``),
+    optionally only those with ``reason`` and ids up to ``up_to_id``."""
     stmt = sa.select(DecisionRow)
     if pool is not None:
         stmt = stmt.where(DecisionRow.pool == pool)
+    if reason is not None:
+        stmt = stmt.where(DecisionRow.reason == reason)
+    if up_to_id is not None:
+        stmt = stmt.where(DecisionRow.id <= up_to_id)
     with _tx(db, read=True) as s:
         return [_record(DecisionRecord, r) for r in s.scalars(_page(stmt, DecisionRow.id, limit, after_id, newest_first))]
 

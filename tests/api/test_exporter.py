@@ -102,3 +102,41 @@ def test_a_called_off_grow_counts_as_cancelled_and_adds_no_duration_or_pause(env
     assert _one(m, "elastic_job_reshards_total", job="pretrain", status="done") == len(done)
     assert _one(m, "elastic_job_reshard_duration_seconds_count", job="pretrain") == len(done)
     assert _one(m, "elastic_job_reshard_pause_seconds_count", job="pretrain") == len(done)
+
+
+def test_a_recovery_in_place_is_counted_once_and_the_job_phase_is_exported(env: Env) -> None:
+    from dataclasses import replace
+
+    env.tick(10.0)
+    m = _samples(env)
+    assert _one(m, "elastic_job_recoveries_total", job="pretrain") == 0  # present before any loss
+    assert _one(m, "elastic_job_phase", job="pretrain", phase="Running") == 1
+    assert _one(m, "elastic_job_phase", job="pretrain", phase="Recovering") == 0
+    # the trainer is recovering from a lost worker on its own: the phase says so
+    before = env.backend.jobs["pretrain"]
+    env.backend.jobs["pretrain"] = replace(before, phase="Recovering")
+    env.tick(10.0)
+    m = _samples(env)
+    assert _one(m, "elastic_job_phase", job="pretrain", phase="Recovering") == 1
+    assert _one(m, "elastic_job_phase", job="pretrain", phase="Running") == 0
+    # ... and resumed on its survivors: the controller records it (WorkerLost), the exporter counts it
+    kept = before.gpus[: len(before.gpus) // 2]
+    env.backend.jobs["pretrain"] = replace(before, phase="Running", gpus=kept, generation=before.generation + 1,
+                                           layout=f"tp1.pp1.dp{len(kept)}", recovered_from=before.layout,
+                                           recovery="lost pretrain-w1 (worker exited with code -9)",
+                                           last_pause_seconds=0.1, last_bytes_moved=0)
+    for _ in range(3):
+        env.tick(10.0)
+    env.exporter.update_from(env.ctl, env.store)  # a second refresh counts nothing twice
+    m = _samples(env)
+    lost = [d for d in db.list_decisions(env.store, 100) if d.reason == "WorkerLost"]
+    assert len(lost) == 1 and lost[0].plan["job"] == "pretrain"
+    assert _one(m, "elastic_job_recoveries_total", job="pretrain") == 1
+    assert _one(m, "elastic_job_recoveries_total", job="big") == 0
+    assert _one(m, "elastic_job_phase", job="pretrain", phase="Running") == 1
+    # a fresh exporter (a restarted API process) counts the same history from the store
+    from elastic.metrics.exporter import Exporter
+
+    again = Exporter()
+    again.update_from(None, env.store)
+    assert again.registry.get_sample_value("elastic_job_recoveries_total", {"job": "pretrain"}) == 1
