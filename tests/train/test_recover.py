@@ -113,24 +113,30 @@ def history_seconds(h: ProcessJobHandle) -> float:
     return secs[len(secs) // 2]
 
 
+@pytest.mark.parametrize("layout, workers, after", [
+    ("tp1.pp1.dp2", ["w0", "w1"], "tp1.pp1.dp1"),  # no collective before the gradient all-reduce
+    # 1F1B: a stage gives up between micro-batches; its pipeline peer then breaks in a send/recv with it
+    ("tp1.pp2.dp2", W4, "tp1.pp2.dp1"),
+])
 def test_a_survivor_gives_a_long_step_up_as_soon_as_its_peer_is_lost_instead_of_computing_it_to_the_end(
-        tmp_path) -> None:
-    """pp=1: a survivor runs no collective until the step's gradient all-reduce, so it would
-    compute every micro-batch of the step before noticing. The coordinator tells it through its
-    heartbeat (a long poll answered when the recovery starts): it gives the step up at its next
-    micro-batch, nothing of its state changed, and the step is redone on the recovered layout."""
+        tmp_path, layout, workers, after) -> None:
+    """A survivor of the intact replica runs no collective with the lost worker until the step's
+    gradient all-reduce, so it would compute every micro-batch of the step before noticing. The
+    coordinator tells it through its heartbeat (a long poll answered when the recovery starts):
+    it gives the step up at its next micro-batch, nothing of its state changed, and the step is
+    redone on the recovered layout."""
     cfg = TrainConfig(model=load_model("tiny"), global_batch=240, micro_batch=1)  # 120 micro-batches a replica
     opts = LaunchOptions(pg_timeout_s=90, heartbeat_timeout_s=60, join_timeout_s=120)
     h = ProcessJobHandle("recover-long", cfg, options=opts, log_dir=str(tmp_path))
     try:
-        h.start("tp1.pp1.dp2", ["w0", "w1"], timeout=180)
+        h.start(layout, workers, timeout=180)
         h.wait_step(1, timeout=120)
         time.sleep(0.05)  # inside step 2 (or 3), early in its micro-batches
         t0 = time.monotonic()
-        os.kill(h.pid("w1"), signal.SIGKILL)
+        os.kill(h.pid("w1"), signal.SIGKILL)  # replica 1 (pp1: its only rank; pp2: its first stage)
         st = _wait_recovered(h, 2)
         took = time.monotonic() - t0
-        assert (st.layout, st.workers) == ("tp1.pp1.dp1", ["w0"])
+        assert (st.layout, st.workers) == (after, ["w0"] if after.startswith("tp1.pp1") else ["w0", "w2"])
         rec = h.coordinator.rescale_record(2)
         assert rec is not None and rec.ok and "lost w1" in rec.recovery
         h.wait_step(rec.switch_step + 1, timeout=120)
@@ -142,7 +148,7 @@ def test_a_survivor_gives_a_long_step_up_as_soon_as_its_peer_is_lost_instead_of_
     assert given_up, f"w0 computed its step to the end instead of giving it up:\n{log[-3000:]}"
     step, micro, of = (int(x) for x in given_up.groups())
     assert of == 120 and micro < of and step == rec.switch_step, (step, micro, of, rec.switch_step)
-    print(f"step {step} given up at micro-batch {micro} of {of}; recovery pause {rec.pause_seconds:.3f} s, "
+    print(f"{layout}: step {step} given up at micro-batch {micro} of {of}; recovery pause {rec.pause_seconds:.3f} s, "
           f"first step on {st.layout} done {took:.2f} s after the kill (a step takes {history_seconds(h):.2f} s)")
     history = h.history()
     assert [r.step for r in history] == list(range(len(history)))
