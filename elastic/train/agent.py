@@ -39,8 +39,9 @@ agent first applies if it holds it ready. A survivor still computing its micro-b
 of the loss from its heartbeat (a long poll the coordinator answers with ``interrupt`` when the
 recovery starts) and gives the step up at its next micro-batch (``StepInterrupted``: before the
 commit nothing changed) instead of computing on to a collective with the dead peer; the step is
-redone on the recovered layout. Any other error is posted as the job's failure reason. A coordinator unreachable for ``coordinator_timeout_s`` or a job the coordinator
-marked failed makes the agent exit on its own (``watchdog``).
+redone on the recovered layout. Any other error is posted as the job's failure reason. A
+coordinator unreachable for ``coordinator_timeout_s`` or a job the coordinator marked failed
+makes the agent exit on its own (``watchdog``).
 
 What it must not do: choose layouts, compute maths (the engine does), or keep running
 after its coordinator is gone.

@@ -290,7 +290,12 @@ class Coordinator:
         self.recovery_timeout_s = recovery_timeout_s if recovery_timeout_s is not None else heartbeat_timeout_s
         self.metrics = TrainingMetrics(job, registry)
         self._clock = clock
-        self._cv = threading.Condition()
+        lock = threading.RLock()
+        self._cv = threading.Condition(lock)
+        # heartbeats long-poll on a condition of their own (same lock), woken only when a recovery
+        # starts or the job ends: every worker holds one all the time, and waking them all on each
+        # step result of each worker (``_cv``) would cost workers^2 wake-ups per step
+        self._alarm = threading.Condition(lock)
         self._server: ThreadingHTTPServer | None = None
         self._store: Any = None
         self._threads: list[threading.Thread] = []
@@ -345,6 +350,7 @@ class Coordinator:
             if self._phase not in ("failed", "finished"):
                 self._phase = "stopped"
             self._cv.notify_all()
+            self._alarm.notify_all()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -558,6 +564,7 @@ class Coordinator:
                 self._decisions[p.directive.generation] = ("abandoned", p.record.reason)
         self.metrics.record_failed(True)
         self._cv.notify_all()
+        self._alarm.notify_all()
 
     def _abandon_locked(self, reason: str) -> None:
         p = self._pending
@@ -696,7 +703,7 @@ class Coordinator:
                     and w not in rec.reports and w not in rec.lost)
 
         if wait_s > 0 and not interrupt():
-            self._cv.wait_for(lambda: interrupt() or self._phase == "failed" or self._closing.is_set(), wait_s)
+            self._alarm.wait_for(lambda: interrupt() or self._phase == "failed" or self._closing.is_set(), wait_s)
             if w not in self._left:
                 self._touch(w)
         out: dict[str, Any] = {"phase": self._phase, "failed": self._phase == "failed", "reason": self._error or ""}
@@ -938,6 +945,7 @@ class Coordinator:
         self._reason = f"recovering: {reason}"
         log.warning("job %s: %s", self.job, self._reason)
         self._cv.notify_all()
+        self._alarm.notify_all()  # survivors still computing give their step up (heartbeat long polls)
 
     def _lost_locked(self, w: str, reason: str) -> None:
         cur, p = self._current, self._pending
