@@ -19,11 +19,18 @@ rescale reports:
 * ``leave_seconds``: new layout running -> every leaver's process gone.
 
 Then the job goes to two data-parallel replicas and one worker is SIGKILLed half-way through
-a step: ``recovery`` reports the seconds from the kill until the survivors train again (on
-the remaining replica, state kept in place, no checkpoint), the steps redone (the one in
-flight, or none when the survivors had passed its commit) and the bytes moved. Without
+a step: ``recovery`` reports ``pause_seconds`` (the coordinator's: from seeing the loss to the
+first step begun on the remaining replica, state kept in place, no checkpoint), ``seconds``
+(from the kill until that first step is done and on record, so it includes one step), the
+steps redone (the one in flight, or none when the survivors had passed its commit) and the
+bytes moved. Without
 recovery the job would start again from step 0; restarting from a checkpoint costs 7-10 s
 for 2 GB of state on these machines (REFERENCE.md) plus the steps since the checkpoint.
+
+The same kill once more on a job of 4 micro-batches per replica (``recovery_many``, a fresh job
+with a larger global batch): there the survivor does not finish the step but gives it up at
+its next micro-batch, told by the coordinator through its heartbeat; ``given_up_at`` is the
+micro-batch it stopped at (from its log).
 
 Prints a table and writes ``benchmarks/results/train.json``. Run: ``make bench-train``.
 Figures on the 2-core project VMs are dominated by CPU sharing between the workers; on
@@ -122,11 +129,40 @@ def run_model(name: str, steps: int, timeout: float) -> dict[str, Any]:
     if st.error:
         raise SystemExit(f"{name}: job failed: {st.error} (worker logs in {logs})")
     return {"params": cfg.model.total_params(), "global_batch": global_batch, "seq_len": cfg.model.seq_len,
-            "layouts": rows, "rescales": rescales, "recovery": recovery}
+            "layouts": rows, "rescales": rescales, "recovery": recovery,
+            "recovery_many": _recover_many(name, MANY_MICRO_BATCHES, timeout)}
 
 
-def _recover(h: ProcessJobHandle, workers: list[str], steps: int, timeout: float) -> dict[str, Any]:
-    """Two replicas, then SIGKILL one worker half-way through a step; time until training resumes."""
+MANY_MICRO_BATCHES = 4  # per replica at dp2, for the second kill
+
+
+def _recover_many(name: str, micro: int, timeout: float) -> dict[str, Any]:
+    """A fresh job of ``micro`` micro-batches per replica on ``tp1.pp1.dp2``; kill one worker half-way
+    through a step. Reports what ``_recover`` does, plus the micro-batch the survivor gave up at."""
+    import re
+
+    cfg = TrainConfig(model=load_model(name), global_batch=2 * micro, micro_batch=1)
+    opts = LaunchOptions(pg_timeout_s=600, heartbeat_timeout_s=120, join_timeout_s=600, rescale_timeout_s=timeout)
+    logs = tempfile.mkdtemp(prefix=f"train-bench-{name}-many-")
+    h = ProcessJobHandle(f"bench-{name}-many", cfg, options=opts, log_dir=logs)
+    try:
+        h.start("tp1.pp1.dp1", ["w0"], timeout=timeout)
+        h.wait_step(0, timeout=timeout)
+        out = _recover(h, ["w0"], 3, timeout, at=1.5 / micro)  # inside the second micro-batch
+    finally:
+        st = h.stop()
+    if st.error:
+        raise SystemExit(f"{name}: job failed: {st.error} (worker logs in {logs})")
+    text = Path(logs, "w0.log").read_text(errors="replace")
+    m = re.search(r"given up at micro-batch (\d+) of (\d+)", text)
+    out["micro_batches"] = micro
+    out["given_up_at"] = int(m.group(1)) if m else None  # None: it finished the step (killed late in it)
+    return out
+
+
+def _recover(h: ProcessJobHandle, workers: list[str], steps: int, timeout: float, *,
+             at: float = 0.5) -> dict[str, Any]:
+    """Two replicas, then SIGKILL one worker at fraction ``at`` of a step; time until training resumes."""
     import signal
 
     layout = "tp1.pp1.dp2"
@@ -134,8 +170,10 @@ def _recover(h: ProcessJobHandle, workers: list[str], steps: int, timeout: float
     res = h.rescale(layout, workers, remap=True, timeout=timeout)
     h.wait_step(res.switch_step + steps - 1, timeout=timeout)
     step_s = statistics.median(_steps_of(h, res.generation)[1:] or [1.0])
-    last = h.history()[-1].step
-    time.sleep(step_s / 2)
+    # a step is on record when the workers ask to begin the next one: wait for one, so that the
+    # kill lands at a known point of the step that follows
+    last = h.wait_step(h.history()[-1].step + 1, timeout=timeout).step
+    time.sleep(step_s * at)
     victim = workers[-1]
     t0 = time.perf_counter()
     os.kill(h.pid(victim), signal.SIGKILL)
@@ -151,6 +189,8 @@ def _recover(h: ProcessJobHandle, workers: list[str], steps: int, timeout: float
     rec = h.coordinator.rescale_record(st.generation)
     assert rec is not None
     h.wait_step(rec.switch_step + 1, timeout=timeout)
+    # seconds: from the kill until the first step on the new layout is on record (it includes that
+    # step); pause_seconds: the coordinator's, from seeing the loss to that step begun
     return {"from": layout, "to": st.layout, "victim": victim, "seconds": seconds,
             "pause_seconds": rec.pause_seconds, "bytes_moved": rec.bytes_moved,
             # killed inside step last + 1: redone unless the survivors had passed its commit
@@ -174,10 +214,19 @@ def _print(results: dict[str, Any]) -> None:
             print(f"  {x['from'] + ' -> ' + x['to']:<28}" + "".join(f"{x['phases'][p] * 1e3:>9.1f}" for p in PHASES)
                   + f"{x['leave_seconds'] * 1e3:>9.1f}")
         v = r["recovery"]
-        print(f"  {'worker killed mid-step':<28}{'kill->train s':>14}{'x step':>8}{'moved MB':>10}"
-              f"{'resumed at':>12}{'redone':>8}")
-        print(f"  {v['from'] + ' -> ' + v['to']:<28}{v['seconds']:>14.3f}{v['seconds'] / v['step_seconds']:>8.2f}"
-              f"{v['bytes_moved'] / 1e6:>10.1f}{'step ' + str(v['resumed_at_step']):>12}{v['steps_redone']:>8}")
+        print(f"  {'worker killed mid-step':<28}{'to step s':>10}{'x step':>8}{'kill->done s':>13}"
+              f"{'moved MB':>10}{'resumed at':>12}{'redone':>8}")
+        for label, v in (("tp1.pp1.dp2 -> tp1.pp1.dp1", r["recovery"]),
+                         (f"same, {MANY_MICRO_BATCHES} micro-batches", r.get("recovery_many"))):
+            if not v:
+                continue
+            note = ""
+            if "given_up_at" in v:
+                note = ("  survivor finished its step" if v["given_up_at"] is None else
+                        f"  survivor gave its step up at micro-batch {v['given_up_at']} of {v['micro_batches']}")
+            pause = v["pause_seconds"] or 0.0
+            print(f"  {label:<28}{pause:>10.3f}{pause / v['step_seconds']:>8.2f}{v['seconds']:>13.3f}"
+                  f"{v['bytes_moved'] / 1e6:>10.1f}{'step ' + str(v['resumed_at_step']):>12}{v['steps_redone']:>8}{note}")
 
 
 def main(argv: list[str] | None = None) -> int:

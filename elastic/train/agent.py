@@ -222,6 +222,7 @@ class WorkerAgent:
         # engine and generation change together under it: the heartbeat thread interrupts the
         # engine of the generation the coordinator named, never a newer one
         self._engine_lock = threading.Lock()
+        self._interrupted_gen = -1  # the generation we were last told to interrupt (logged once)
 
     # ---- entry ----------------------------------------------------------------------------
     def run(self) -> int:
@@ -528,8 +529,10 @@ class WorkerAgent:
             eng = self.engine
             if generation != self.generation or self._broken or eng is None or not hasattr(eng, "interrupt"):
                 return
-            log.warning("worker %s: a peer of generation %d was lost; giving the running step up",
-                        self.worker, generation)
+            if self._interrupted_gen != generation:  # the coordinator repeats it until we report
+                self._interrupted_gen = generation
+                log.warning("worker %s: a peer of generation %d was lost; giving the running step up",
+                            self.worker, generation)
             eng.interrupt()
 
     def _init_default_group(self, d: Directive, layout: Layout, rank: int, *, own_store: bool = False) -> None:
