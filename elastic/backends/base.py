@@ -11,7 +11,7 @@ controller records it and stops applying the rest of that plan).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from elastic.model import GPU, InferenceSpec, Layout, TrainingSpec
 
@@ -59,6 +59,26 @@ def still_held(workers: dict[GPU, str], current: list[str]) -> dict[GPU, str]:
     """GPU -> worker, less the workers a job no longer has: after it recovered on its own from a lost
     worker, the dead one's GPU and those of survivors it did not keep are free (their processes ended)."""
     return {g: w for g, w in workers.items() if w in current}
+
+
+def coordinator_runtime(job: str, st: Any, workers: dict[GPU, str], last: RescaleOutcome | None) -> JobRuntime:
+    """A ``JobRuntime`` from the training coordinator's status ``st`` (``JobStatus``), for backends that
+    run one: ``workers`` = the GPUs the backend gave the job (already less ``still_held``'s leftovers),
+    ``last`` = its own record of the last rescale it asked for. The coordinator's record stands in
+    when the backend has none (an adopted job) and for a recovery nobody asked for."""
+    rec = st.last_rescale
+    recovered = rec is not None and rec.ok and bool(rec.recovery) and rec.generation == st.generation
+    if rec is not None and rec.ok and (last is None or recovered):
+        last = RescaleOutcome(job, rec.from_layout, rec.to_layout, rec.generation,
+                              pause_seconds=rec.pause_seconds or 0.0, bytes_moved=rec.bytes_moved,
+                              bytes_planned=rec.planned_bytes, bytes_lower_bound=rec.lower_bound_bytes,
+                              step=rec.switch_step)
+    gpus = tuple(sorted(workers, key=lambda g: (g.node, g.index)))
+    return JobRuntime(job, RUNTIME_PHASES.get(st.phase, st.phase), st.layout, gpus, st.generation, max(st.step, 0),
+                      st.loss, st.tokens_per_second or 0.0, st.error,
+                      last.pause_seconds if last else None, last.bytes_moved if last else None,
+                      recovery=rec.recovery if recovered else "",
+                      recovered_from=rec.from_layout if recovered else None)
 
 
 @dataclass(frozen=True)

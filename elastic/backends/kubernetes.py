@@ -43,12 +43,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 from elastic.backends.base import (
-    RUNTIME_PHASES,
     BackendError,
     BackendUnavailable,
     GrowCancelled,
     JobRuntime,
     RescaleOutcome,
+    coordinator_runtime,
     still_held,
 )
 from elastic.model import GPU, InferenceSpec, Layout, TrainingSpec, load_model
@@ -310,13 +310,9 @@ class KubernetesBackend:
         if j is None or j.handle is None:
             return None
         st = j.handle.status()
-        phase = RUNTIME_PHASES.get(st.phase, st.phase)
         if st.phase == "running":
             j.workers = still_held(j.workers, st.workers)  # after a recovery on its own: fewer
-        last = j.last
-        return JobRuntime(job, phase, st.layout, tuple(sorted(j.workers, key=lambda g: (g.node, g.index))),
-                          st.generation, max(st.step, 0), st.loss, st.tokens_per_second or 0.0, st.error,
-                          last.pause_seconds if last else None, last.bytes_moved if last else None)
+        return coordinator_runtime(job, st, j.workers, j.last)
 
     def cancel_grow(self, job: str) -> bool:
         """Coordinator runtime: call off a rescale whose joiner pods have not joined yet.

@@ -38,12 +38,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastic.backends.base import (
-    RUNTIME_PHASES,
     BackendError,
     BackendUnavailable,
     GrowCancelled,
     JobRuntime,
     RescaleOutcome,
+    coordinator_runtime,
     still_held,
 )
 from elastic.model import GPU, InferenceSpec, Layout, PoolSpec, SpecError, TrainingSpec, load_model
@@ -229,22 +229,7 @@ class RayBackend:
             if st.phase == "running" and (held := still_held(j.workers, st.workers)) != j.workers:
                 j.workers = held  # recovered from a lost worker on its own
                 _remember_gpus(j.handle, j)
-            gpus = tuple(sorted(j.workers, key=lambda g: (g.node, g.index)))
-            rec = st.last_rescale
-            recovered = rec is not None and rec.ok and bool(rec.recovery) and rec.generation == st.generation
-            last = j.last
-            # the coordinator's own record: an adopted job's last rescale, or a recovery nobody asked for
-            if rec is not None and rec.ok and (last is None or recovered):
-                last = RescaleOutcome(job, rec.from_layout, rec.to_layout, rec.generation,
-                                      pause_seconds=rec.pause_seconds or 0.0, bytes_moved=rec.bytes_moved,
-                                      bytes_planned=rec.planned_bytes, bytes_lower_bound=rec.lower_bound_bytes,
-                                      step=rec.switch_step)
-            phase = RUNTIME_PHASES.get(st.phase, st.phase)
-            return JobRuntime(job, phase, st.layout, gpus, st.generation, max(st.step, 0), st.loss,
-                              st.tokens_per_second or 0.0, st.error,
-                              last.pause_seconds if last else None, last.bytes_moved if last else None,
-                              recovery=rec.recovery if recovered else "",
-                              recovered_from=rec.from_layout if recovered else None)
+            return coordinator_runtime(job, st, j.workers, j.last)
 
     def set_job_gpus(self, spec: TrainingSpec, gpus: tuple[GPU, ...], layout: Layout | None) -> RescaleOutcome:
         with self._lock:

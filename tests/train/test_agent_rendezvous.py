@@ -471,6 +471,31 @@ def test_a_lost_worker_is_recovered_from_the_surviving_replica_at_the_step_they_
     assert metric(reg, "elastic_training_recoveries_total") == 1 and metric(reg, "elastic_training_failed") == 0
 
 
+def test_the_backends_runtime_reports_a_recovery_nobody_asked_for_once_it_is_done() -> None:
+    """What the Ray and Kubernetes backends hand the controller (``coordinator_runtime``) after the
+    coordinator recovered on its own: fewer GPUs, the lost worker and the layout before."""
+    from elastic.backends.base import coordinator_runtime, still_held
+    from elastic.model import GPU
+
+    c, clock, _ = started(recover=True)  # tp1.pp1.dp2 on w0, w1; inside step 1
+    gpus = {GPU("n0", 0): "w0", GPU("n0", 1): "w1"}
+    assert coordinator_runtime("job", c.status(), gpus, None).recovery == ""
+    c.worker_lost("w1", "worker w1 exited with code -9")
+    call(c, "broken", "w0", generation=1, step=1, applied=0, ready=None, dirty=False, local_apply=True)
+    assert coordinator_runtime("job", c.status(), gpus, None).phase == "Recovering"
+    assert call(c, "step", "w0", generation=1, step=1)["action"] == "switch"
+    call(c, "arrive", "w0", generation=2, digest="r", plan={"new_ranks": {"w0": 0}})
+    call(c, "result", "w0", generation=2, ok=True, stats={})
+    clock.t += 0.25
+    call(c, "step", "w0", generation=2, step=1)
+    run_step(c, ["w0"], 2, 2)
+    st = c.status()
+    rt = coordinator_runtime("job", st, still_held(gpus, st.workers), None)
+    assert (rt.phase, rt.layout, rt.gpus, rt.generation) == ("Running", "tp1.pp1.dp1", (GPU("n0", 0),), 2)
+    assert "lost w1" in rt.recovery and rt.recovered_from == "tp1.pp1.dp2"
+    assert rt.last_pause_seconds == pytest.approx(0.25)
+
+
 def test_a_heartbeat_long_polls_and_tells_a_survivor_still_computing_to_give_its_step_up() -> None:
     c, clock, _ = started(workers=W4, layout="tp1.pp1.dp4", recover=True)
     # nothing to say: a beat without a generation or a wait answers at once, without interrupt
