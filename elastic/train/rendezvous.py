@@ -395,6 +395,8 @@ class Coordinator:
                                 list(d.leavers), switch, hold=hold)
             self._pending = _Pending(d, rec, self._clock())
             self._rescales[generation] = rec
+            # an abandoned earlier try of this generation number decided nothing about this one
+            self._decisions.pop(generation, None)
             self._phase = "rescaling" if cur else "starting"
             self._cv.notify_all()
             return d

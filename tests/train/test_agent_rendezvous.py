@@ -154,7 +154,19 @@ def test_joiner_that_never_arrives_abandons_the_rescale_before_anything_moves() 
     with pytest.raises(RescaleFailed, match="ghost"):
         c.wait_generation(2, timeout=1)
     assert metric(reg, "elastic_training_rescale_failures_total") == 1
-    c.directive(2, "tp1.pp1.dp1", ["w0"])  # the same generation number may be tried again
+    # the same generation number may be tried again, and that try is decided on its own: the
+    # first try's "abandoned" must not answer its meeting (the job would switch, hear abandoned,
+    # switch again... until the join timeout)
+    d2 = c.directive(2, "tp1.pp1.dp1", ["w0"])
+    assert run_step(c, ["w0", "w1"], 1, d2.switch_step) == ["switch", "switch"]
+    assert call(c, "arrive", "w0", generation=2, digest="y")["decision"] == "wait"
+    assert call(c, "arrive", "w1", generation=2, digest="y")["decision"] == "go"  # w1 leaves
+    call(c, "result", "w0", generation=2, ok=True, stats={})
+    call(c, "result", "w1", generation=2, ok=True, stats={})
+    assert call(c, "step", "w0", generation=2, step=d2.switch_step)["action"] == "go"
+    assert run_step(c, ["w0"], 2, d2.switch_step + 1) == ["go"]
+    st = c.status()
+    assert (st.phase, st.generation, st.layout) == ("running", 2, "tp1.pp1.dp1")
 
 
 def test_members_with_different_plans_abandon_the_rescale() -> None:
