@@ -10,8 +10,10 @@ replica counts ``min(1, running / capacity)``, where the capacity is the load a 
 sized for at its SLO (the service's target: 13 concurrent requests of its 16 batch slots;
 above it the queue makes time-to-first-token miss 1 s); each training GPU counts 1 while
 its worker is stepping (a rescale's pause, pause x old world size, is subtracted; GPUs
-whose joiners are still starting count 0); idle, starting and draining GPUs count 0. The
-sum over time is divided by 8 x elapsed time.
+whose joiners are still starting count 0); idle, starting and draining GPUs (a replica out
+of the balancer, finishing its requests) count 0. The sum over
+time is divided by 8 x elapsed time. A request counts as served only when its stream ends
+as the replica meant it to: one cut short (a replica stopped under it) is a failed request.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ class Sample:
     loss: float | None
     tokens_per_second: float
     running: float = 0.0  # requests being served by all ready replicas
+    draining: int = 0  # replicas out of the balancer's targets, finishing their requests
 
 
 @dataclass
@@ -288,6 +291,8 @@ def _sample_loop(backend: Any, ctl: Any, profile: Any, t0: float, run: DemoRun, 
     while not stop.wait(every):
         t = time.monotonic() - t0
         urls = backend.service_targets(SERVICE)
+        # DESIGN.md: a draining replica is not busy (it holds its GPU until its requests are done)
+        draining = backend.draining_targets(SERVICE)
         running = [_replica_running(u) for u in urls]
         busy = sum(min(1.0, r / capacity) for r in running)
         rt = backend.job_runtime(JOB)
@@ -299,7 +304,7 @@ def _sample_loop(backend: Any, ctl: Any, profile: Any, t0: float, run: DemoRun, 
             run.losses.append((rt.step, rt.loss))
         run.samples.append(Sample(t, rate_at(profile, t), len(urls), busy, tg, tbusy, rt.layout if rt else None,
                                   rt.step if rt else 0, rt.loss if rt else None,
-                                  rt.tokens_per_second if rt else 0.0, sum(running)))
+                                  rt.tokens_per_second if rt else 0.0, sum(running), len(draining)))
 
 
 def _first_tick(ctl: Any, console: Any, wait_s: float, tick_seconds: float) -> Any:
@@ -362,7 +367,7 @@ def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup:
         paused = sum(r["pause_seconds"] * Layout.parse(r["from"]).world_size for r in done if r["from"])
         trn_s = max(0.0, sum(x.training_busy * d for x, d in zip(s, dt, strict=True)) - paused)
         busy, inf, trn = inf_s + trn_s, inf_s / total, trn_s / total
-        held_inf = sum(x.replicas * d for x, d in zip(s, dt, strict=True)) / total
+        held_inf = sum((x.replicas + x.draining) * d for x, d in zip(s, dt, strict=True)) / total
         held_trn = sum(x.training_gpus * d for x, d in zip(s, dt, strict=True)) / total
     else:
         busy, total, inf, trn, held_inf, held_trn = 0.0, 1.0, 0.0, 0.0, 0.0, 0.0
@@ -375,8 +380,8 @@ def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup:
         "gpu_utilization_bound": round(bound, 4) if bound is not None else None,
         "inference_busy_fraction": round(inf, 4),
         "training_busy_fraction": round(trn, 4),
-        # where the rest went: GPUs held by ready replicas / running training workers, and neither
-        # (starting or draining replicas, joiners starting, idle)
+        # where the rest went: GPUs held by ready or draining replicas / running training workers, and
+        # neither (starting replicas, joiners starting, idle)
         "inference_held_fraction": round(held_inf, 4),
         "training_held_fraction": round(held_trn, 4),
         "not_held_fraction": round(max(0.0, 1 - held_inf - held_trn), 4),
@@ -384,7 +389,10 @@ def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup:
         "slo_ttft_seconds": slo,
         "ttft_p50_seconds": _r(report.ttft_quantile(0.5, since=warmup)),
         "ttft_p99_seconds": _r(report.ttft_quantile(0.99, since=warmup)),
-        "failed_requests": sum(1 for r in report.results if r.sent_at >= warmup and r.ttft is None),
+        # not answered in full: refused, errors, no first token, and streams cut short
+        "failed_requests": sum(1 for r in report.results if r.sent_at >= warmup and not
+                               (r.status == 200 and r.ttft is not None and r.complete)),
+        "truncated_requests": sum(1 for r in report.results if r.sent_at >= warmup and r.truncated),
         "requests": requests,
         "reshards": len(done),
         "reshards_failed": sum(1 for r in run.reshards if r["status"] == "failed"),

@@ -72,6 +72,29 @@ class _Job:
     keepers: list[str] = field(default_factory=list)  # paused: who holds the state (no GPU)
 
 
+def wait_drained(urls: Sequence[str], timeout: float, poll: float = 0.1) -> list[str]:
+    """Wait until the replicas at ``urls`` (already out of the load balancer's targets) have
+    finished every request they had, running or waiting, at most ``timeout`` seconds; returns
+    those still busy then. Their servers give what is left a second's grace before cutting
+    it, so set the timeout above the longest request served (as Kubernetes'
+    ``terminationGracePeriodSeconds``). A replica counts as drained once it read idle twice
+    in a row: a request routed to it just before it left the targets is not cut. An
+    unreachable replica has nothing left to drain."""
+    from elastic.metrics.scrape import scrape_sum
+
+    deadline = time.monotonic() + timeout
+    idle = {u: 0 for u in urls}
+    while True:
+        for u, n in idle.items():
+            if n < 2:
+                busy = scrape_sum(u, ("vllm:num_requests_running", "vllm:num_requests_waiting"))
+                idle[u] = 2 if busy is None else (n + 1 if not busy else 0)
+        left = [u for u, n in idle.items() if n < 2]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(poll)
+
+
 class RayBackend:
     """``Backend`` over a Ray cluster (see module docstring)."""
 
@@ -79,7 +102,7 @@ class RayBackend:
 
     def __init__(self, pool: PoolSpec, *, replica_config: Any = None, train_options: Any = None,
                  trainer_config: Callable[[TrainingSpec], Any] | None = None, local: bool = True,
-                 drain_seconds: float = 2.0, detached: bool = False, namespace: str | None = None) -> None:
+                 drain_seconds: float = 30.0, detached: bool = False, namespace: str | None = None) -> None:
         import ray
 
         self.pool = pool
@@ -97,6 +120,8 @@ class RayBackend:
         self.namespace = namespace or ray.get_runtime_context().namespace
         self._nodes = self._discover_nodes()
         self.replicas: dict[str, list[_Replica]] = {}
+        # out of the load balancer's targets, finishing their requests (until stopped)
+        self.draining: dict[str, list[_Replica]] = {}
         self.jobs: dict[str, _Job] = {}
         self._lock = threading.RLock()
         self.adopted: list[str] = []  # what _adopt found (for the controller's recovery notes)
@@ -146,6 +171,11 @@ class RayBackend:
         with self._lock:
             return [r.url for r in self.replicas.get(service, [])]
 
+    def draining_targets(self, service: str) -> list[str]:
+        """Replicas taken out of ``service_targets`` that are still finishing their requests."""
+        with self._lock:
+            return [r.url for r in self.draining.get(service, [])]
+
     def set_service_gpus(self, spec: InferenceSpec, gpus: tuple[GPU, ...]) -> None:
         import ray
 
@@ -156,16 +186,18 @@ class RayBackend:
             current = list(self.replicas.get(spec.name, []))
             keep = [r for r in current if r.gpu in want]
             leave = [r for r in current if r.gpu not in want]
-            # 1. drain: out of the load balancer's targets first, then stop
+            # 1. drain: out of the load balancer's targets first, then stop once their requests are done
             self.replicas[spec.name] = keep
-        for r in leave:
-            self._drain(r)
+            self.draining[spec.name] = self.draining.get(spec.name, []) + leave
+        self._drain(leave)
         for r in leave:
             try:
                 ray.get(r.actor.stop.remote(), timeout=10)
             except Exception:  # noqa: BLE001 - the actor is killed below anyway
                 pass
             ray.kill(r.actor, no_restart=True)
+            with self._lock:
+                self.draining[spec.name] = [d for d in self.draining.get(spec.name, []) if d is not r]
         if leave:
             self._wait_gpus_free(len(leave) * spec.gpus_per_replica)
         # 2. start the missing replicas (in parallel: each loads its model)
@@ -198,16 +230,12 @@ class RayBackend:
                     raise
                 time.sleep(0.2)
 
-    def _drain(self, r: _Replica) -> None:
-        """Wait (bounded) until the replica has no running or waiting request."""
-        from elastic.metrics.scrape import scrape_sum
-
-        deadline = time.monotonic() + self.drain_seconds
-        while time.monotonic() < deadline:
-            busy = scrape_sum(r.url, ("vllm:num_requests_running", "vllm:num_requests_waiting"))
-            if not busy:  # None: an unreachable replica has nothing to drain
-                return
-            time.sleep(0.1)
+    def _drain(self, leave: Sequence[_Replica]) -> None:
+        if not leave:
+            return
+        if busy := wait_drained([r.url for r in leave], self.drain_seconds):
+            log.warning("replicas %s still busy after a %.0f s drain; stopping them cuts their requests",
+                        busy, self.drain_seconds)
 
     def _wait_gpus_free(self, n: int, timeout: float = 10.0) -> None:
         import ray

@@ -44,6 +44,13 @@ class Result:
     ttft: float | None = None
     e2e: float | None = None
     tokens: int = 0
+    # the stream ended as the server meant it to (a finish reason or ``[DONE]``): a response
+    # cut short (a replica stopped under it) has a first token but is a failed request
+    complete: bool = False
+
+    @property
+    def truncated(self) -> bool:
+        return self.ttft is not None and not self.complete
 
 
 @dataclass
@@ -53,14 +60,16 @@ class Report:
 
     @property
     def ok(self) -> list[Result]:
-        return [r for r in self.results if r.status == 200 and r.ttft is not None]
+        """Requests answered in full (a first token and the stream's proper end)."""
+        return [r for r in self.results if r.status == 200 and r.ttft is not None and r.complete]
 
     def slo_attainment(self, ttft_target: float, since: float = 0.0) -> float:
-        """Share of requests sent after ``since`` whose TTFT met the target (failures count as misses)."""
+        """Share of requests sent after ``since`` answered in full with a TTFT within the target
+        (failures, truncated streams among them, count as misses)."""
         sent = [r for r in self.results if r.sent_at >= since]
         if not sent:
             return float("nan")
-        return sum(1 for r in sent if r.ttft is not None and r.ttft <= ttft_target) / len(sent)
+        return sum(1 for r in sent if r.complete and r.ttft is not None and r.ttft <= ttft_target) / len(sent)
 
     def ttft_quantile(self, q: float, since: float = 0.0) -> float | None:
         vals = sorted(r.ttft for r in self.ok if r.sent_at >= since and r.ttft is not None)
@@ -72,6 +81,7 @@ class Report:
             "requests": len(self.results), "ok": len(ok),
             "rejected": sum(1 for r in self.results if r.status in (429, 503)),
             "errors": sum(1 for r in self.results if r.status not in (200, 429, 503)),
+            "truncated": sum(1 for r in self.results if r.truncated),
             "ttft_p50": self.ttft_quantile(0.5), "ttft_p90": self.ttft_quantile(0.9),
             "e2e_p50": _q([r.e2e for r in ok if r.e2e is not None], 0.5),
             "slo_ttft_seconds": ttft_target, "slo_attainment": self.slo_attainment(ttft_target),
@@ -169,22 +179,27 @@ class LoadGenerator:
     async def _request(self, client: httpx.AsyncClient, target: str, sent_at: float) -> Result:
         body = {"prompt": self.prompt, "max_tokens": self.max_tokens, "stream": True}
         t0 = time.monotonic()
-        ttft, tokens = None, 0
+        ttft, tokens, complete = None, 0, False
         try:
             async with client.stream("POST", f"{target}/v1/completions", json=body) as resp:
                 if resp.status_code != 200:
                     await resp.aread()
                     return Result(sent_at, target, resp.status_code)
                 async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
+                    if line == "data: [DONE]":
+                        complete = True
+                        continue
+                    if not line.startswith("data: "):
                         continue
                     chunk = json.loads(line[6:])
+                    if chunk["choices"][0]["finish_reason"] is not None:
+                        complete = True
                     if chunk["choices"][0]["text"] or chunk["choices"][0]["finish_reason"] is None:
                         ttft = ttft if ttft is not None else time.monotonic() - t0
                         tokens += 1
-            return Result(sent_at, target, 200, ttft, time.monotonic() - t0, tokens)
+            return Result(sent_at, target, 200, ttft, time.monotonic() - t0, tokens, complete)
         except (TimeoutError, httpx.HTTPError):
-            return Result(sent_at, target, 0, ttft)
+            return Result(sent_at, target, 0, ttft, tokens=tokens)
 
 
 # ---- command line ----------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 
 import pytest
 
@@ -86,12 +87,28 @@ def test_loopback_only_unless_allowed() -> None:
 
 
 def test_slo_attainment_counts_failures_as_misses() -> None:
-    r = Report([Result(0.0, "a", 200, 0.2, 0.5, 4), Result(1.0, "a", 200, 0.9, 1.2, 4), Result(2.0, "a", 429),
-                Result(3.0, "a", 200, 0.1, 0.3, 4)])
-    assert r.slo_attainment(0.5) == 0.5
-    assert r.slo_attainment(0.5, since=2.5) == 1.0
+    r = Report([Result(0.0, "a", 200, 0.2, 0.5, 4, True), Result(1.0, "a", 200, 0.9, 1.2, 4, True),
+                Result(2.0, "a", 429), Result(3.0, "a", 200, 0.1, 0.3, 4, True),
+                # a stream cut after a quick first token: a failed request, not a met SLO
+                Result(4.0, "a", 0, 0.1, tokens=2)])
+    assert r.slo_attainment(0.5) == 0.4
+    assert r.slo_attainment(0.5, since=2.5) == 0.5
     s = r.summary(0.5)
-    assert (s["requests"], s["ok"], s["rejected"]) == (4, 3, 1)
+    assert (s["requests"], s["ok"], s["rejected"], s["truncated"]) == (5, 3, 1, 1)
+
+
+def test_a_stream_cut_short_is_a_failed_request_not_a_success(replicas) -> None:
+    # 40 tokens at 10 tokens/s: the replica is stopped (1 s grace) long before the stream ends
+    r = replicas.start(max_running=4, max_waiting=16, tokens_per_second=10.0)
+    gen = LoadGenerator([r.url], ConstantProfile(50.0), duration=0.05, max_requests=1, max_tokens=40, seed=1)
+    threading.Timer(0.5, r.stop).start()
+    report = asyncio.run(gen.run())
+    assert len(report.results) == 1
+    res = report.results[0]
+    assert res.ttft is not None and 0 < res.tokens < 40
+    assert res.truncated and not res.complete
+    assert report.ok == [] and report.slo_attainment(1.0) == 0.0
+    assert report.summary(1.0)["truncated"] == 1
 
 
 def test_loadgen_against_a_replica_records_ttft_and_e2e(replicas) -> None:
@@ -99,5 +116,5 @@ def test_loadgen_against_a_replica_records_ttft_and_e2e(replicas) -> None:
     gen = LoadGenerator([r.url], ConstantProfile(10.0), duration=1.5, max_requests=12, max_tokens=4, seed=2)
     report = asyncio.run(gen.run())
     assert 5 <= len(report.results) <= 12
-    assert all(x.status == 200 and x.tokens == 4 for x in report.results)
+    assert all(x.status == 200 and x.tokens == 4 and x.complete for x in report.results)
     assert all(0 < x.ttft <= x.e2e for x in report.results)

@@ -1,0 +1,48 @@
+"""Scale-down drains: a replica taken out of the balancer finishes its requests before it stops."""
+
+from __future__ import annotations
+
+import time
+
+from elastic.backends.ray import wait_drained
+from elastic.serve.loadgen import LoadGenerator
+from elastic.serve.profiles import ConstantProfile
+from tests.inference.conftest import BackgroundLoad
+
+
+def _load_on(url: str, n: int, max_tokens: int) -> BackgroundLoad:
+    gen = LoadGenerator([url], ConstantProfile(20.0), duration=n / 20.0 + 0.01, max_requests=n,
+                        max_tokens=max_tokens, seed=3)
+    return BackgroundLoad(gen)
+
+
+def test_wait_drained_returns_once_the_requests_are_done_and_none_is_cut(replicas) -> None:
+    # 12 tokens at 10 tokens/s: each request runs ~1.1 s, far beyond a poll
+    r = replicas.start(max_running=8, max_waiting=16, tokens_per_second=10.0)
+    load = _load_on(r.url, 4, 12)
+    time.sleep(0.4)  # all four sent and running
+    t0 = time.monotonic()
+    assert wait_drained([r.url], timeout=10.0) == []
+    waited = time.monotonic() - t0
+    r.stop()  # what the backend does next: nothing is left to cut
+    report = load.finish()
+    assert len(report.results) == 4
+    assert all(x.complete and x.tokens == 12 for x in report.results), report.results
+    assert 0.3 < waited < 5.0  # it did wait for the requests, and returned soon after they ended
+
+
+def test_wait_drained_gives_up_at_its_timeout_and_names_the_busy_replica(replicas) -> None:
+    busy = replicas.start(max_running=4, max_waiting=16, tokens_per_second=10.0)
+    idle = replicas.start(max_running=4, max_waiting=16, tokens_per_second=10.0)
+    load = _load_on(busy.url, 1, 60)  # ~6 s
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    assert wait_drained([busy.url, idle.url], timeout=0.5) == [busy.url]
+    assert time.monotonic() - t0 < 2.0
+    busy.stop()  # cut: the load generator must see a failed, truncated request
+    report = load.finish()
+    assert [x.truncated for x in report.results] == [True]
+
+
+def test_an_unreachable_replica_has_nothing_to_drain() -> None:
+    assert wait_drained(["http://127.0.0.1:9"], timeout=5.0) == []
