@@ -27,6 +27,14 @@ bytes moved. Without
 recovery the job would start again from step 0; restarting from a checkpoint costs 7-10 s
 for 2 GB of state on these machines (REFERENCE.md) plus the steps since the checkpoint.
 
+A rescale of a job whose state is replicated (dp >= 2, no ZeRO) is *transactional* by
+default: members keep their old state whole until every member has exchanged its part, so a
+worker lost mid-exchange rolls the job back instead of failing it. ``transactional`` measures
+what that costs, side by side on two fresh jobs of the same model (one with
+``LaunchOptions.transactional_rescale=False``): the pause of ``tp1.pp1.dp2 -> tp2.pp1.dp2``
+(two joiners: the new default group is built after the commit instead of during the
+exchange) and back (two leavers), and the ratio transactional / in place.
+
 The same kill once more on a job of 4 micro-batches per replica (``recovery_many``, a fresh job
 with a larger global batch): there the survivor does not finish the step but gives it up at
 its next micro-batch, told by the coordinator through its heartbeat; ``given_up_at`` is the
@@ -79,7 +87,7 @@ def _steps_of(h: ProcessJobHandle, generation: int) -> list[float]:
     return [r.seconds for r in h.history() if r.generation == generation]
 
 
-PHASES = ("meet", "group", "exchange", "close", "init_pg", "engine")
+PHASES = ("meet", "group", "exchange", "commit", "close", "init_pg", "engine")
 
 
 def _phases(worker_stats: dict[str, dict[str, Any]]) -> dict[str, float]:
@@ -130,7 +138,40 @@ def run_model(name: str, steps: int, timeout: float) -> dict[str, Any]:
         raise SystemExit(f"{name}: job failed: {st.error} (worker logs in {logs})")
     return {"params": cfg.model.total_params(), "global_batch": global_batch, "seq_len": cfg.model.seq_len,
             "layouts": rows, "rescales": rescales, "recovery": recovery,
-            "recovery_many": _recover_many(name, MANY_MICRO_BATCHES, timeout)}
+            "recovery_many": _recover_many(name, MANY_MICRO_BATCHES, timeout),
+            "transactional": _transactional_cost(name, min(steps, 3), timeout)}
+
+
+TXN_WALK = (("tp1.pp1.dp2", ["w0", "w1"]), ("tp2.pp1.dp2", ["w0", "w1", "w2", "w3"]), ("tp1.pp1.dp2", ["w0", "w1"]))
+
+
+def _transactional_cost(name: str, steps: int, timeout: float) -> dict[str, Any]:
+    """The same two rescales on two fresh jobs, transactional (the default) and in place."""
+    global_batch, _ = SCENARIOS[name]
+    cfg = TrainConfig(model=load_model(name), global_batch=global_batch, micro_batch=1)
+    out: dict[str, Any] = {}
+    for txn in (True, False):
+        opts = LaunchOptions(pg_timeout_s=600, heartbeat_timeout_s=120, join_timeout_s=600, rescale_timeout_s=timeout,
+                             transactional_rescale=txn)
+        logs = tempfile.mkdtemp(prefix=f"train-bench-{name}-txn{int(txn)}-")
+        h = ProcessJobHandle(f"bench-{name}-txn{int(txn)}", cfg, options=opts, log_dir=logs)
+        rows = []
+        try:
+            for i, (layout, workers) in enumerate(TXN_WALK):
+                res = (h.start(layout, workers, timeout=timeout) if i == 0
+                       else h.rescale(layout, workers, remap=True, timeout=timeout))
+                h.wait_step(res.switch_step + steps - 1, timeout=timeout)
+                if i > 0:
+                    rows.append({"from": res.from_layout, "to": layout, "pause_seconds": res.pause_seconds,
+                                 "phases": _phases(res.record.worker_stats)})
+        finally:
+            st = h.stop()
+        if st.error:
+            raise SystemExit(f"{name}: job failed: {st.error} (worker logs in {logs})")
+        out["transactional" if txn else "in_place"] = rows
+    for a, b in zip(out["transactional"], out["in_place"], strict=True):
+        a["ratio_to_in_place"] = (a["pause_seconds"] or 0.0) / max(b["pause_seconds"] or 0.0, 1e-9)
+    return out
 
 
 MANY_MICRO_BATCHES = 4  # per replica at dp2, for the second kill
@@ -227,6 +268,18 @@ def _print(results: dict[str, Any]) -> None:
             pause = v["pause_seconds"] or 0.0
             print(f"  {label:<28}{pause:>10.3f}{pause / v['step_seconds']:>8.2f}{v['seconds']:>13.3f}"
                   f"{v['bytes_moved'] / 1e6:>10.1f}{'step ' + str(v['resumed_at_step']):>12}{v['steps_redone']:>8}{note}")
+        _print_txn(r)
+
+
+def _print_txn(r: dict[str, Any]) -> None:
+    t = r.get("transactional")
+    if not t:
+        return
+    print(f"  {'transactional vs in place':<28}{'txn s':>9}{'in place':>10}{'ratio':>8}   txn phases ms: "
+          + " ".join(PHASES))
+    for a, b in zip(t["transactional"], t["in_place"], strict=True):
+        print(f"  {a['from'] + ' -> ' + a['to']:<28}{a['pause_seconds']:>9.3f}{b['pause_seconds']:>10.3f}"
+              f"{a['ratio_to_in_place']:>8.2f}   " + " ".join(f"{a['phases'][p] * 1e3:.0f}" for p in PHASES))
 
 
 def main(argv: list[str] | None = None) -> int:

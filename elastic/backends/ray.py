@@ -357,7 +357,11 @@ class RayBackend:
         except RescaleCancelled as e:
             _remember_gpus(j.handle, j)  # the job keeps the workers and GPUs it had
             raise GrowCancelled(f"{spec.name}: rescale {before.layout} -> {layout} called off: {e}") from e
-        except Exception as e:  # noqa: BLE001 - refused/abandoned: the job continues on its old layout
+        except Exception as e:  # noqa: BLE001 - refused/abandoned/rolled back: the job goes on on its old layout
+            try:
+                _remember_gpus(j.handle, j)  # the old generation's map again (a rollback recovers from it)
+            except Exception:  # noqa: BLE001 - the job may have failed too; the error below says why
+                pass
             raise BackendError(f"{spec.name}: rescale {before.layout} -> {layout} failed: {e}") from e
         with self._lock:
             j.workers, j.next_id, j.keepers = new_workers, nxt, []
@@ -689,7 +693,8 @@ class _RemoteCoordinator:
 
 def _coordinator_settings(opts: Any) -> dict[str, Any]:
     return {"heartbeat_interval_s": opts.heartbeat_interval_s, "heartbeat_timeout_s": opts.heartbeat_timeout_s,
-            "join_timeout_s": opts.join_timeout_s, "max_steps": opts.max_steps, "recover": opts.recover}
+            "join_timeout_s": opts.join_timeout_s, "max_steps": opts.max_steps, "recover": opts.recover,
+            "transactional": opts.transactional_rescale}
 
 
 class RayJobHandle(JobHandle):

@@ -25,6 +25,15 @@ stop. A rescale directive is always applied at a step boundary:
    ``TrainEngine(cfg, layout, rank, state=new_state)``, continuing at the same step.
    Joiners arrive with no state and receive theirs. Old process groups are destroyed by a
    background thread (a used gloo group's destructor blocks ~20 ms).
+   A *transactional* rescale (``Directive.rollback``: the coordinator sets it when the old
+   layout is recoverable, replicas without ZeRO) differs in three ways: ``prepare`` recycles
+   no dropped shard (the old state stays whole), each member reports ``exchanged`` when its
+   part has moved and waits for the commit (every member exchanged) before it builds the
+   new layout's groups and engine, and until then it keeps its old state. A peer lost
+   before the commit breaks the exchange (or the commit answers ``rollback``): the member
+   destroys its communicators, stands again as a member of the old generation on its
+   kept state and reports like a broken step; the coordinator recovers the old generation
+   from its survivors. A joiner has nothing to go back to and leaves.
 
 4. A *hold* directive (the job is paused) makes the new members keepers: they receive the
    state like any joiner but build no engine and no process group (:class:`HeldState`),
@@ -223,6 +232,9 @@ class WorkerAgent:
         # engine of the generation the coordinator named, never a newer one
         self._engine_lock = threading.Lock()
         self._interrupted_gen = -1  # the generation we were last told to interrupt (logged once)
+        # fault injection for tests and chaos drills: "<worker>:<generation>:<exchange|commit>" makes
+        # that worker die (os._exit, as a lost node) inside that rescale's exchange or just after it
+        self._fault = os.environ.get("ELASTIC_FAULT_EXCHANGE", "")
 
     # ---- entry ----------------------------------------------------------------------------
     def run(self) -> int:
@@ -388,8 +400,10 @@ class WorkerAgent:
                             list(d.workers), kinds=kinds,
                             bytes_per_element=torch.empty((), dtype=dtype).element_size(), remap=d.remap)
         plan_s = time.perf_counter() - t0
+        # a transactional rescale keeps the old state whole until every member exchanged: no new
+        # tensor may live in the memory of an old shard that is dropped
         prepared = prepare(plan, self.worker, dict(old_state), device=self.opts.device,
-                           dtypes=config_kind_dtypes(self.config))
+                           dtypes=config_kind_dtypes(self.config), recycle_dropped=not d.rollback)
         info = {"new_ranks": dict(plan.new_ranks), "planned_bytes": plan.bytes_planned,
                 "lower_bound_bytes": plan.bytes_lower_bound, "plan_seconds": plan_s}
         return _Prep(d, plan, prepared, plan_digest(plan), info, old_state)
@@ -417,17 +431,45 @@ class WorkerAgent:
         layout, rank = Layout.parse(d.layout), new_ranks.get(self.worker)
         keep_default = self._keeps_default_group(d, new_ranks)
         old_group = prep.prepared is not None and self._old_group_is_members(d, prep)
+        # transactional (Directive.rollback): the old state stays whole, and the new layout is not
+        # built, until every member has exchanged its part; a loss before that rolls the job back
+        txn = d.rollback and prep.prepared is not None
+        snapshot = (_Snapshot(self.generation, self.layout, prep.old_state, self._applied)
+                    if txn and self.engine is not None else None)
         new_pg: Future[None] | None = None
         if prep.prepared is not None and not old_group:
             # 2a. a transient group will carry the bytes (someone joins): the old groups are idle
             # already, so drop them now and build the new default group while the bytes move
-            # (keepers of a held generation need none: they run no collective)
+            # (keepers of a held generation need none: they run no collective; a transactional
+            # rescale builds it after the commit: a member lost meanwhile would hang its rendezvous)
             self._close_engine()
             clock.mark("close")
-            if rank is not None and not d.hold:
+            if rank is not None and not d.hold and not txn:
                 new_pg = self._pool.submit(self._init_default_group, d, layout, rank, own_store=True)
         # 2. move the bytes over a group of old union new (the old default group when it is exactly that)
-        new_state, stats = self._execute(d, prep, clock, old_group=old_group)
+        broke = ""
+        try:
+            new_state, stats = self._execute(d, prep, clock, old_group=old_group)
+        except Exception as e:
+            if not (txn and self.opts.recover and _is_comm_error(e)):
+                raise
+            broke = f"{type(e).__name__}: {_short(e, 160)}"
+        if broke:  # outside the except: the traceback no longer holds the broken groups
+            return self._exchange_broke(d, snapshot, broke)
+        if txn:
+            # 2b. the commit: every member has its new bytes (and still its old ones)
+            self._maybe_die(d, "commit")
+            verdict, why = self._exchanged(d)
+            clock.mark("commit")
+            if verdict == "rollback":
+                new_state = {}
+                return self._exchange_broke(d, snapshot, why, rolled_back=True)
+            if verdict != "go":  # the job failed or is stopping meanwhile
+                log.info("worker %s: stop at the commit of generation %d (%s)", self.worker, d.generation, why)
+                self._close_engine()
+                self._exit_notice()
+                return None
+            snapshot = None
         # 3. the old engine and its groups go (if still there)
         if self.engine is not None or (dist.is_initialized() and new_pg is None):
             self._close_engine(keep_default=keep_default)
@@ -450,6 +492,61 @@ class WorkerAgent:
         self._applied = d.switch_step - 1
         clock.mark("engine")
         self._report_result(d, {**stats, "rank": rank, **clock.report()})
+        return d.switch_step
+
+    def _maybe_die(self, d: Directive, where: str) -> None:
+        if self._fault == f"{self.worker}:{d.generation}:{where}":
+            _hard_exit(9, f"worker {self.worker}: fault injected at the {where} of generation {d.generation}")
+
+    def _exchanged(self, d: Directive) -> tuple[str, str]:
+        """Report our part of a transactional rescale done; long-poll for the commit (``go``), a
+        ``rollback``, or ``stop``."""
+        while True:
+            resp = self.client.call("exchanged", generation=d.generation, wait_s=self.opts.long_poll_s)
+            if resp["decision"] != "wait":
+                return resp["decision"], resp.get("reason", "")
+            time.sleep(_REASK_S)
+
+    def _exchange_broke(self, d: Directive, snapshot: _Snapshot | None, error: str, *,
+                        rolled_back: bool = False) -> int | None:
+        """A transactional rescale failed before its commit (a peer was lost mid-exchange): shut every
+        communicator down at once, and either stand again as the old generation's member with the
+        old state kept whole (report it, like a broken step, and wait for the recovery directive)
+        or, with nothing old to go back to (a joiner), leave. Returns the step to continue at, or
+        None when this worker leaves."""
+        what = "was rolled back" if rolled_back else "broke"
+        retired: list[Any] = []
+        if self.engine is not None:
+            retired += _engine_backends(self.engine)
+            self.engine.close()  # communicators only: the state tensors stay valid
+        if dist.is_initialized():
+            retired.append(dist.group.WORLD)
+            dist.destroy_process_group()
+        for pg in retired:
+            _shutdown(pg)
+        retired.clear()
+        if snapshot is None:
+            log.warning("worker %s: the rescale to generation %d %s (%s); a joiner has nothing to go back "
+                        "to: leaving", self.worker, d.generation, what, error)
+            with self._engine_lock:
+                self.engine = None
+            try:
+                self.client.call("broken", generation=d.generation, step=d.switch_step, applied=-1, error=error,
+                                 ready=None, dirty=False, local_apply=False)
+            except RendezvousError:
+                pass
+            self._exit_notice()
+            return None
+        log.warning("worker %s: the rescale to generation %d %s (%s); back on generation %d with the old "
+                    "state, waiting for the recovery", self.worker, d.generation, what, error, snapshot.generation)
+        with self._engine_lock:
+            self.engine = HeldState(snapshot.state)
+            self.generation, self.layout = snapshot.generation, snapshot.layout
+        self._applied = snapshot.applied
+        self._prep, self._broken = None, True
+        self.client.call("broken", generation=snapshot.generation, step=d.switch_step, applied=snapshot.applied,
+                         error=f"rescale to generation {d.generation} {what}: {error}", ready=None, dirty=False,
+                         local_apply=True)
         return d.switch_step
 
     def _meet(self, d: Directive, prep: _Prep) -> tuple[str, str]:
@@ -487,8 +584,14 @@ class WorkerAgent:
             store = dist.PrefixStore(f"{d.job}/g{d.generation}/reshard/", self._store_for(d))
             pg = dist.ProcessGroupGloo(store, grank[self.worker], len(members), self._timeout())
         clock.mark("group")
+        self._maybe_die(d, "exchange")
         try:
             new_state = execute(prep.prepared, pg, grank, verify=self.opts.verify_reshard)
+        except BaseException:
+            if pg is not None:  # destroyed now, not retired: a peer blocked on it fails at once
+                _shutdown(pg)
+                pg = None
+            raise
         finally:
             if pg is not None:
                 _shutdown(pg)
@@ -655,6 +758,16 @@ class WorkerAgent:
 # --------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Snapshot:
+    """What a member of a transactional rescale goes back to if it is rolled back."""
+
+    generation: int
+    layout: Layout | None
+    state: State
+    applied: int
 
 
 class HeldState:

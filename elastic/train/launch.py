@@ -86,6 +86,13 @@ class LaunchOptions:
     # state survives in data-parallel replicas (dp >= 2, no ZeRO-1): the survivors resume on the
     # same TP x PP split with fewer replicas, at the step they all reach (see rendezvous).
     recover: bool = True
+    # With ``recover`` on a recoverable layout, a rescale is transactional: members keep their old
+    # state whole until every member has exchanged its part, so a worker lost mid-exchange rolls
+    # the job back instead of failing it. It costs memory (the dropped shards' memory is not
+    # reused for received ones: a rescale that only fits with that reuse is abandoned at prepare,
+    # the job going on unchanged) and the new layout's groups are built after the exchange rather
+    # than during it. False: reuse the memory; a loss mid-exchange then fails the job.
+    transactional_rescale: bool = True
 
 
 def make_validator(cfg: Any, hardware: HardwareSpec | str | None = None, gpus_per_node: int | None = None):
@@ -125,7 +132,7 @@ class JobHandle(ABC):
         self.coordinator = Coordinator(
             job, config_json(cfg), host=host, registry=registry, heartbeat_interval_s=o.heartbeat_interval_s,
             heartbeat_timeout_s=o.heartbeat_timeout_s, join_timeout_s=o.join_timeout_s, max_steps=o.max_steps,
-            validator=self.validate, recover=o.recover,
+            validator=self.validate, recover=o.recover, transactional=o.transactional_rescale,
         )
         self._spawned: set[str] = set()
         self._gone: set[str] = set()

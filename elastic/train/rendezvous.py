@@ -32,6 +32,12 @@ see identically:
    proves every rank reached it, so the others apply it from their own gradients) and posts
    a recovery directive: the same TP x PP split with as many replicas as the survivors fill,
    the state moving from survivors as in any rescale, training resuming at the next step.
+   A member lost *during* a rescale's exchange, before every member reported its part done
+   (``/v1/exchanged``: the commit), rolls the rescale back when the old generation was
+   recoverable (``Directive.rollback``; members kept their old state whole): the job is back
+   on the old generation and recovers from its survivors there, under a fresh generation
+   number; the rolled-back rescale is recorded as failed with the reason. A loss after the
+   commit and before the new generation's first step is done still fails the job.
    Otherwise (or when recovery fails) the job turns ``failed`` with a reason and every later
    request from a worker is answered ``stop``.
 
@@ -119,6 +125,11 @@ class Directive:
     join_timeout_s: float
     hold: bool = False  # a paused generation: its workers keep the state and run no step
     commit_step: int | None = None  # recovery: survivors first apply this step if they hold it ready
+    # a transactional rescale: members keep their old state untouched (no recycling of dropped
+    # shards) until every member has exchanged its part, and report ``exchanged`` before they
+    # build the new layout; a member lost before that rolls the job back to the old generation,
+    # which then recovers from its survivors (set when the old layout is recoverable)
+    rollback: bool = False
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -233,6 +244,8 @@ class _Pending:
     resumed: set[str] = field(default_factory=set)
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
     plan_info: dict[str, Any] = field(default_factory=dict)
+    previous: _Gen | None = None  # the generation it replaces (a rollback's way back)
+    exchanged: set[str] = field(default_factory=set)  # members whose part of the exchange is done
 
 
 @dataclass
@@ -243,6 +256,9 @@ class _Recovery:
     lost: dict[str, str] = field(default_factory=dict)  # worker -> why it was given up
     reports: dict[str, dict[str, Any]] = field(default_factory=dict)  # survivor -> {applied, ready, dirty, ...}
     posted: bool = False
+    # after a rolled-back rescale: every old member may be alive (the lost one was a joiner), and
+    # recovering onto them all is going back, not retrying what broke
+    rollback: bool = False
 
 
 Validator = Callable[[Layout, Sequence[str]], None]
@@ -267,6 +283,7 @@ class Coordinator:
         max_steps: int | None = None,
         validator: Validator | None = None,
         recover: bool = False,
+        transactional: bool = True,
         recovery_timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -286,6 +303,8 @@ class Coordinator:
         self.max_steps = max_steps
         self.validator = validator
         self.recover = recover
+        # rescales of a recoverable generation roll back on a loss mid-exchange (Directive.rollback)
+        self.transactional = transactional
         # survivors must report within this after a loss (default: the heartbeat timeout)
         self.recovery_timeout_s = recovery_timeout_s if recovery_timeout_s is not None else heartbeat_timeout_s
         self.metrics = TrainingMetrics(job, registry)
@@ -318,6 +337,7 @@ class Coordinator:
         self._finished: set[str] = set()
         self._failures: list[str] = []
         self._recovery: _Recovery | None = None
+        self._rolled_back: dict[int, str] = {}  # generation -> why its exchange was rolled back
         self.lost: set[str] = set()  # workers given up for lost (a launcher makes sure they are gone)
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -389,14 +409,15 @@ class Coordinator:
                 old_layout=cur.layout if cur else None, old_ranks=old_ranks, switch_step=switch,
                 store_host=self.advertise_host, store_port=self.store_port,
                 join_timeout_s=join_timeout_s if join_timeout_s is not None else self.join_timeout_s,
-                hold=hold,
+                hold=hold, rollback=self.transactional and cur is not None and not hold and self._recoverable(cur),
             )
             rec = RescaleRecord(generation, d.old_layout, d.layout, list(members), list(d.joiners),
                                 list(d.leavers), switch, hold=hold)
             self._pending = _Pending(d, rec, self._clock())
             self._rescales[generation] = rec
-            # an abandoned earlier try of this generation number decided nothing about this one
+            # an abandoned (or rolled back) earlier try of this number decided nothing about this one
             self._decisions.pop(generation, None)
+            self._rolled_back.pop(generation, None)
             self._phase = "rescaling" if cur else "starting"
             self._cv.notify_all()
             return d
@@ -420,6 +441,9 @@ class Coordinator:
                 f"job {self.job}: generation {self._pending.directive.generation} is still in flight; "
                 "wait for it (wait_generation) before posting another"
             )
+        if self._recovery is not None:
+            raise SpecError(f"job {self.job} is recovering from a lost worker ({self._recovery.reason}); "
+                            "post the rescale once it runs again")
         expected = (self._current.generation if self._current else 0) + 1
         if generation != expected:
             raise SpecError(f"job {self.job}: directive generation={generation}, expected {expected} "
@@ -600,6 +624,7 @@ class Coordinator:
         p.record.lower_bound_bytes = int(info.get("lower_bound_bytes", 0))
         p.record.plan_seconds = float(info.get("plan_seconds", 0.0))
         self._decisions[d.generation] = ("go", "")
+        p.previous = self._current
         self._current = _Gen(d.generation, d.layout, new_ranks, d.switch_step, hold=d.hold)
         self._gen_sizes[d.generation] = (d.layout, len(d.workers))
         self._max_begun = d.switch_step - 1
@@ -897,6 +922,41 @@ class Coordinator:
             self._maybe_complete_locked()
         return {}
 
+    def _h_exchanged(self, b: dict[str, Any]) -> dict[str, Any]:
+        """A member of a transactional rescale (``Directive.rollback``) moved its part of the bytes and
+        still holds its old state: ``go`` once every member has (the commit: from here the old state
+        may go and the new layout is built), ``rollback`` when the rescale was rolled back meanwhile,
+        ``wait`` after a long poll of up to ``wait_s``."""
+        w, gen = str(b["worker"]), int(b["generation"])
+        self._touch(w)
+        wait_s = min(float(b.get("wait_s") or 0.0), LONG_POLL_MAX_S)
+
+        def answer() -> dict[str, Any] | None:
+            if gen in self._rolled_back:
+                return {"decision": "rollback", "reason": self._rolled_back[gen]}
+            if self._phase in ("failed", "stopping", "stopped"):
+                return {"decision": "stop", "reason": self._error or self._reason or self._phase}
+            p = self._pending
+            if p is None or p.directive.generation != gen:
+                # committed and finished already (a late ask), or never ours
+                rec = self._rescales.get(gen)
+                return ({"decision": "go", "reason": ""} if rec is not None and rec.ok
+                        else {"decision": "stop", "reason": f"generation {gen} is not in flight"})
+            if set(p.directive.members) <= p.exchanged:
+                return {"decision": "go", "reason": ""}
+            return None
+
+        p = self._pending
+        if p is not None and p.directive.generation == gen and p.decision == "go" and w in p.directive.members:
+            p.exchanged.add(w)
+            if set(p.directive.members) <= p.exchanged:
+                self._cv.notify_all()
+        out = answer()
+        if out is None and wait_s > 0:
+            self._cv.wait_for(lambda: answer() is not None or self._closing.is_set(), wait_s)
+            out = answer()
+        return out or {"decision": "wait", "reason": ""}
+
     def _h_fail(self, b: dict[str, Any]) -> dict[str, Any]:
         """A worker failed and exits: a lost worker (the job recovers without it if it can, else fails)."""
         w = str(b["worker"])
@@ -910,10 +970,19 @@ class Coordinator:
         ``dirty`` (an update broke half-way), ``local_apply`` (it can apply ``ready`` alone)."""
         w, gen = str(b["worker"]), int(b["generation"])
         self._touch(w)
+        error = str(b.get("error") or "told to break")
+        p = self._rollback_pending_locked()
+        if p is not None and p.previous is not None and gen in (p.previous.generation, p.directive.generation):
+            # an exchange broke (``gen``: the old generation, reported from the old state it kept; the
+            # new one: a joiner, which has none): back to the old generation, recovered from there
+            self._rollback_locked(f"worker {w}'s exchange broke: {error}")
+        if gen in self._rolled_back and (self._current is None or gen != self._current.generation):
+            self._left.add(w)
+            self._seen.pop(w, None)
+            return {"action": "stop", "reason": self._rolled_back[gen]}
         cur = self._current
         if self._phase in ("failed", "stopping", "stopped") or cur is None or gen != cur.generation:
             return {"action": "stop", "reason": self._error or self._reason or f"generation {gen} is over"}
-        error = str(b.get("error") or "told to break")
         if self._recovery is None:
             if not self._can_recover_locked():
                 self._fail_locked(f"worker {w} at step {b.get('step')}: {error}")
@@ -928,13 +997,57 @@ class Coordinator:
     # ---- recovery from surviving replicas (call with _cv held) ----------------------------
     def _can_recover_locked(self) -> bool:
         cur, p = self._current, self._pending
-        if not self.recover or cur is None or cur.hold or self._phase not in ("running", "rescaling", "recovering"):
+        if cur is None or self._phase not in ("running", "rescaling", "recovering"):
             return False
         if p is not None and p.decision == "go":  # a rescale already moving bytes: state is in flight
             return False
-        lay = Layout.parse(cur.layout)
-        # every box needs a surviving copy: replicas (dp >= 2) without ZeRO sharding their optimizer state
+        return self._recoverable(cur)
+
+    def _recoverable(self, gen: _Gen) -> bool:
+        """A loss in ``gen`` can be recovered: every box has a surviving copy (replicas, dp >= 2,
+        without ZeRO sharding their optimizer state) and recovery is on."""
+        if not self.recover or gen.hold:
+            return False
+        lay = Layout.parse(gen.layout)
         return lay.dp >= 2 and not lay.zero
+
+    def _rollback_pending_locked(self) -> _Pending | None:
+        """The transactional rescale a loss now rolls back: bytes moving (``go``), not every member
+        through its exchange yet, and the job was recoverable on the old generation."""
+        p = self._pending
+        if (p is None or p.decision != "go" or not p.directive.rollback or p.record.ok is not None
+                or p.previous is None or set(p.directive.members) <= p.exchanged):
+            return None
+        return p
+
+    def _rollback_locked(self, reason: str) -> None:
+        """A member was lost (or its exchange broke) before every member exchanged its part: nobody
+        has touched its old state (no recycling, nothing stepped), so the job goes back to the old
+        generation and recovers from its survivors there, as from a loss during training. Members
+        waiting at the exchange's end hear ``rollback``; those still exchanging break on the dead
+        peer and report from their old state; joiners exit; leavers that left already are lost."""
+        p = self._pending
+        assert p is not None and p.previous is not None
+        d, prev = p.directive, p.previous
+        why = f"rolled back to generation {prev.generation} ({prev.layout}) before its first step: {reason}"
+        p.record.ok, p.record.reason = False, why
+        self._rolled_back[d.generation] = why
+        self._gen_sizes.pop(d.generation, None)
+        self.metrics.record_rescale_failure()
+        log.warning("job %s: rescale to generation %d (%s) %s", self.job, d.generation, d.layout, why)
+        self._current, self._pending = prev, None
+        self.metrics.record_generation(prev.generation, len(prev.ranks))
+        self._start_recovery_locked(f"the rescale to generation {d.generation} broke during its exchange "
+                                    f"({reason})")
+        rec = self._recovery
+        assert rec is not None
+        rec.rollback = True
+        for w in d.leavers:
+            if w in p.results or w in self._left:  # sent its part and left: its copy went with it
+                rec.lost[w] = f"worker {w} had left after its part of the exchange"
+                self.lost.add(w)
+                rec.reports.pop(w, None)
+        self._cv.notify_all()
 
     def _start_recovery_locked(self, reason: str) -> None:
         cur = self._current
@@ -950,6 +1063,17 @@ class Coordinator:
         self._alarm.notify_all()  # survivors still computing give their step up (heartbeat long polls)
 
     def _lost_locked(self, w: str, reason: str) -> None:
+        p = self._rollback_pending_locked()
+        if p is not None and w in p.directive.members:
+            self._rollback_locked(reason)
+            if w not in (self._current.ranks if self._current else {}):  # a joiner: nothing of it to recover
+                rec = self._recovery
+                assert rec is not None
+                rec.lost[w] = reason
+                self._left.add(w)
+                self._seen.pop(w, None)
+                self._maybe_post_recovery_locked()
+                return
         cur, p = self._current, self._pending
         if not ((cur is not None and w in cur.ranks) or (p is not None and w in p.directive.members)):
             # launched for a rescale whose directive is not posted yet: that rescale sees the exit
@@ -1017,7 +1141,9 @@ class Coordinator:
             self._seen.pop(w, None)
         survivors = sorted((w for w in cur.ranks if w not in rec.lost), key=cur.ranks.__getitem__)
         why = "lost " + ", ".join(sorted(rec.lost)) + " (" + "; ".join(rec.lost[w] for w in sorted(rec.lost)) + ")"
-        if not rec.lost:  # every worker is alive: a bug or a network fault, which a retry would repeat
+        if rec.rollback:
+            why = f"{rec.reason}; " + (why if rec.lost else "every old member alive")
+        if not rec.lost and not rec.rollback:  # every worker is alive: a bug or a network fault, which a retry would repeat
             self._fail_locked(f"{rec.reason}; every worker reported back alive, so no worker was lost: failing "
                               "rather than retrying the step")
             return
@@ -1052,6 +1178,8 @@ class Coordinator:
             return
         # 3. the step of the commit goes on record if a survivor reported it
         gen = cur.generation
+        # a fresh number: a rolled-back rescale used cur + 1 already (stores and records are keyed by it)
+        nxt = max([gen, *self._rescales]) + 1
         if not any(h.step == r for h in self._history[-3:]) and (parts := self._reports.pop((gen, r), None)):
             losses = [float(x["loss"]) for x in parts.values() if x.get("loss") is not None and math.isfinite(x["loss"])]
             step_rec = StepRecord(r, gen, cur.layout, losses[0] if losses else None,
@@ -1060,15 +1188,16 @@ class Coordinator:
             self._history.append(step_rec)
             self.metrics.record_step(step_rec.step, step_rec.loss, step_rec.tokens, step_rec.seconds)
         d = Directive(
-            job=self.job, generation=gen + 1, layout=str(lay), workers=tuple(members), remap=True,
+            job=self.job, generation=nxt, layout=str(lay), workers=tuple(members), remap=True,
             old_layout=cur.layout, old_ranks={w: cur.ranks[w] for w in survivors}, switch_step=r + 1,
             store_host=self.advertise_host, store_port=self.store_port, join_timeout_s=self.join_timeout_s,
             commit_step=r,
         )
-        record = RescaleRecord(gen + 1, cur.layout, d.layout, list(members), [], list(d.leavers), r + 1,
+        record = RescaleRecord(nxt, cur.layout, d.layout, list(members), [], list(d.leavers), r + 1,
                                recovery=why)
         self._pending = _Pending(d, record, self._clock())
-        self._rescales[gen + 1] = record
+        self._rescales[nxt] = record
+        self._decisions.pop(nxt, None)
         rec.posted = True
         self._reason = (f"recovering: {why}; survivors resume at step {r + 1} on {lay} "
                         f"({len(members)} of {len(survivors)} survivors, {per} per replica)")
@@ -1173,6 +1302,7 @@ _ROUTES: dict[str, Callable[[Coordinator, dict[str, Any]], dict[str, Any]]] = {
     f"{API}/step": Coordinator._h_step,
     f"{API}/arrive": Coordinator._h_arrive,
     f"{API}/result": Coordinator._h_result,
+    f"{API}/exchanged": Coordinator._h_exchanged,
     f"{API}/fail": Coordinator._h_fail,
     f"{API}/broken": Coordinator._h_broken,
     f"{API}/exit": Coordinator._h_exit,

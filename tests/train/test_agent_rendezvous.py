@@ -605,3 +605,83 @@ def test_a_worker_lost_while_the_first_generation_starts_fails_the_job() -> None
     c.directive(1, "tp1.pp1.dp2", ["w0", "w1"])
     c.worker_lost("w1", "worker w1 exited with code 1")
     assert c.status().phase == "failed" and "could not start" in c.status().error
+
+
+# ---- a rescale that loses a member before its commit rolls back ----------------------------------
+
+def _to_commit(c: Coordinator, d, old=("w0", "w1")) -> None:
+    """Old members reach the switch, every member arrives with the same plan: bytes move."""
+    run_step(c, list(old), 1, 2)
+    assert set(run_step(c, list(old), 1, d.switch_step)) == {"switch"}
+    out = [call(c, "arrive", w, generation=d.generation, digest="x")["decision"] for w in d.members]
+    assert out[-1] == "go"
+
+
+def test_a_rescale_of_a_replicated_job_commits_once_every_member_exchanged_its_part() -> None:
+    c, clock, reg = started(recover=True)
+    for w in ("w2", "w3"):
+        call(c, "register", w)
+    d = c.directive(2, "tp1.pp1.dp4", list(W4))
+    assert d.rollback  # replicas without ZeRO: a loss before the commit can go back
+    _to_commit(c, d)
+    for w in ("w0", "w1", "w2"):
+        assert call(c, "exchanged", w, generation=2)["decision"] == "wait"
+    with ThreadPoolExecutor(1) as pool:  # a member long-polls at the commit and hears go when the last one is in
+        waiting = pool.submit(call, c, "exchanged", "w0", generation=2, wait_s=5)
+        time.sleep(0.1)
+        assert call(c, "exchanged", "w3", generation=2)["decision"] == "go"
+        assert waiting.result(timeout=5)["decision"] == "go"
+    # without recovery, or with ZeRO-1 (the optimizer state has one copy), nothing could go back to
+    c2, _, _ = started()
+    assert not c2.directive(2, "tp1.pp1.dp1", ["w0"]).rollback
+    c3, _, _ = started(layout="tp1.pp1.dp2.z1", recover=True)
+    assert not c3.directive(2, "tp1.pp1.dp1", ["w0"]).rollback
+
+
+def test_a_member_lost_before_the_commit_rolls_the_job_back_and_it_recovers_on_the_old_generation() -> None:
+    c, clock, reg = started(recover=True)
+    for w in ("w2", "w3"):
+        call(c, "register", w)
+    d = c.directive(2, "tp1.pp1.dp4", list(W4))
+    _to_commit(c, d)
+    for w in ("w0", "w2"):  # their part is done: they wait at the commit
+        assert call(c, "exchanged", w, generation=2)["decision"] == "wait"
+    c.worker_lost("w3", "worker w3 exited with code -9")  # a joiner, mid-exchange
+    st = c.status()
+    assert (st.phase, st.generation, st.layout) == ("recovering", 1, "tp1.pp1.dp2")
+    failed = c.rescale_record(2)
+    assert failed.ok is False and "rolled back to generation 1" in failed.reason and "w3" in failed.reason
+    with pytest.raises(RescaleFailed, match="rolled back"):
+        c.wait_generation(2, timeout=1)
+    assert metric(reg, "elastic_training_rescale_failures_total") == 1
+    with pytest.raises(SpecError, match="recovering"):  # nothing new until the job runs again
+        c.directive(2, "tp1.pp1.dp1", ["w0"])
+    # the commit answers rollback; the joiner that had no old state is told to stop
+    assert call(c, "exchanged", "w0", generation=2)["decision"] == "rollback"
+    assert call(c, "broken", "w2", generation=2, step=d.switch_step, applied=-1, ready=None, dirty=False,
+                local_apply=False)["action"] == "stop"
+    # the old members report from the old state they kept whole
+    for w in ("w0", "w1"):
+        out = call(c, "broken", w, generation=1, step=d.switch_step, applied=d.switch_step - 1, ready=None,
+                   dirty=False, local_apply=True)
+        assert out["action"] == "hold"
+    out = call(c, "step", "w0", generation=1, step=d.switch_step)
+    assert out["action"] == "switch"
+    r = out["directive"]
+    # a fresh generation number (2 was the rolled-back rescale's), the old layout on every old member
+    assert (r["generation"], r["layout"], r["workers"], r["old_layout"]) == (3, "tp1.pp1.dp2", ["w0", "w1"],
+                                                                            "tp1.pp1.dp2")
+    assert r["switch_step"] == d.switch_step and r["old_ranks"] == {"w0": 0, "w1": 1}
+    assert "rescale to generation 2 broke" in c.rescale_record(3).recovery
+    assert call(c, "step", "w1", generation=1, step=d.switch_step)["action"] == "switch"
+    for w in ("w0", "w1"):
+        call(c, "arrive", w, generation=3, digest="r", plan={"new_ranks": {"w0": 0, "w1": 1}})
+    for w in ("w0", "w1"):
+        call(c, "result", w, generation=3, ok=True, stats={})
+    for w in ("w0", "w1"):
+        assert call(c, "step", w, generation=3, step=d.switch_step)["action"] == "go"
+    run_step(c, ["w0", "w1"], 3, d.switch_step + 1)
+    st = c.status()
+    assert (st.phase, st.generation, st.layout) == ("running", 3, "tp1.pp1.dp2")
+    assert c.rescale_record(3).ok
+    c.directive(4, "tp1.pp1.dp1", ["w0"])  # and the job can be rescaled again

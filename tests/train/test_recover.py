@@ -20,6 +20,7 @@ import pytest
 from elastic.model import load_model
 from elastic.train.engine import TrainConfig
 from elastic.train.launch import LaunchOptions, ProcessJobHandle
+from elastic.train.rendezvous import RescaleFailed
 from tests.train import _mp
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -153,5 +154,59 @@ def test_a_survivor_gives_a_long_step_up_as_soon_as_its_peer_is_lost_instead_of_
     history = h.history()
     assert [r.step for r in history] == list(range(len(history)))
     ref = _mp.reference_losses(cfg, len(history))
+    for r, want in zip(history, ref, strict=True):
+        assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step} ({r.layout}): {r.loss} vs {want}"
+
+
+@pytest.mark.parametrize("start, grow_to, fault, after, survivors", [
+    # a joiner dies inside the exchange: the old members still hold everything, the job goes on as it was
+    ("tp1.pp1.dp2", ("tp1.pp1.dp4", W4), "w2:2:exchange", "tp1.pp1.dp2", ["w0", "w1"]),
+    # an old member dies inside an exchange with joiners (a transient group carries it)
+    ("tp1.pp1.dp2", ("tp1.pp1.dp4", W4), "w1:2:exchange", "tp1.pp1.dp1", ["w0"]),
+    # an old member dies inside the exchange (the old default group carries it: no joiner)
+    ("tp1.pp1.dp4", ("tp2.pp1.dp2", W4), "w1:2:exchange", "tp1.pp1.dp2", None),
+    # a leaver dies after its part, before the commit: the others wait at the commit and roll back
+    ("tp1.pp1.dp4", ("tp1.pp1.dp2", ["w0", "w1"]), "w3:2:commit", "tp1.pp1.dp2", None),
+])
+def test_a_worker_lost_inside_a_rescale_rolls_the_job_back_and_it_recovers_on_the_same_loss_curve(
+        tmp_path, monkeypatch, start, grow_to, fault, after, survivors) -> None:
+    """A rescale of a job whose state is replicated is transactional: every member keeps its old
+    state whole (no recycling of dropped shards) until all have exchanged their part. A member
+    lost before that commit rolls the job back to the old generation, which recovers from its
+    survivors as from a loss in training: no step lost, the same loss curve."""
+    monkeypatch.setenv("ELASTIC_FAULT_EXCHANGE", fault)
+    victim = fault.split(":")[0]
+    opts = LaunchOptions(pg_timeout_s=90, heartbeat_interval_s=0.5, heartbeat_timeout_s=30, join_timeout_s=120,
+                         verify_reshard=True)
+    h = ProcessJobHandle(f"rollback-{victim}", CFG, options=opts, log_dir=str(tmp_path))
+    workers = W4 if start.endswith("dp4") else ["w0", "w1"]
+    try:
+        h.start(start, workers, timeout=180)
+        h.wait_step(2, timeout=120)
+        t0 = time.monotonic()
+        with pytest.raises(RescaleFailed, match="rolled back to generation 1"):
+            h.rescale(grow_to[0], grow_to[1], timeout=120)
+        st = _wait_recovered(h, 3)
+        took = time.monotonic() - t0
+        assert st.layout == after and victim not in st.workers, st
+        if survivors is not None:
+            assert st.workers == survivors
+        failed = h.coordinator.rescale_record(2)
+        assert failed is not None and failed.ok is False and "rolled back" in failed.reason, failed
+        rec = h.coordinator.rescale_record(3)
+        assert rec is not None and rec.ok and "rescale to generation 2 broke" in rec.recovery, rec
+        assert f"lost {victim}" in rec.recovery or victim in grow_to[1] and victim not in workers, rec.recovery
+        assert rec.from_layout == start  # recovered from the old generation's state
+        h.wait_step(rec.switch_step + 2, timeout=120)
+        print(f"{start} -> {grow_to[0]} with {fault}: rolled back, recovered on {st.layout} at step "
+              f"{rec.switch_step} ({rec.bytes_moved} bytes moved, pause {rec.pause_seconds:.3f} s) "
+              f"{took:.2f} s after the rescale began")
+    finally:
+        final = h.stop()
+    assert final.error is None, final.error
+    history = h.history()
+    assert [r.step for r in history] == list(range(len(history))), "a step was lost or repeated"
+    assert {r.layout for r in history} == {start, after}
+    ref = _mp.reference_losses(CFG, len(history))
     for r, want in zip(history, ref, strict=True):
         assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step} ({r.layout}): {r.loss} vs {want}"
