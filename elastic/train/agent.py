@@ -232,8 +232,9 @@ class WorkerAgent:
         # engine of the generation the coordinator named, never a newer one
         self._engine_lock = threading.Lock()
         self._interrupted_gen = -1  # the generation we were last told to interrupt (logged once)
-        # fault injection for tests and chaos drills: "<worker>:<generation>:<exchange|commit>" makes
-        # that worker die (os._exit, as a lost node) inside that rescale's exchange or just after it
+        # fault injection for tests and chaos drills: "<worker>:<generation>:<exchange|commit|engine>"
+        # makes that worker die (os._exit, as a lost node) inside that rescale's exchange, just after
+        # its part of it, or once its new engine is built (its peers are then in the first step)
         self._fault = os.environ.get("ELASTIC_FAULT_EXCHANGE", "")
 
     # ---- entry ----------------------------------------------------------------------------
@@ -478,20 +479,48 @@ class WorkerAgent:
             self._report_result(d, {**stats, **clock.report()})
             return self._leave()
         # 4. the new layout's default group (or what is left of building it) and engine
-        if new_pg is not None:
-            new_pg.result()
-        elif not keep_default and not d.hold:
-            self._init_default_group(d, layout, rank)
-        clock.mark("init_pg")
-        if d.hold:  # a keeper: hold the state as received, build nothing, step nothing
-            engine: Engine = HeldState(new_state)
-        else:
-            engine = self.factory(self.config, layout, rank, new_state if d.old_ranks else None)
+        try:
+            if new_pg is not None:
+                new_pg.result()
+            elif not keep_default and not d.hold:
+                self._init_default_group(d, layout, rank)
+            clock.mark("init_pg")
+            if d.hold:  # a keeper: hold the state as received, build nothing, step nothing
+                engine: Engine = HeldState(new_state)
+            else:
+                engine = self.factory(self.config, layout, rank, new_state if d.old_ranks else None)
+        except Exception as e:
+            # past a transactional commit the new state is whole on every member: a peer lost while
+            # the groups are built is recovered from the new generation, like one lost in a step
+            if not (txn and self.opts.recover and _is_comm_error(e)):
+                raise
+            broke = f"{type(e).__name__}: {_short(e, 160)}"
+        if broke:
+            return self._build_broke(d, layout, new_state, broke)
         with self._engine_lock:
             self.engine, self.generation, self.layout = engine, d.generation, layout
         self._applied = d.switch_step - 1
         clock.mark("engine")
+        self._maybe_die(d, "engine")
         self._report_result(d, {**stats, "rank": rank, **clock.report()})
+        return d.switch_step
+
+    def _build_broke(self, d: Directive, layout: Layout, new_state: State, error: str) -> int:
+        """A peer was lost while this member built the new generation's groups, after the commit:
+        drop what was built, hold the new state as received and report like a broken step."""
+        log.warning("worker %s: building generation %d broke (%s); holding its state for the recovery",
+                    self.worker, d.generation, error)
+        if dist.is_initialized():
+            pg = dist.group.WORLD
+            dist.destroy_process_group()
+            _shutdown(pg)
+        with self._engine_lock:
+            self.engine, self.generation, self.layout = HeldState(new_state), d.generation, layout
+        self._applied = d.switch_step - 1
+        self._prep, self._broken = None, True
+        self.client.call("broken", generation=d.generation, step=d.switch_step, applied=self._applied,
+                         error=f"building generation {d.generation}: {error}", ready=None, dirty=False,
+                         local_apply=True)
         return d.switch_step
 
     def _maybe_die(self, d: Directive, where: str) -> None:

@@ -37,7 +37,8 @@ see identically:
    recoverable (``Directive.rollback``; members kept their old state whole): the job is back
    on the old generation and recovers from its survivors there, under a fresh generation
    number; the rolled-back rescale is recorded as failed with the reason. A loss after the
-   commit and before the new generation's first step is done still fails the job.
+   commit (new groups being built, first step) is recovered from the new generation, whose
+   state is whole by then; the rescale itself is recorded as done.
    Otherwise (or when recovery fails) the job turns ``failed`` with a reason and every later
    request from a worker is answered ``stop``.
 
@@ -999,9 +1000,15 @@ class Coordinator:
         cur, p = self._current, self._pending
         if cur is None or self._phase not in ("running", "rescaling", "recovering"):
             return False
-        if p is not None and p.decision == "go":  # a rescale already moving bytes: state is in flight
+        if p is not None and p.decision == "go" and not self._committed(p):  # bytes in flight
             return False
         return self._recoverable(cur)
+
+    @staticmethod
+    def _committed(p: _Pending) -> bool:
+        """Every member of a transactional rescale exchanged its part: the new generation's state
+        is whole on its members (a loss from here on is recovered from the new generation)."""
+        return p.directive.rollback and set(p.directive.members) <= p.exchanged
 
     def _recoverable(self, gen: _Gen) -> bool:
         """A loss in ``gen`` can be recovered: every box has a surviving copy (replicas, dp >= 2,
@@ -1055,6 +1062,17 @@ class Coordinator:
         p = self._pending
         if p is not None and p.decision is None:  # a rescale not yet begun: call it off first
             self._abandon_locked(f"a worker was lost before the switch ({reason})")
+        elif p is not None and p.decision == "go" and p.record.ok is None and self._committed(p):
+            # committed, its first step not done: the rescale itself is over (the state is on the
+            # new generation, from which we recover); record it as done with what is known
+            rec = p.record
+            rec.ok = True
+            rec.bytes_moved = sum(int(r.get("bytes_sent", 0)) for r in p.results.values())
+            rec.worker_stats = {w: dict(r) for w, r in p.results.items()}
+            if rec.pause_seconds is None and p.stopped_at is not None:
+                rec.pause_seconds = self._clock() - p.stopped_at
+            rec.reason = f"done; a worker was lost before its first step finished ({reason})"
+            self._pending = None
         self._phase = "recovering"
         self._recovery = _Recovery(cur.generation, self._clock(), reason)
         self._reason = f"recovering: {reason}"
@@ -1075,6 +1093,15 @@ class Coordinator:
                 self._maybe_post_recovery_locked()
                 return
         cur, p = self._current, self._pending
+        if p is not None and p.decision == "go" and self._committed(p) and w in p.directive.leavers:
+            # its part of a committed exchange had landed: the job lost nothing it needs
+            log.warning("job %s: %s; a leaver whose part of generation %d had landed, the job goes on",
+                        self.job, reason, p.directive.generation)
+            self._left.add(w)
+            self._seen.pop(w, None)
+            p.results.setdefault(w, {})
+            self._maybe_complete_locked()
+            return
         if not ((cur is not None and w in cur.ranks) or (p is not None and w in p.directive.members)):
             # launched for a rescale whose directive is not posted yet: that rescale sees the exit
             # and gives up (nothing changed); the job itself lost nothing
