@@ -16,19 +16,25 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	@touch $(STAMP)
 
-# Tests that start Ray inside the pytest process run in a second pytest process: Ray leaves
-# threads behind after ray.shutdown(), and a later test must not share a process with them.
-# Both runs always happen; the target fails if either failed (exit 5 only if neither found tests).
-# A pytest process that crashes (exit >= 128) has its fault dump printed again at the end.
+# Three pytest processes, all of which always run; the target fails if any failed (exit 5
+# only if none found tests). Tests that start Ray inside the pytest process run last, on their
+# own: Ray leaves threads behind after ray.shutdown(), and a later test must not share a process
+# with them. The trainer and reshard tests (torch processes spawned and forkserved, gloo groups)
+# run apart from the thread-heavy rest: a segfault in the parent's garbage collector during
+# tests/reshard/test_execute.py has been seen twice in full runs (never in a run of that file
+# with its neighbours alone; cause unknown), and a process of their own at least keeps other
+# tests' objects out of that process. A pytest process that crashes (exit >= 128) has its fault
+# dump printed again at the end.
+MP_TESTS = tests/reshard tests/train
 test: venv
-	@ELASTIC_FAULT_LOG=$(CURDIR)/.pytest-fault-1.log $(BIN)/python -m pytest -m "not ray" $(PYTEST_ARGS); a=$$?; \
-	ELASTIC_FAULT_LOG=$(CURDIR)/.pytest-fault-2.log $(BIN)/python -m pytest -m ray $(PYTEST_ARGS); b=$$?; \
-	for r in "1 $$a" "2 $$b"; do set -- $$r; if [ $$2 -ge 128 ]; then \
+	@ELASTIC_FAULT_LOG=$(CURDIR)/.pytest-fault-1.log $(BIN)/python -m pytest -m "not ray" $(addprefix --ignore=,$(MP_TESTS)) $(PYTEST_ARGS); a=$$?; \
+	ELASTIC_FAULT_LOG=$(CURDIR)/.pytest-fault-2.log $(BIN)/python -m pytest -m "not ray" $(MP_TESTS) $(PYTEST_ARGS); b=$$?; \
+	ELASTIC_FAULT_LOG=$(CURDIR)/.pytest-fault-3.log $(BIN)/python -m pytest -m ray $(PYTEST_ARGS); c=$$?; \
+	for r in "1 $$a" "2 $$b" "3 $$c"; do set -- $$r; if [ $$2 -ge 128 ]; then \
 	  echo "== pytest run $$1 crashed (exit $$2): the test and the top of every thread's stack"; \
 	  awk '/^(running|Fatal|Current thread|Thread |Extension)/{n=8} n-->0' .pytest-fault-$$1.log; fi; done; \
-	if [ $$a -ne 0 ] && [ $$a -ne 5 ]; then exit $$a; fi; \
-	if [ $$b -ne 0 ] && [ $$b -ne 5 ]; then exit $$b; fi; \
-	if [ $$a -eq 5 ] && [ $$b -eq 5 ]; then exit 5; fi
+	for x in $$a $$b $$c; do if [ $$x -ne 0 ] && [ $$x -ne 5 ]; then exit $$x; fi; done; \
+	if [ $$a -eq 5 ] && [ $$b -eq 5 ] && [ $$c -eq 5 ]; then exit 5; fi
 
 lint: venv
 	$(BIN)/ruff check elastic operators tests benchmarks

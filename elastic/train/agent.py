@@ -510,10 +510,7 @@ class WorkerAgent:
         drop what was built, hold the new state as received and report like a broken step."""
         log.warning("worker %s: building generation %d broke (%s); holding its state for the recovery",
                     self.worker, d.generation, error)
-        if dist.is_initialized():
-            pg = dist.group.WORLD
-            dist.destroy_process_group()
-            _shutdown(pg)
+        self._drop_communicators()
         with self._engine_lock:
             self.engine, self.generation, self.layout = HeldState(new_state), d.generation, layout
         self._applied = d.switch_step - 1
@@ -544,16 +541,7 @@ class WorkerAgent:
         or, with nothing old to go back to (a joiner), leave. Returns the step to continue at, or
         None when this worker leaves."""
         what = "was rolled back" if rolled_back else "broke"
-        retired: list[Any] = []
-        if self.engine is not None:
-            retired += _engine_backends(self.engine)
-            self.engine.close()  # communicators only: the state tensors stay valid
-        if dist.is_initialized():
-            retired.append(dist.group.WORLD)
-            dist.destroy_process_group()
-        for pg in retired:
-            _shutdown(pg)
-        retired.clear()
+        self._drop_communicators()
         if snapshot is None:
             log.warning("worker %s: the rescale to generation %d %s (%s); a joiner has nothing to go back "
                         "to: leaving", self.worker, d.generation, what, error)
@@ -638,6 +626,15 @@ class WorkerAgent:
         info: dict[str, Any] = {"ready": None, "dirty": False, "local_apply": True}
         if self.engine is not None and hasattr(self.engine, "recovery_state"):
             info.update(self.engine.recovery_state())  # type: ignore[union-attr]
+        self._drop_communicators()
+        self._broken = True
+        self.client.call("broken", generation=self.generation, step=step, applied=self._applied, error=error,
+                         **info)
+
+    def _drop_communicators(self) -> None:
+        """Shut every communicator of this worker down and destroy it now, not after the next step
+        like a rescale's: ``shutdown()`` alone leaves the connections open, and a peer blocked on
+        one of them would wait for its timeout. The engine's state tensors (and gradients) stay."""
         retired: list[Any] = []
         if self.engine is not None and hasattr(self.engine, "abort"):
             retired += _engine_backends(self.engine)
@@ -647,12 +644,6 @@ class WorkerAgent:
             dist.destroy_process_group()
         for pg in retired:
             _shutdown(pg)
-        # destroyed now, not after the next step like a rescale's: shutdown() alone leaves the
-        # connections open, and a peer blocked on one of them would wait for its timeout
-        retired.clear()
-        self._broken = True
-        self.client.call("broken", generation=self.generation, step=step, applied=self._applied, error=error,
-                         **info)
 
     def _interrupt(self, generation: int) -> None:
         """The coordinator is recovering ``generation`` from a lost worker: stop our running step
