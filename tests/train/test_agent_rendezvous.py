@@ -685,3 +685,33 @@ def test_a_member_lost_before_the_commit_rolls_the_job_back_and_it_recovers_on_t
     assert (st.phase, st.generation, st.layout) == ("running", 3, "tp1.pp1.dp2")
     assert c.rescale_record(3).ok
     c.directive(4, "tp1.pp1.dp1", ["w0"])  # and the job can be rescaled again
+
+
+def test_past_the_commit_a_lost_leaver_costs_nothing_and_a_lost_member_is_recovered_from_the_new_generation() -> None:
+    c, clock, reg = started(workers=W4, layout="tp1.pp1.dp4", recover=True)
+    d = c.directive(2, "tp1.pp1.dp2", ["w0", "w1"])  # w2, w3 leave
+    assert d.rollback
+    run_step(c, list(W4), 1, 2)
+    assert set(run_step(c, list(W4), 1, d.switch_step)) == {"switch"}
+    for w in W4:
+        call(c, "arrive", w, generation=2, digest="x", plan={"new_ranks": {"w0": 0, "w1": 1}})
+    for w in W4:
+        call(c, "exchanged", w, generation=2)  # the commit: every part landed
+    assert call(c, "exchanged", "w0", generation=2)["decision"] == "go"
+    c.worker_lost("w3", "worker w3 exited with code -9")  # a leaver, on its way out
+    st = c.status()
+    assert (st.phase, st.generation) == ("rescaling", 2) and st.error is None
+    # a member of the new generation lost before its first step is done: recovered from generation 2
+    call(c, "result", "w0", generation=2, ok=True, stats={})
+    c.worker_lost("w1", "worker w1 exited with code -9")
+    st = c.status()
+    assert (st.phase, st.generation) == ("recovering", 2), st
+    done = c.rescale_record(2)
+    assert done.ok and "lost before its first step finished" in done.reason
+    assert c.wait_generation(2, timeout=1).ok  # the launcher's wait sees the rescale done
+    call(c, "broken", "w0", generation=2, step=d.switch_step, applied=d.switch_step - 1, ready=None, dirty=False,
+         local_apply=True)
+    r = call(c, "step", "w0", generation=2, step=d.switch_step)
+    assert r["action"] == "switch"
+    assert (r["directive"]["generation"], r["directive"]["layout"], r["directive"]["old_layout"]) == (
+        3, "tp1.pp1.dp1", "tp1.pp1.dp2")
