@@ -250,18 +250,34 @@ class KubernetesBackend:
         self._wait_scaled_down(spec.name, t, replicas)
 
     def _wait_scaled_down(self, service: str, t: ServiceTarget, replicas: int) -> None:
-        """Removed replicas must have released their GPUs before training may take them: wait until the
-        Deployment counts no more pods than asked (bounded; a Deployment without status counts as done)."""
+        """Removed replicas must have released their GPUs before training may take them: wait until
+        the Deployment counts no more pods than asked *and* none of its pods is still terminating
+        (bounded). The Deployment's status stops counting a pod the moment it is marked for
+        deletion, but the pod keeps its GPU while it drains its requests (up to its
+        ``terminationGracePeriodSeconds``). A Deployment without status counts as done."""
         deadline = time.monotonic() + self.scale_down_wait_seconds
         while True:
             dep = self._deployment(service)
             have = dep.status.replicas if dep.status and dep.status.replicas is not None else None
-            if have is None or have <= replicas:
+            leaving = self._terminating_pods(t, dep) if have is None or have <= replicas else []
+            if (have is None or have <= replicas) and not leaving:
                 return
             if time.monotonic() > deadline:
-                raise BackendError(f"{service}: Deployment {t.namespace}/{t.deployment} still has {have} replicas "
+                what = (f"pod(s) {', '.join(leaving)} still terminating (draining their requests)" if leaving
+                        else f"still has {have} replicas")
+                raise BackendError(f"{service}: Deployment {t.namespace}/{t.deployment} {what} "
                                    f"{self.scale_down_wait_seconds:g} s after scaling to {replicas}")
             time.sleep(self.poll_seconds)
+
+    def _terminating_pods(self, t: ServiceTarget, dep: Any) -> list[str]:
+        """The Deployment's pods that are marked for deletion but not gone yet."""
+        labels = (dep.spec.selector.match_labels or {}) if dep.spec and dep.spec.selector else {}
+        if not labels:
+            return []
+        pods = self._call(f"list pods of {t.namespace}/{t.deployment}", self.core.list_namespaced_pod, t.namespace,
+                          label_selector=",".join(f"{k}={v}" for k, v in sorted(labels.items())))
+        return sorted(p.metadata.name for p in pods.items if p.metadata.deletion_timestamp
+                      and labels.items() <= (p.metadata.labels or {}).items())
 
     # ---- protocol: training ---------------------------------------------------------------------
     def _job_target(self, job: str) -> JobTarget:
