@@ -524,6 +524,8 @@ class Controller:
     def _apply_step(self, step: PlanStep, spec: Any, gpus: tuple[GPU, ...], now: float) -> None:
         if step.action in ("scale_inference_up", "scale_inference_down"):
             self.backend.set_service_gpus(spec, gpus)
+            if step.action == "scale_inference_up":
+                self._landed(spec.name, len(gpus) // spec.gpus_per_replica)
             return
         if step.action == "pause_training" and self._can_pause:
             self._pause(spec, now)
@@ -536,6 +538,16 @@ class Controller:
         before = self.backend.job_runtime(spec.name)
         to = str(layout) if before is not None and layout is not None else None
         self._reshard_on_record(spec, before, to, now, lambda: self.backend.set_job_gpus(spec, gpus, layout))
+
+    def _landed(self, service: str, replicas: int) -> None:
+        """A scale-up has landed *now*: the tick that decided it began seconds ago (the step waited
+        for the training shrink that freed the GPUs and for the replicas to start). Its count goes
+        into the policy's recommendations at this time too, so the scale-down stabilisation window
+        runs from when the replicas could serve, not from the decision: otherwise a window that
+        mostly passed while they started lets the next dip drain a replica the ramp still needs."""
+        st = self.policy_state.get(service)
+        if st is not None:
+            self.policy_state[service] = replace(st, recommendations=st.recommendations + ((self.clock(), replicas),))
 
     def _pause(self, spec: Any, now: float) -> None:
         """Free every GPU of a job and keep its state off-GPU (keepers); recorded as a reshard to

@@ -360,3 +360,38 @@ def test_a_job_that_recovered_from_a_lost_worker_is_put_on_record_once_and_grown
         assert len(backend.jobs["pretrain"].gpus) == 6  # the freed GPUs were lent to it again
     finally:
         store.dispose()
+
+
+def test_the_scale_down_window_runs_from_when_a_scale_up_landed_not_from_its_decision(db_url) -> None:
+    """A scale-up step blocks the tick while the training shrink and the replicas' start happen (6 s
+    here). A dip right after must not drain the replicas the ramp needed: the 8 s window counts
+    from the moment they could serve."""
+    import copy
+
+    data = copy.deepcopy(CONFIG)
+    data["services"][0]["behavior"] = {"scaleDown": {"stabilizationWindowSeconds": 8}}
+    db.upgrade(db_url)
+    store = db.Store.from_url(db_url)
+    clock = Clock()
+
+    class Slow(FakeBackend):
+        def set_service_gpus(self, spec, gpus):
+            if len(gpus) > len(self.services.get(spec.name, ())):
+                clock.t += 6.0  # replicas starting
+            super().set_service_gpus(spec, gpus)
+
+    backend = Slow({"n0": 4, "n1": 4})
+    source = InProcessSource(max_age=60)
+    ctl = Controller(load_config(data=data), backend, store, {"chat": source}, owner="a", clock=clock)
+    try:
+        _tick(ctl, source, clock, 10.0)
+        assert len(backend.services["chat"]) == 1
+        _tick(ctl, source, clock, 40.0, dt=2.0)  # decided at t, landed at t + 6
+        assert len(backend.services["chat"]) == 4
+        res = _tick(ctl, source, clock, 10.0, dt=2.0)  # 2 s after landing (8 s after the decision): a dip
+        assert len(backend.services["chat"]) == 4, res.replica_decisions["chat"].message
+        assert "scale-down window 8s" in res.replica_decisions["chat"].message
+        _tick(ctl, source, clock, 10.0, dt=7.0)  # 9 s after landing: the window has passed
+        assert len(backend.services["chat"]) == 1
+    finally:
+        store.dispose()
