@@ -46,6 +46,7 @@ from elastic.config import ControllerConfig
 from elastic.metrics.sample import MetricSample, MetricSource
 from elastic.model import GPU, Allocation, HardwareSpec, Layout, ModelSpec, PlanStep, SpecError, load_hardware
 from elastic.policy import decide as policy_decide
+from elastic.policy import landed as policy_landed
 from elastic.policy.types import PolicyContext, PolicyState, ReplicaDecision
 from elastic.scheduler import decide as schedule
 from elastic.scheduler.types import JobState, Knobs, SchedulePlan, ServiceDemand, Snapshot
@@ -540,14 +541,10 @@ class Controller:
         self._reshard_on_record(spec, before, to, now, lambda: self.backend.set_job_gpus(spec, gpus, layout))
 
     def _landed(self, service: str, replicas: int) -> None:
-        """A scale-up has landed *now*: the tick that decided it began seconds ago (the step waited
-        for the training shrink that freed the GPUs and for the replicas to start). Its count goes
-        into the policy's recommendations at this time too, so the scale-down stabilisation window
-        runs from when the replicas could serve, not from the decision: otherwise a window that
-        mostly passed while they started lets the next dip drain a replica the ramp still needs."""
+        """A scale-up landed *now*, seconds after the tick that decided it began (see ``policy.landed``)."""
         st = self.policy_state.get(service)
         if st is not None:
-            self.policy_state[service] = replace(st, recommendations=st.recommendations + ((self.clock(), replicas),))
+            self.policy_state[service] = policy_landed(st, self.clock(), replicas)
 
     def _pause(self, spec: Any, now: float) -> None:
         """Free every GPU of a job and keep its state off-GPU (keepers); recorded as a reshard to

@@ -7,11 +7,11 @@ a fail-safe on missing metrics). It must not read the clock, Prometheus, the DB 
 
 from __future__ import annotations
 
-from elastic.policy.replicas import decide
+from elastic.policy.replicas import decide, landed
 from elastic.policy.stages import DEFAULT_DOWN, DEFAULT_TOLERANCE, DEFAULT_UP, Rule, Rules, effective_rules
 from elastic.policy.types import HoltWintersState, PolicyContext, PolicyState, Reason, ReplicaDecision
 
 __all__ = [
     "DEFAULT_DOWN", "DEFAULT_TOLERANCE", "DEFAULT_UP", "HoltWintersState", "PolicyContext", "PolicyState",
-    "Reason", "ReplicaDecision", "Rule", "Rules", "decide", "effective_rules",
+    "Reason", "ReplicaDecision", "Rule", "Rules", "decide", "effective_rules", "landed",
 ]

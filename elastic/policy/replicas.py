@@ -100,6 +100,15 @@ def decide(ctx: PolicyContext) -> tuple[ReplicaDecision, PolicyState]:
     return _finish(ctx, state, final, reason, msg, reactive, predicted)
 
 
+def landed(state: PolicyState, at: float, replicas: int) -> PolicyState:
+    """A scale-up to ``replicas`` landed at ``at`` (its replicas can serve from then on): it counts
+    as a recommendation at that time too, so the scale-down stabilisation window runs from when
+    the replicas could serve, not only from the decision. For a caller whose scaling blocks
+    (the controller waits for the training shrink and the replicas' start): otherwise a window
+    that mostly passed while they started lets the next dip drain a replica the ramp needs."""
+    return replace(state, recommendations=state.recommendations + ((at, replicas),))
+
+
 # ---- steps -----------------------------------------------------------------------------------
 
 

@@ -511,14 +511,19 @@ class WorkerAgent:
         log.warning("worker %s: building generation %d broke (%s); holding its state for the recovery",
                     self.worker, d.generation, error)
         self._drop_communicators()
+        return self._stand_broken(_Snapshot(d.generation, layout, new_state, d.switch_step - 1), d.switch_step,
+                                  f"building generation {d.generation}: {error}")
+
+    def _stand_broken(self, held: _Snapshot, step: int, error: str) -> int:
+        """Stand as a member of ``held.generation`` whose step ``step`` broke, holding ``held.state``
+        (no engine, no communicator), and report it; the recovery directive comes as a ``switch``."""
         with self._engine_lock:
-            self.engine, self.generation, self.layout = HeldState(new_state), d.generation, layout
-        self._applied = d.switch_step - 1
+            self.engine, self.generation, self.layout = HeldState(held.state), held.generation, held.layout
+        self._applied = held.applied
         self._prep, self._broken = None, True
-        self.client.call("broken", generation=d.generation, step=d.switch_step, applied=self._applied,
-                         error=f"building generation {d.generation}: {error}", ready=None, dirty=False,
-                         local_apply=True)
-        return d.switch_step
+        self.client.call("broken", generation=held.generation, step=step, applied=held.applied, error=error,
+                         ready=None, dirty=False, local_apply=True)
+        return step
 
     def _maybe_die(self, d: Directive, where: str) -> None:
         if self._fault == f"{self.worker}:{d.generation}:{where}":
@@ -556,15 +561,7 @@ class WorkerAgent:
             return None
         log.warning("worker %s: the rescale to generation %d %s (%s); back on generation %d with the old "
                     "state, waiting for the recovery", self.worker, d.generation, what, error, snapshot.generation)
-        with self._engine_lock:
-            self.engine = HeldState(snapshot.state)
-            self.generation, self.layout = snapshot.generation, snapshot.layout
-        self._applied = snapshot.applied
-        self._prep, self._broken = None, True
-        self.client.call("broken", generation=snapshot.generation, step=d.switch_step, applied=snapshot.applied,
-                         error=f"rescale to generation {d.generation} {what}: {error}", ready=None, dirty=False,
-                         local_apply=True)
-        return d.switch_step
+        return self._stand_broken(snapshot, d.switch_step, f"rescale to generation {d.generation} {what}: {error}")
 
     def _meet(self, d: Directive, prep: _Prep) -> tuple[str, str]:
         """Arrive with the plan digest (or the preparation error) and long-poll for the decision."""
@@ -782,7 +779,8 @@ class WorkerAgent:
 
 @dataclass
 class _Snapshot:
-    """What a member of a transactional rescale goes back to if it is rolled back."""
+    """A generation's state a member holds without an engine: the old one a transactional rescale
+    goes back to if it is rolled back, or the new one received when building its groups broke."""
 
     generation: int
     layout: Layout | None

@@ -652,10 +652,7 @@ class Coordinator:
             self.metrics.record_recovery()
         if d.hold and p.stopped_at is not None and rec.pause_seconds is None:  # held: nothing will step
             rec.pause_seconds = self._clock() - p.stopped_at
-        rec.ok = True
-        rec.bytes_moved = sum(int(r.get("bytes_sent", 0)) for r in p.results.values())
-        rec.execute_seconds = max((float(r.get("execute_seconds", 0.0)) for r in p.results.values()), default=0.0)
-        rec.worker_stats = {w: dict(r) for w, r in p.results.items()}
+        self._close_record_locked(p)
         if d.hold:
             self.metrics.record_paused(True, rec.bytes_moved)
         elif self._history and d.old_ranks:
@@ -675,6 +672,16 @@ class Coordinator:
             self._phase = "paused" if d.hold else "running"
         self._pending = None
         self._cv.notify_all()
+
+    @staticmethod
+    def _close_record_locked(p: _Pending) -> RescaleRecord:
+        """Mark ``p``'s rescale done, with the bytes and seconds its members reported."""
+        rec = p.record
+        rec.ok = True
+        rec.bytes_moved = sum(int(r.get("bytes_sent", 0)) for r in p.results.values())
+        rec.execute_seconds = max((float(r.get("execute_seconds", 0.0)) for r in p.results.values()), default=0.0)
+        rec.worker_stats = {w: dict(r) for w, r in p.results.items()}
+        return rec
 
     def _record_report_locked(self, worker: str, gen: int, rep: dict[str, Any]) -> None:
         step = int(rep["step"])
@@ -1065,10 +1072,7 @@ class Coordinator:
         elif p is not None and p.decision == "go" and p.record.ok is None and self._committed(p):
             # committed, its first step not done: the rescale itself is over (the state is on the
             # new generation, from which we recover); record it as done with what is known
-            rec = p.record
-            rec.ok = True
-            rec.bytes_moved = sum(int(r.get("bytes_sent", 0)) for r in p.results.values())
-            rec.worker_stats = {w: dict(r) for w, r in p.results.items()}
+            rec = self._close_record_locked(p)
             if rec.pause_seconds is None and p.stopped_at is not None:
                 rec.pause_seconds = self._clock() - p.stopped_at
             rec.reason = f"done; a worker was lost before its first step finished ({reason})"
