@@ -153,6 +153,7 @@ class Controller:
         self.is_leader = False
         self.recovered = False
         self.overrides: dict[str, tuple[int, float]] = {}
+        self._ahead: dict[str, set[GPU]] = {}  # service -> GPUs last drained ahead (to log changes only)
         self.pinned: dict[str, dict[int, tuple[str, float]]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -330,6 +331,9 @@ class Controller:
             plan = schedule(self._snapshot(now, nodes, previous, replica_decisions, runtimes))
             steps, error = self._apply(now, plan)
             applied += steps
+        if error is None:
+            # 3c. drain ahead of the scale-downs the policy's windows are about to let through
+            applied += self._drain_ahead(now, nodes, failed, plan, replica_decisions)
         # 4. record
         self._record(now, plan, replica_decisions, samples, applied, error)
         return TickResult(now, True, plan.reason, plan.message, plan, replica_decisions, applied, error)
@@ -436,7 +440,7 @@ class Controller:
             decision, self.policy_state[s.name] = policy_decide(ctx)
             pin = self.overrides.get(s.name)
             if pin is not None and now < pin[1]:
-                decision = replace(decision, replicas=pin[0], reason="Override",
+                decision = replace(decision, replicas=pin[0], reason="Override", leaving=0,
                                    message=f"pinned to {pin[0]} replicas by an operator (policy said {decision.replicas})")
             elif pin is not None:
                 del self.overrides[s.name]
@@ -517,6 +521,49 @@ class Controller:
             db.finish_action(self.store, action_id, now=_dt(self.clock()))
             applied.append(f"{step.action} {step.workload}")
         return applied, None
+
+    def _drain_ahead(self, now: float, nodes: dict[str, int], failed: dict[str, JobRuntime], plan: SchedulePlan,
+                     replicas: dict[str, ReplicaDecision]) -> list[str]:
+        """Take out of the load balancer the replicas a scale-down the policy sees coming will remove
+        (``ReplicaDecision.leaving``; 0 while an operator pins the count), so it finds them drained and
+        their GPUs go to training at once.
+
+        Which replicas: those the co-scheduler would remove if the service had ``leaving`` fewer
+        now (the same pure decision the scale-down will make; should it pick others then, those
+        drain as usual). A service scaled this tick or one whose ``leaving`` is 0 gets every
+        replica back. The backend holds them out for a few ticks unless asked again, so
+        a controller that stops ticking cannot strand them."""
+        act = getattr(self.backend, "drain_ahead", None)
+        if act is None:
+            return []
+        scaled = {st.workload for st in plan.steps if st.action in ("scale_inference_up", "scale_inference_down")}
+        hold = max(10.0, 3 * self.cfg.controller.tick_seconds)
+        wanted: dict[str, tuple[GPU, ...]] = {}
+        alloc: Allocation | None = None
+        runtimes: dict[str, JobRuntime | None] = {}
+        for s in self.cfg.services:
+            d = replicas[s.name]
+            gpus: tuple[GPU, ...] = ()
+            if d.leaving > 0 and s.name not in scaled:
+                if alloc is None:  # what every workload holds after this tick's steps
+                    alloc, runtimes = self._observe_jobs(set(failed))
+                fewer = {**replicas, s.name: replace(d, replicas=d.replicas - d.leaving)}
+                keep = set(schedule(self._snapshot(now, nodes, alloc, fewer, runtimes)).allocation.gpus_of(s.name))
+                gpus = tuple(g for g in alloc.gpus_of(s.name) if g not in keep)
+            wanted[s.name] = gpus
+        out: list[str] = []
+        for name, gpus in wanted.items():
+            try:
+                urls = act(name, gpus, hold)
+            except BackendError as e:  # a nicety, never a reason to stop the tick
+                log.warning("drain ahead of %s failed: %s", name, e)
+                continue
+            if set(gpus) != self._ahead.get(name, set()):
+                self._ahead[name] = set(gpus)
+                out.append(f"drain_ahead {name}: " + (f"{len(urls)} replica(s) out of the load balancer on "
+                                                      f"{', '.join(str(g) for g in gpus)}" if gpus
+                                                      else "every replica back in the load balancer"))
+        return out
 
     @property
     def _can_pause(self) -> bool:

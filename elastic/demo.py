@@ -58,6 +58,9 @@ def demo_config(minutes: float, tick_seconds: float) -> dict[str, Any]:
             # (10 s, with a 12 s window below, kept a replica ~20 s after the load fell: utilisation
             # 0.865 against 0.875-0.878 with 5 s / 8 s, SLO 0.995-0.997 either way; 2026-12-01)
             "metric": {"preset": "vllm-requests", "target": TARGET, "windowSeconds": 5},
+            # a leaving replica leaves the balancer 6 s before the window lets it go (a request is 6.4 s):
+            # it has finished its requests by then and its GPU goes to training at once
+            "drain_ahead_seconds": 6.0,
             "startup_seconds": 3.0, "forecast": "trend", "forecast_window_seconds": max(10.0, 6 * tick_seconds),
             "behavior": {
                 "scaleUp": {"stabilizationWindowSeconds": 0,
@@ -144,7 +147,7 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
                          # nice: the 8 "GPUs" share this machine's cores; training must not slow the
                          # replicas it would never touch on separate GPUs
                          train_options=LaunchOptions(heartbeat_timeout_s=60.0, join_timeout_s=90.0, nice=10))
-    source = build_source(cfg.services[0].metric, targets=lambda s: backend.service_targets(s))
+    source = build_source(cfg.services[0].metric, targets=lambda s: backend.metric_targets(s))
     ctl = Controller(cfg, backend, store, {SERVICE: source}, owner=f"demo-{os.getpid()}", async_grow=True)
     api = None
     if api_port is not None:

@@ -563,6 +563,13 @@ class InferenceSpec(_Spec):
     forecast: Literal["off", "trend", "holt-winters"] = "off"
     forecast_window_seconds: float = Field(default=600.0, gt=0, description="trend: regression window")
     forecast_season_seconds: float = Field(default=86400.0, gt=0, description="holt-winters: season length")
+    drain_ahead_seconds: float = Field(
+        default=0.0, ge=0,
+        description="take the replica a scale-down will remove out of the load balancer this many seconds "
+                    "before the scale-down window lets it go, so its requests are done when it leaves and its "
+                    "GPU goes to training at once (set it near the longest request you serve); it is put "
+                    "back the moment the load rises again. 0 = off (drain only once the window has passed). "
+                    "Backends that cannot hold a replica out of the balancer ignore it")
 
     @model_validator(mode="after")
     def _bounds(self) -> InferenceSpec:

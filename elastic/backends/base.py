@@ -127,6 +127,12 @@ class Backend(Protocol):
         """Start, rescale in place, or stop (``gpus == ()``) a training job. Returns once the
         new layout has run its first step (or the job has released its GPUs)."""
 
+    # Optional: ``drain_ahead(service, gpus, hold_seconds) -> list[str]`` takes the replicas on ``gpus``
+    # out of the load balancer ahead of a scale-down the policy sees coming (``drain_ahead_seconds``);
+    # they keep their GPUs, still count in ``service_gpus`` and in ``metric_targets`` (the metric's
+    # scrape targets, when they differ from ``service_targets``), and go back into the balancer when
+    # not asked again within ``hold_seconds``. Without it a replica drains only once it is removed.
+
     # Optional: ``pause_job(spec) -> RescaleOutcome`` frees every GPU of a running job and keeps
     # its state off-GPU (phase ``Paused``, no GPUs, ``layout`` = what the keepers hold); a later
     # ``set_job_gpus`` with GPUs resumes it at the same step. A backend without it can only

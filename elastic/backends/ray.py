@@ -122,6 +122,9 @@ class RayBackend:
         self.replicas: dict[str, list[_Replica]] = {}
         # out of the load balancer's targets, finishing their requests (until stopped)
         self.draining: dict[str, list[_Replica]] = {}
+        # drained ahead of a scale-down (``drain_ahead``): service -> GPU -> until (monotonic). Out of
+        # the load balancer, still the service's (they hold their GPU and finish their requests)
+        self.ahead: dict[str, dict[GPU, float]] = {}
         self.jobs: dict[str, _Job] = {}
         self._lock = threading.RLock()
         self.adopted: list[str] = []  # what _adopt found (for the controller's recovery notes)
@@ -164,17 +167,44 @@ class RayBackend:
             return tuple(r.gpu for r in self.replicas.get(service, []))
 
     def ready_replicas(self, service: str) -> int:
-        with self._lock:
-            return len(self.replicas.get(service, []))
+        return len(self.service_targets(service))
 
     def service_targets(self, service: str) -> list[str]:
+        """The load balancer's targets: ready replicas that take new requests."""
+        with self._lock:
+            out = self._ahead_of(service)
+            return [r.url for r in self.replicas.get(service, []) if r.gpu not in out]
+
+    def metric_targets(self, service: str) -> list[str]:
+        """Every replica whose load is the service's: the balancer's targets and the replicas drained
+        ahead of a scale-down (their requests still run; leaving them out of the metric would
+        shrink the service a second time on load it still carries)."""
         with self._lock:
             return [r.url for r in self.replicas.get(service, [])]
 
     def draining_targets(self, service: str) -> list[str]:
-        """Replicas taken out of ``service_targets`` that are still finishing their requests."""
+        """Replicas out of ``service_targets`` that are still finishing their requests: those leaving
+        (a scale-down) and those drained ahead of one."""
         with self._lock:
-            return [r.url for r in self.draining.get(service, [])]
+            out = self._ahead_of(service)
+            return ([r.url for r in self.replicas.get(service, []) if r.gpu in out]
+                    + [r.url for r in self.draining.get(service, [])])
+
+    def drain_ahead(self, service: str, gpus: Sequence[GPU], hold_seconds: float) -> list[str]:
+        """Take the service's replicas on ``gpus`` out of the load balancer ahead of a scale-down that
+        will remove them: they keep their GPU and finish their requests, so the scale-down finds
+        them drained. Every other replica drained ahead goes back into the balancer at once. Held
+        out for ``hold_seconds`` unless asked again: a controller that stops asking (paused, lost its
+        lease, died) cannot leave a replica out. Returns the URLs now held out."""
+        with self._lock:
+            mine = {r.gpu: r for r in self.replicas.get(service, [])}
+            until = time.monotonic() + hold_seconds
+            self.ahead[service] = {g: until for g in gpus if g in mine}
+            return [mine[g].url for g in self.ahead[service]]
+
+    def _ahead_of(self, service: str) -> set[GPU]:
+        now = time.monotonic()
+        return {g for g, until in self.ahead.get(service, {}).items() if until > now}
 
     def set_service_gpus(self, spec: InferenceSpec, gpus: tuple[GPU, ...]) -> None:
         import ray
@@ -186,6 +216,7 @@ class RayBackend:
             current = list(self.replicas.get(spec.name, []))
             keep = [r for r in current if r.gpu in want]
             leave = [r for r in current if r.gpu not in want]
+            self.ahead.pop(spec.name, None)  # kept ones serve again; leaving ones drained ahead drain at once
             # 1. drain: out of the load balancer's targets first, then stop once their requests are done
             self.replicas[spec.name] = keep
             self.draining[spec.name] = self.draining.get(spec.name, []) + leave

@@ -95,7 +95,7 @@ def build(cfg: Any, *, db_url: str, ray_address: str | None = None, owner: str |
                          namespace=ray.get_runtime_context().namespace if detached else None)
     # 4. metric sources
     if sources is None:
-        sources = {s.name: build_source(s.metric, targets=backend.service_targets)
+        sources = {s.name: build_source(s.metric, targets=backend.metric_targets)
                    for s in cfg.services if s.metric is not None}
     kw = {"clock": clock} if clock is not None else {}
     ctl = Controller(cfg, backend, store, sources, owner=owner or default_owner(), throughput=tables, **kw)

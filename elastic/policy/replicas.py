@@ -13,7 +13,9 @@ the HPA controller applies them, which is what users of ``behavior`` expect:
 5. stabilisation windows over the recommendations;
 6. rate policies and bounds together (HPA ``convertDesiredReplicasWithBehaviorRate``);
 7. stale metrics may grow the service but never shrink it;
-8. reason code + message with the arithmetic; record the scale event.
+8. drain ahead (``drain_ahead_seconds``): the replicas the window is about to remove, so the
+   backend can take them out of the load balancer early (never on stale or missing metrics);
+9. reason code + message with the arithmetic; record the scale event.
 """
 
 from __future__ import annotations
@@ -95,9 +97,15 @@ def decide(ctx: PolicyContext) -> tuple[ReplicaDecision, PolicyState]:
         reason = Reason.METRICS_MISSING
         msg += f"; metric is stale, holding {cur} (stale metrics never shrink a service)"
 
+    # 8. Drain ahead: what a window shorter by drain_ahead_seconds would remove already is about to go.
+    leaving = 0 if ctx.stale else _leaving(spec, cur, final, now, state, up, down)
+    if leaving:
+        msg += (f"; drain ahead: {leaving} replica(s) leave the load balancer now, released within "
+                f"{spec.drain_ahead_seconds:g}s if the load stays")
+
     if cur == 0 and final > 0:
         reason = Reason.ACTIVATED
-    return _finish(ctx, state, final, reason, msg, reactive, predicted)
+    return _finish(ctx, state, final, reason, msg, reactive, predicted, leaving)
 
 
 def landed(state: PolicyState, at: float, replicas: int) -> PolicyState:
@@ -110,6 +118,27 @@ def landed(state: PolicyState, at: float, replicas: int) -> PolicyState:
 
 
 # ---- steps -----------------------------------------------------------------------------------
+
+
+def _leaving(spec: InferenceSpec, cur: int, final: int, now: float, state: PolicyState, up: Rules,
+             down: Rules) -> int:
+    """Replicas the scale-down window will remove within ``drain_ahead_seconds`` if the load stays.
+
+    The window keeps the highest recommendation of its last ``W`` seconds; the one of the last
+    ``W - ahead`` seconds is what it will keep ``ahead`` seconds from now unless a higher one
+    comes, through the same rate policies and bounds. Only while the window holds a scale-down
+    back (``final == cur``): once it lets go, the backend drains as usual. Window 8 s, ahead
+    6 s, recommendations 5, 5 in the last 2 s and 6 before, current 6 -> 1 leaving.
+    """
+    ahead = spec.drain_ahead_seconds
+    if ahead <= 0 or final != cur or cur <= spec.min_replicas or not state.recommendations:
+        return 0
+    latest = state.recommendations[-1][1]  # this tick's, recorded in step 5
+    early = stabilize(now, latest, cur, state.recommendations, up.window, max(0.0, down.window - ahead))
+    if early >= cur:
+        return 0
+    early, _, _ = _limits(spec, cur, early, now, state.events, up, down)
+    return max(0, cur - early)
 
 
 def _average(spec: InferenceSpec, state: PolicyState, now: float, metric: float) -> tuple[float, PolicyState, str]:
@@ -225,11 +254,11 @@ def _prune(state: PolicyState, now: float, up: Rules, down: Rules, spec: Inferen
 
 
 def _finish(ctx: PolicyContext, state: PolicyState, replicas: int, reason: Reason, msg: str,
-            reactive: int | None, predicted: int | None) -> tuple[ReplicaDecision, PolicyState]:
+            reactive: int | None, predicted: int | None, leaving: int = 0) -> tuple[ReplicaDecision, PolicyState]:
     cur = ctx.current_replicas
     if replicas != cur:
         state = replace(state, events=state.events + ((ctx.now, replicas - cur),))
     decision = ReplicaDecision(
         service=ctx.spec.name, current=cur, replicas=replicas, reason=reason, message=msg, at=ctx.now,
-        metric=ctx.metric, reactive=reactive, forecast=predicted)
+        metric=ctx.metric, reactive=reactive, forecast=predicted, leaving=leaving)
     return decision, state

@@ -118,6 +118,9 @@ class ReplicaDecision:
     metric: float | None = None
     reactive: int | None = None  # after ratio + tolerance, before forecast/windows/limits
     forecast: int | None = None  # replicas the forecast asks for (None: no forecast)
+    # replicas a scale-down window is about to remove (``drain_ahead_seconds``): the backend may take
+    # them out of the load balancer now so they have drained when the window lets them go
+    leaving: int = 0
 
     @property
     def change(self) -> int:

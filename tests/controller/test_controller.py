@@ -395,3 +395,66 @@ def test_the_scale_down_window_runs_from_when_a_scale_up_landed_not_from_its_dec
         assert len(backend.services["chat"]) == 1
     finally:
         store.dispose()
+
+
+def test_the_replica_a_scale_down_will_remove_is_drained_ahead_and_put_back_when_the_load_returns(db_url) -> None:
+    """drain_ahead_seconds=6 with an 8 s window: the replica the scale-down will remove leaves the
+    balancer once the lower recommendation has held for 2 s; it is the one removed 6 s later; a
+    load rise or a missing metric puts every replica back; the decision says so."""
+    import copy
+
+    data = copy.deepcopy(CONFIG)
+    data["services"][0]["behavior"] = {"scaleDown": {"stabilizationWindowSeconds": 8}}
+    data["services"][0]["drain_ahead_seconds"] = 6
+    db.upgrade(db_url)
+    store = db.Store.from_url(db_url)
+    clock = Clock()
+
+    class Ahead(FakeBackend):
+        def __init__(self, nodes):
+            super().__init__(nodes)
+            self.ahead: list[tuple] = []  # every drain_ahead call: (service, gpus, hold)
+
+        def drain_ahead(self, service, gpus, hold_seconds):
+            self.ahead.append((service, tuple(gpus), hold_seconds))
+            return [f"http://{g}" for g in gpus]
+
+    backend = Ahead({"n0": 4, "n1": 4})
+    source = InProcessSource(max_age=60)
+    ctl = Controller(load_config(data=data), backend, store, {"chat": source}, owner="a", clock=clock)
+    try:
+        _tick(ctl, source, clock, 10.0)
+        _tick(ctl, source, clock, 40.0)
+        held = backend.services["chat"]
+        assert len(held) == 4 and backend.ahead[-1][1] == ()
+        # load for 3: one replica leaves the balancer at once (the window shortened by 6 s is 2 s)
+        res = _tick(ctl, source, clock, 30.0, dt=2.0)
+        d = res.replica_decisions["chat"]
+        assert (d.replicas, d.leaving) == (4, 1), d.message
+        assert "drain ahead: 1 replica(s)" in d.message
+        (_, out, hold), = backend.ahead[-1:]
+        assert len(out) == 1 and out[0] in held and hold >= 10.0
+        assert any(a.startswith("drain_ahead chat: 1 replica(s) out of the load balancer") for a in res.applied)
+        # the load comes back: everyone back in the balancer, nothing removed
+        res = _tick(ctl, source, clock, 40.0, dt=2.0)
+        assert res.replica_decisions["chat"].leaving == 0 and backend.ahead[-1][1] == ()
+        assert "drain_ahead chat: every replica back in the load balancer" in res.applied
+        assert backend.services["chat"] == held
+        # it falls again and stays down: drained ahead 2 s in, removed when the window lets go, and
+        # the replica removed is the one that was drained ahead
+        for _ in range(5):
+            _tick(ctl, source, clock, 30.0, dt=2.0)
+        assert backend.ahead[-1][1] == ()  # scaled down: nothing held out any more
+        out = [a[1] for a in backend.ahead if a[1]][-1]
+        assert len(backend.services["chat"]) == 3
+        assert set(held) - set(backend.services["chat"]) == set(out)
+        # a missing metric never drains ahead (fail-safe: it never shrinks either)
+        _tick(ctl, source, clock, 20.0, dt=2.0)
+        assert backend.ahead[-1][1] != ()
+        source.clear("chat")
+        clock.t += 2.0
+        res = ctl.tick()
+        assert res.replica_decisions["chat"].reason == "MetricsMissing"
+        assert res.replica_decisions["chat"].leaving == 0 and backend.ahead[-1][1] == ()
+    finally:
+        store.dispose()

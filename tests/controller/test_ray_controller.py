@@ -246,3 +246,58 @@ def test_a_killed_training_worker_is_recovered_in_place_recorded_and_grown_back(
     finally:
         backend.shutdown()
         store.dispose()
+
+
+def test_a_replica_drained_ahead_leaves_the_balancer_keeps_its_gpu_and_then_leaves_at_once(ray_local) -> None:
+    """``drain_ahead``: the replica a coming scale-down will remove takes no new request but finishes
+    its own, keeps its GPU and still counts in the service's metric; the scale-down then finds it
+    drained. A hold that is not renewed puts a replica back into the balancer."""
+    from elastic.backends.ray import wait_drained
+    from elastic.metrics.scrape import scrape_sum
+    from elastic.model import GPU
+    from elastic.serve.loadgen import LoadGenerator
+    from elastic.serve.profiles import ConstantProfile
+    from tests.inference.conftest import BackgroundLoad
+
+    cfg = load_config(data=CONFIG)
+    spec = cfg.services[0]
+    backend = _spy_backend(cfg.pool)
+    backend.drain_seconds = 30.0  # a scale-down that had to wait for a busy replica would take seconds
+    gpus = tuple(GPU("local", i) for i in range(3))
+    try:
+        backend.set_service_gpus(spec, gpus)
+        urls = backend.service_targets("chat")
+        assert len(urls) == 3
+        leaving = backend.replicas["chat"][2]
+        # one request of ~2 s (100 tokens at 50 tokens/s) running on the replica about to leave
+        load = BackgroundLoad(LoadGenerator([leaving.url], ConstantProfile(20.0), duration=1.0, max_requests=1,
+                                            max_tokens=100, seed=1))
+        deadline = time.monotonic() + 10
+        while not scrape_sum(leaving.url, ("vllm:num_requests_running",)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert backend.drain_ahead("chat", [leaving.gpu], 30.0) == [leaving.url]
+        assert leaving.url not in backend.service_targets("chat") and len(backend.service_targets("chat")) == 2
+        assert backend.ready_replicas("chat") == 2
+        assert backend.draining_targets("chat") == [leaving.url]
+        assert leaving.url in backend.metric_targets("chat")  # its running request is still the service's load
+        assert len(backend.service_gpus("chat")) == 3  # it holds its GPU until the scale-down
+        assert wait_drained([leaving.url], timeout=10.0) == []
+        report = load.finish()
+        assert [(x.complete, x.tokens) for x in report.results] == [(True, 100)]  # finished, not cut
+        t0 = time.monotonic()
+        backend.set_service_gpus(spec, gpus[:2])
+        assert time.monotonic() - t0 < 5.0  # nothing left to drain: no wait for requests
+        assert sorted(backend.service_targets("chat")) == sorted(urls[:2])
+        assert backend.draining_targets("chat") == []
+        # not renewed: back into the balancer by itself
+        kept = backend.replicas["chat"][1]
+        assert backend.drain_ahead("chat", [kept.gpu], 0.3) == [kept.url]
+        assert kept.url not in backend.service_targets("chat")
+        time.sleep(0.6)
+        assert sorted(backend.service_targets("chat")) == sorted(urls[:2])
+        # asked with no GPU: every replica back at once
+        backend.drain_ahead("chat", [kept.gpu], 30.0)
+        backend.drain_ahead("chat", [], 30.0)
+        assert sorted(backend.service_targets("chat")) == sorted(urls[:2])
+    finally:
+        backend.shutdown()

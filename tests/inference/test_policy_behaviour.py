@@ -310,3 +310,47 @@ def test_window_damps_flapping_under_a_short_scale_down_window() -> None:
 def test_window_must_not_be_negative() -> None:
     with pytest.raises(ValidationError, match="window_seconds|windowSeconds"):
         make_spec(metric={"windowSeconds": -1})
+
+
+# ---- drain ahead ------------------------------------------------------------------------------
+
+
+def _drain_ahead_spec(**kw: Any) -> InferenceSpec:
+    return make_spec(drain_ahead_seconds=kw.pop("ahead", 6), behavior={"scaleDown": {
+        "stabilizationWindowSeconds": 8, "policies": kw.pop("policies", [{"type": "Pods", "value": 10,
+                                                                           "periodSeconds": 1}])}}, **kw)
+
+
+def test_drain_ahead_names_the_replicas_the_window_will_remove_and_they_leave_on_time() -> None:
+    # window 8 s, ahead 6 s, one tick per 2 s: the lower recommendation has held for 2 s at the
+    # first low tick (the window shortened to 2 s holds only it), the scale-down comes 6 s later
+    ds = run(_drain_ahead_spec(), [50, 50, 30, 30, 30, 30, 30], start=5, dt=2.0)
+    assert [(d.replicas, d.leaving) for d in ds] == [(5, 0), (5, 0), (5, 2), (5, 2), (5, 2), (3, 0), (3, 0)]
+    assert "drain ahead: 2 replica(s)" in ds[2].message and ds[2].reason == Reason.STABILIZING
+
+
+def test_drain_ahead_goes_back_to_zero_when_the_load_returns_and_is_off_by_default() -> None:
+    ds = run(_drain_ahead_spec(), [50, 30, 50, 50], start=5, dt=2.0)
+    assert [d.leaving for d in ds] == [0, 2, 0, 0]
+    assert [d.leaving for d in run(make_spec(behavior={"scaleDown": {"stabilizationWindowSeconds": 8}}),
+                                   [50, 30, 30, 30], start=5, dt=2.0)] == [0, 0, 0, 0]
+
+
+def test_drain_ahead_keeps_to_the_rate_policy_and_the_minimum() -> None:
+    one_per_10s = [{"type": "Pods", "value": 1, "periodSeconds": 10}]
+    ds = run(_drain_ahead_spec(policies=one_per_10s), [50, 10, 10], start=5, dt=2.0)
+    assert [d.leaving for d in ds] == [0, 1, 1]  # the load wants 1 replica; the rate lets 1 go
+    ds = run(_drain_ahead_spec(min_replicas=4), [50, 10, 10], start=5, dt=2.0)
+    assert [d.leaving for d in ds] == [0, 1, 1]
+    assert run(_drain_ahead_spec(min_replicas=5), [50, 10], start=5, dt=2.0)[-1].leaving == 0
+
+
+def test_drain_ahead_never_acts_on_missing_or_stale_metrics() -> None:
+    assert [d.leaving for d in run(_drain_ahead_spec(), [50, None, None], start=5, dt=2.0)] == [0, 0, 0]
+    ds = run(_drain_ahead_spec(), [50, 30, 30], start=5, dt=2.0, stale=[False, True, True])
+    assert [d.leaving for d in ds] == [0, 0, 0]
+
+
+def test_drain_ahead_must_not_be_negative() -> None:
+    with pytest.raises(ValidationError, match="drain_ahead_seconds"):
+        _drain_ahead_spec(ahead=-1)
