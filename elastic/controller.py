@@ -629,7 +629,8 @@ class Controller:
                 samples: dict[str, MetricSample | None], applied: list[str], error: str | None) -> None:
         inputs = {
             "metrics": {k: (None if v is None else {"value": v.value, "stale": v.stale}) for k, v in samples.items()},
-            "replicas": {k: {"current": d.current, "desired": d.replicas, "reason": str(d.reason), "message": d.message}
+            "replicas": {k: {"current": d.current, "desired": d.replicas, "leaving": d.leaving, "reason": str(d.reason),
+                             "message": d.message}
                          for k, d in replicas.items()},
         }
         plan_doc = {
@@ -648,7 +649,7 @@ class Controller:
         for name, d in replicas.items():
             db.set_service_status(self.store, name, {
                 "currentReplicas": d.current, "desiredReplicas": d.replicas, "observedValue": d.metric,
-                "reason": str(d.reason), "message": d.message}, now=_dt(now))
+                "leavingReplicas": d.leaving, "reason": str(d.reason), "message": d.message}, now=_dt(now))
         for j in self.cfg.jobs:
             rt = self.backend.job_runtime(j.name)
             jd = plan.jobs.get(j.name)

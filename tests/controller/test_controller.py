@@ -435,6 +435,9 @@ def test_the_replica_a_scale_down_will_remove_is_drained_ahead_and_put_back_when
         (_, out, hold), = backend.ahead[-1:]
         assert len(out) == 1 and out[0] in held and hold >= 10.0
         assert any(a.startswith("drain_ahead chat: 1 replica(s) out of the load balancer") for a in res.applied)
+        rec = db.list_decisions(store, limit=1, pool="p", newest_first=True)[0]  # on record, with why
+        assert rec.inputs["replicas"]["chat"]["leaving"] == 1 and "drain ahead" in rec.inputs["replicas"]["chat"]["message"]
+        assert any(a.startswith("drain_ahead chat") for a in rec.plan["applied"])
         # the load comes back: everyone back in the balancer, nothing removed
         res = _tick(ctl, source, clock, 40.0, dt=2.0)
         assert res.replica_decisions["chat"].leaving == 0 and backend.ahead[-1][1] == ()
