@@ -232,9 +232,16 @@ class WorkerAgent:
         # engine of the generation the coordinator named, never a newer one
         self._engine_lock = threading.Lock()
         self._interrupted_gen = -1  # the generation we were last told to interrupt (logged once)
-        # fault injection for tests and chaos drills: "<worker>:<generation>:<exchange|commit|engine>"
-        # makes that worker die (os._exit, as a lost node) inside that rescale's exchange, just after
-        # its part of it, or once its new engine is built (its peers are then in the first step)
+        # the generation whose groups this worker is building (its heartbeat says so), and why the
+        # coordinator said to give that up (a peer lost: the generation is recovered or rolled back);
+        # group rendezvous wait on an AbortableStore that asks _rendezvous_aborted between polls
+        self._building: int | None = None
+        self._abort: tuple[int, str] | None = None
+        # fault injection for tests and chaos drills: "<worker>:<generation>:<where>" makes that worker
+        # die (os._exit, as a lost node) in that rescale: "group" before it joins the reshard group,
+        # "exchange" inside the exchange, "commit" just after its part of it, "init_pg" after the commit
+        # before it joins the new default group, "engine" once its new engine is built (its peers are
+        # then in the first step)
         self._fault = os.environ.get("ELASTIC_FAULT_EXCHANGE", "")
 
     # ---- entry ----------------------------------------------------------------------------
@@ -428,6 +435,14 @@ class WorkerAgent:
                 self._exit_notice()
                 return None
             return d.switch_step
+        self._building, self._abort = d.generation, None
+        try:
+            return self._transition_go(d, prep, clock)
+        finally:
+            self._building = None
+
+    def _transition_go(self, d: Directive, prep: _Prep, clock: _Phases) -> int | None:
+        """The rescale after ``go``: see :meth:`_transition`."""
         new_ranks = {str(k): int(v) for k, v in prep.plan_info["new_ranks"].items()}
         layout, rank = Layout.parse(d.layout), new_ranks.get(self.worker)
         keep_default = self._keeps_default_group(d, new_ranks)
@@ -483,6 +498,7 @@ class WorkerAgent:
             if new_pg is not None:
                 new_pg.result()
             elif not keep_default and not d.hold:
+                self._maybe_die(d, "init_pg")
                 self._init_default_group(d, layout, rank)
             clock.mark("init_pg")
             if d.hold:  # a keeper: hold the state as received, build nothing, step nothing
@@ -595,7 +611,9 @@ class WorkerAgent:
         else:
             members = list(prep.plan.members)
             grank = {w: i for i, w in enumerate(members)}
+            self._maybe_die(d, "group")
             store = dist.PrefixStore(f"{d.job}/g{d.generation}/reshard/", self._store_for(d))
+            self._roll_call(d, store, grank[self.worker], len(members))
             pg = dist.ProcessGroupGloo(store, grank[self.worker], len(members), self._timeout())
         clock.mark("group")
         self._maybe_die(d, "exchange")
@@ -664,8 +682,21 @@ class WorkerAgent:
             return  # a 1-rank layout needs no process group (the engine uses solo communicators)
         base = self._new_store(d) if own_store else self._store_for(d)
         store = dist.PrefixStore(f"{d.job}/g{d.generation}/train/", base)
+        self._roll_call(d, store, rank, layout.world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=layout.world_size,
                                 timeout=self._timeout())
+
+    def _roll_call(self, d: Directive, store: Any, rank: int, world: int) -> None:
+        """Before a group of generation ``d`` is built: wait until every member is at its door, and
+        give up as soon as the coordinator says a peer of that generation was lost (its rendezvous
+        would wait for the dead peer's key until ``pg_timeout_s``). See ``elastic.train.abortable``."""
+        from elastic.train.abortable import roll_call
+
+        def aborted() -> str | None:
+            a = self._abort
+            return a[1] if a is not None and a[0] == d.generation else None
+
+        roll_call(store, "roll-call", rank, world, aborted, self.opts.pg_timeout_s)
 
     def _store_for(self, d: Directive) -> Any:
         if self._store is None:
@@ -750,7 +781,8 @@ class WorkerAgent:
         while not self._stop.wait(pause):
             now = time.monotonic()
             try:
-                resp = beat.call("heartbeat", generation=self.generation, wait_s=interval)
+                resp = beat.call("heartbeat", generation=self.generation, wait_s=interval,
+                                 **({"building": self._building} if self._building is not None else {}))
                 lost_since = None
             except RendezvousError as e:
                 lost_since = lost_since or now
@@ -763,6 +795,11 @@ class WorkerAgent:
             pause = 0.0 if time.monotonic() - now >= 0.5 * interval else interval
             if resp.get("interrupt") is not None:
                 self._interrupt(int(resp["interrupt"]))
+            ab = resp.get("abort")
+            if ab is not None and (self._abort is None or self._abort[0] != int(ab)):
+                self._abort = (int(ab), str(resp.get("abort_reason") or "a peer was lost"))
+                log.warning("worker %s: a peer of generation %d was lost while its groups were built; giving "
+                            "their rendezvous up (%s)", self.worker, self._abort[0], self._abort[1])
             if resp.get("failed"):
                 # The main thread may sit in a collective with a dead peer; give it a grace period
                 # to notice on its own (and exit with its own reason), then leave so no process

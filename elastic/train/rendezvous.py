@@ -725,25 +725,50 @@ class Coordinator:
     def _h_heartbeat(self, b: dict[str, Any]) -> dict[str, Any]:
         """A worker's liveness beat. With ``generation`` and ``wait_s`` it long-polls: answered at
         once with ``interrupt: <generation>`` when that generation is being recovered and this
-        worker has not reported yet (it is still computing a step that cannot complete)."""
+        worker has not reported yet (it is still computing a step that cannot complete). With
+        ``building`` (the generation whose groups it is building in a rescale) also with
+        ``abort: <building>`` and ``abort_reason`` when those groups will never form (the job
+        failed, the rescale was rolled back, or past its commit a member was lost): the worker
+        gives their rendezvous up instead of waiting for a dead peer's key until its timeout."""
         w = str(b["worker"])
         gen = b.get("generation")
+        building = b.get("building")  # the generation whose groups it is building, if any
         wait_s = min(float(b.get("wait_s") or 0.0), LONG_POLL_MAX_S)
         if w not in self._left:
             self._touch(w)
 
-        def interrupt() -> bool:
+        def unreported(g: Any) -> bool:
             rec = self._recovery
-            return (rec is not None and gen is not None and int(gen) == rec.generation and not rec.posted
+            return (rec is not None and g is not None and int(g) == rec.generation and not rec.posted
                     and w not in rec.reports and w not in rec.lost)
 
-        if wait_s > 0 and not interrupt():
-            self._alarm.wait_for(lambda: interrupt() or self._phase == "failed" or self._closing.is_set(), wait_s)
+        def interrupt() -> bool:
+            return unreported(gen)
+
+        def abort() -> str | None:
+            """Why the groups of ``building`` will never form: the job failed, that rescale was rolled
+            back, or (past its commit) the generation is being recovered from a lost member."""
+            if building is None:
+                return None
+            if self._phase == "failed":
+                return f"the job failed: {self._error}"
+            if int(building) in self._rolled_back:
+                return self._rolled_back[int(building)]
+            rec = self._recovery
+            return rec.reason if unreported(building) and rec is not None else None
+
+        def answer_now() -> bool:
+            return interrupt() or abort() is not None or self._phase == "failed" or self._closing.is_set()
+
+        if wait_s > 0 and not answer_now():
+            self._alarm.wait_for(answer_now, wait_s)
             if w not in self._left:
                 self._touch(w)
         out: dict[str, Any] = {"phase": self._phase, "failed": self._phase == "failed", "reason": self._error or ""}
         if interrupt():
             out["interrupt"] = int(gen)  # type: ignore[arg-type]
+        if (why := abort()) is not None:
+            out["abort"], out["abort_reason"] = int(building), why  # type: ignore[arg-type]
         return out
 
     def _h_poll(self, b: dict[str, Any]) -> dict[str, Any]:

@@ -646,7 +646,14 @@ def test_a_member_lost_before_the_commit_rolls_the_job_back_and_it_recovers_on_t
     _to_commit(c, d)
     for w in ("w0", "w2"):  # their part is done: they wait at the commit
         assert call(c, "exchanged", w, generation=2)["decision"] == "wait"
-    c.worker_lost("w3", "worker w3 exited with code -9")  # a joiner, mid-exchange
+    assert "abort" not in call(c, "heartbeat", "w1", generation=1, building=2)  # building its groups: go on
+    with ThreadPoolExecutor(1) as pool:  # w1 long-polls while it waits for a peer at the group's door
+        beat = pool.submit(call, c, "heartbeat", "w1", generation=1, building=2, wait_s=4.0)
+        time.sleep(0.3)
+        c.worker_lost("w3", "worker w3 exited with code -9")  # a joiner, mid-exchange
+        answer = beat.result(timeout=2)  # at once, not after 4 s
+    assert answer["abort"] == 2 and "rolled back to generation 1" in answer["abort_reason"], answer
+    assert "abort" not in call(c, "heartbeat", "w1", generation=1)  # not building anything: nothing to give up
     st = c.status()
     assert (st.phase, st.generation, st.layout) == ("recovering", 1, "tp1.pp1.dp2")
     failed = c.rescale_record(2)
@@ -706,6 +713,9 @@ def test_past_the_commit_a_lost_leaver_costs_nothing_and_a_lost_member_is_recove
     c.worker_lost("w1", "worker w1 exited with code -9")
     st = c.status()
     assert (st.phase, st.generation) == ("recovering", 2), st
+    # w0 may be waiting for w1 at the new default group's door: it gives that up
+    answer = call(c, "heartbeat", "w0", generation=1, building=2)
+    assert answer["abort"] == 2 and "w1" in answer["abort_reason"], answer
     done = c.rescale_record(2)
     assert done.ok and "lost before its first step finished" in done.reason
     assert c.wait_generation(2, timeout=1).ok  # the launcher's wait sees the rescale done

@@ -161,6 +161,9 @@ def test_a_survivor_gives_a_long_step_up_as_soon_as_its_peer_is_lost_instead_of_
 @pytest.mark.parametrize("start, grow_to, fault, after, survivors", [
     # a joiner dies inside the exchange: the old members still hold everything, the job goes on as it was
     ("tp1.pp1.dp2", ("tp1.pp1.dp4", W4), "w2:2:exchange", "tp1.pp1.dp2", ["w0", "w1"]),
+    # a joiner dies before it joins the exchange's group: the others give that rendezvous up at once
+    # (AbortableStore) instead of waiting for its key until pg_timeout_s
+    ("tp1.pp1.dp2", ("tp1.pp1.dp4", W4), "w2:2:group", "tp1.pp1.dp2", ["w0", "w1"]),
     # an old member dies inside an exchange with joiners (a transient group carries it)
     ("tp1.pp1.dp2", ("tp1.pp1.dp4", W4), "w1:2:exchange", "tp1.pp1.dp1", ["w0"]),
     # an old member dies inside the exchange (the old default group carries it: no joiner)
@@ -188,6 +191,7 @@ def test_a_worker_lost_inside_a_rescale_rolls_the_job_back_and_it_recovers_on_th
             h.rescale(grow_to[0], grow_to[1], timeout=120)
         st = _wait_recovered(h, 3)
         took = time.monotonic() - t0
+        assert took < opts.pg_timeout_s / 3, f"{took:.1f} s: someone waited on the dead peer until a timeout"
         assert st.layout == after and victim not in st.workers, st
         if survivors is not None:
             assert st.workers == survivors
@@ -212,20 +216,28 @@ def test_a_worker_lost_inside_a_rescale_rolls_the_job_back_and_it_recovers_on_th
         assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step} ({r.layout}): {r.loss} vs {want}"
 
 
+@pytest.mark.parametrize("fault", [
+    "w3:2:engine",  # once its engine is built: its peers are in their first step with it
+    "w3:2:init_pg",  # before it joins the new default group: its peers give that rendezvous up at once
+])
 def test_a_worker_lost_in_the_first_step_after_a_committed_rescale_is_recovered_from_the_new_generation(
-        tmp_path, monkeypatch) -> None:
-    """Past the commit the new generation's state is whole on its members: a joiner that dies
-    once its engine is built (its peers are in their first step with it) is recovered from the
-    new generation; the rescale itself counts as done."""
-    monkeypatch.setenv("ELASTIC_FAULT_EXCHANGE", "w3:2:engine")
+        tmp_path, monkeypatch, fault) -> None:
+    """Past the commit the new generation's state is whole on its members: a joiner lost before
+    the new layout's first step (while the groups are built, or in the step) is recovered from
+    the new generation, within seconds (nobody waits on it until pg_timeout_s); the rescale
+    itself counts as done."""
+    monkeypatch.setenv("ELASTIC_FAULT_EXCHANGE", fault)
     opts = LaunchOptions(pg_timeout_s=90, heartbeat_interval_s=0.5, heartbeat_timeout_s=30, join_timeout_s=120,
                          verify_reshard=True)
     h = ProcessJobHandle("first-step-loss", CFG, options=opts, log_dir=str(tmp_path))
     try:
         h.start("tp1.pp1.dp2", ["w0", "w1"], timeout=180)
         h.wait_step(2, timeout=120)
+        t0 = time.monotonic()
         h.rescale("tp1.pp1.dp4", W4, timeout=120)
         st = _wait_recovered(h, 3)
+        took = time.monotonic() - t0
+        assert took < opts.pg_timeout_s / 3, f"{took:.1f} s: someone waited on the dead peer until a timeout"
         assert st.layout == "tp1.pp1.dp2" and "w3" not in st.workers, st
         done = h.coordinator.rescale_record(2)
         assert done.ok and "lost before its first step finished" in done.reason, done
