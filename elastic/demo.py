@@ -484,8 +484,9 @@ def _plot(run: DemoRun, path: str, profile: Any, rate_at: Any) -> None:
         return
     t = [x.t - run.warmup for x in s]
     fig, ax = plt.subplots(figsize=(11, 5))
-    ax.stackplot(t, [x.replicas for x in s], [x.training_gpus for x in s], labels=["inference GPUs", "training GPUs"],
-                 colors=["#4c72b0", "#55a868"], alpha=0.6, step="post")
+    ax.stackplot(t, [x.replicas for x in s], [x.draining for x in s], [x.training_gpus for x in s],
+                 labels=["inference GPUs (serving)", "draining (out of the balancer)", "training GPUs"],
+                 colors=["#4c72b0", "#8fa8d0", "#55a868"], alpha=0.6, step="post")
     ax.set_ylim(0, GPUS + 0.5)
     ax.axvspan(t[0], 0, color="grey", alpha=0.1, label="warm-up (not counted)")
     ax.set_xlabel("seconds into the compressed day (03:00 at 0; the shaded warm-up is not counted)")
@@ -496,7 +497,8 @@ def _plot(run: DemoRun, path: str, profile: Any, rate_at: Any) -> None:
     prev = None
     for x in s:
         if x.layout and x.layout != prev:
-            ax.annotate(x.layout, (x.t - run.warmup, x.replicas + x.training_gpus), fontsize=7, rotation=60)
+            ax.annotate(x.layout, (x.t - run.warmup, x.replicas + x.draining + x.training_gpus), fontsize=7,
+                        rotation=60)
             ax.axvline(x.t - run.warmup, color="grey", lw=0.5, ls=":")
             prev = x.layout
     for kt, victim in run.kills:
