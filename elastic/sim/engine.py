@@ -10,7 +10,8 @@ One tick (``tick_seconds``) reads as numbered steps:
 4. apply: every GPU has an "available from" time — a GPU a shrinking job gives back is
    free when its reshard pause ends, a drained replica's GPU when its drain ends; a new
    replica serves from ``max(available) + startup_seconds``; a rescaled job pauses from
-   ``max(now, available of its new GPUs)`` for the pause model's seconds;
+   ``max(now, available of its new GPUs)`` for the pause model's seconds, and until then a
+   grow trains on its old GPU count (the new GPUs, still draining, are busy with nothing);
 5. account over the tick: a fluid FIFO queue per service (arrivals beyond capacity queue;
    queued requests that will wait longer than ``ttft_slo_seconds`` miss the SLO), inference
    GPU-seconds weighted by served load (capped at one per replica), training GPU-seconds and
@@ -49,6 +50,9 @@ class _Svc:
     shape: object
     startup: float
     ready_at: list[float] = field(default_factory=list)  # one entry per replica held
+    # drain ahead: since when each replica the policy names as leaving is out of the balancer
+    # (held, serving nothing new; its drain clock runs)
+    ahead: list[float] = field(default_factory=list)
     queue: float = 0.0
     late: float = 0.0  # part of the queue already counted as missing the SLO
     arrived: float = 0.0
@@ -68,6 +72,11 @@ class _Job:
     layout: str | None = None
     pause_from: float = 0.0
     pause_until: float = 0.0
+    # a grow waits for its new GPUs (a replica's drain, a shrinking job's pause): meanwhile the job
+    # still trains on its old count and the waiting GPUs are busy with nothing
+    waiting_gpus: int = 0
+    waiting_from: float = 0.0
+    waiting_until: float = 0.0
     last_rescale: float | None = None
     status: str = "pending"
     tokens: float = 0.0
@@ -147,7 +156,7 @@ class _Sim:
             name=cfg.name, gpus_per_replica=cfg.gpus_per_replica, min_replicas=cfg.min_replicas,
             max_replicas=cfg.max_replicas, priority=cfg.priority, behavior=cfg.behavior,
             metric=MetricTarget(preset="request-rate", type="AverageValue", target=cfg.capacity_rps_per_replica),
-            startup_seconds=horizon, forecast=cfg.forecast,
+            startup_seconds=horizon, forecast=cfg.forecast, drain_ahead_seconds=cfg.drain_ahead_seconds,
         )
         return _Svc(cfg, spec, rate, shape, startup)
 
@@ -184,6 +193,12 @@ class _Sim:
         metric = rps + s.queue / max(self.dt, 1.0)
         ctx = PolicyContext(s.spec, len(s.ready_at), metric, now, s.policy_state)
         dec, s.policy_state = policy_decide(ctx)
+        # drain ahead: the replicas named as leaving stop taking new requests now; the latest
+        # go back first when the load returns
+        # (a scale-down now keeps them: it removes them first, their drain already under way)
+        if dec.replicas >= len(s.ready_at):
+            want = dec.leaving if dec.replicas == len(s.ready_at) else 0
+            s.ahead = s.ahead[:want] + [now] * max(0, want - len(s.ahead))
         return dec.replicas
 
     # ---- main loop ----------------------------------------------------------------------------
@@ -259,7 +274,9 @@ class _Sim:
         s.ready_at.sort()
         for k in range(len(removed) // g):  # cancel replicas still starting first, then drain ready ones
             ready = s.ready_at.pop()
-            until = now + (s.cfg.drain_seconds if ready <= now else 0.0)
+            # a replica drained ahead has been draining since it left the balancer
+            since = s.ahead.pop(0) if ready <= now and s.ahead else now
+            until = max(now, since + s.cfg.drain_seconds) if ready <= now else now
             for x in removed[k * g:(k + 1) * g]:
                 self.avail[x] = until
         for k in range(len(added) // g):
@@ -272,6 +289,7 @@ class _Sim:
         start = max([now] + [self.avail.get(x, now) for x in t.added])
         pause = rescale_pause(j.model, n0, n1, self.sc.reshard, self.pause_scale)
         j.pause_from, j.pause_until = start, start + pause
+        j.waiting_gpus, j.waiting_from, j.waiting_until = max(0, n1 - n0), now, start
         for x in t.removed:
             self.avail[x] = j.pause_until  # a shrinking job lets go once its reshard is done
         j.gpus, j.layout = n1, layout
@@ -284,13 +302,14 @@ class _Sim:
         inf_held = trn_held = 0
         for s in self.svcs:
             g, cap = s.cfg.gpus_per_replica, s.cfg.capacity_rps_per_replica
-            ready_time = sum(min(dt, max(0.0, end - r)) for r in s.ready_at)  # replica-seconds serving
+            # replica-seconds serving (replicas drained ahead take no new request: they serve none here)
+            ready_time = sum(min(dt, max(0.0, end - r)) for r in sorted(s.ready_at)[:len(s.ready_at) - len(s.ahead)])
             arrivals = rates[s.cfg.name] * dt
             work = s.queue + arrivals
             served = min(work, cap * ready_time)
             s.queue = work - served
             s.late = max(0.0, s.late - served)
-            ready_now = sum(1 for r in s.ready_at if r <= end)
+            ready_now = max(0, sum(1 for r in s.ready_at if r <= end) - len(s.ahead))
             late_now = max(0.0, s.queue - cap * ready_now * s.cfg.ttft_slo_seconds)
             if late_now > s.late:
                 s.missed += late_now - s.late
@@ -301,8 +320,12 @@ class _Sim:
         for j in self.jobs:
             overlap = max(0.0, min(end, j.pause_until) - max(now, j.pause_from))
             run = dt - overlap
-            j.tokens += j.table[j.gpus][1] * run if j.gpus else 0.0
-            self.acc["trn_busy"] += j.gpus * run
+            # a grow still waiting for its new GPUs trains on the old count (tokens and busy GPUs)
+            wait = max(0.0, min(end, j.waiting_until) - max(now, j.waiting_from)) if j.waiting_gpus else 0.0
+            before = j.gpus - j.waiting_gpus
+            j.tokens += (j.table[j.gpus][1] * (run - wait) if j.gpus else 0.0) + (
+                j.table[before][1] * wait if wait and before in j.table else 0.0)
+            self.acc["trn_busy"] += j.gpus * run - j.waiting_gpus * wait
             self.acc["pause"] += j.gpus * overlap
             j.pause_gpu_seconds += j.gpus * overlap
             trn_held += j.gpus

@@ -63,6 +63,9 @@ class ServiceCfg(_Strict):
     ttft_slo_seconds: float = Field(default=2.0, gt=0)
     startup_seconds: float = Field(default=60.0, ge=0)
     drain_seconds: float = Field(default=30.0, ge=0)
+    # the policy's drain ahead (InferenceSpec.drain_ahead_seconds): a replica a held-back scale-down
+    # will remove leaves the balancer this long before the window lets it go; 0 = off
+    drain_ahead_seconds: float = Field(default=0.0, ge=0)
     min_replicas: int = Field(default=1, ge=0)
     max_replicas: int = Field(default=1 << 20, gt=0)
     behavior: Behavior | None = None

@@ -84,6 +84,30 @@ def test_longer_pauses_and_startup_cost_something(small: Path) -> None:
     assert slow.gpu_utilization < base_run.gpu_utilization
 
 
+def _with_service(sc, **kw):
+    return sc.model_copy(update={"services": [s.model_copy(update=kw) for s in sc.services]})
+
+
+def test_a_grow_onto_draining_gpus_trains_on_its_old_count_until_the_drain_ends(small: Path) -> None:
+    sc, base = load_scenario(small)
+    quick = simulate(_with_service(sc, drain_seconds=0.0), base, "cosched", keep_timeline=False)
+    slow = simulate(_with_service(sc, drain_seconds=600.0), base, "cosched", keep_timeline=False)
+    # the evening's freed GPUs reach training 10 minutes later: fewer busy GPU-hours and tokens
+    assert slow.gpu_utilization < quick.gpu_utilization - 0.005
+    assert slow.training_tokens < quick.training_tokens
+    assert slow.training_gpu_hours == pytest.approx(quick.training_gpu_hours)  # held (reserved) all the same
+
+
+def test_drain_ahead_gives_training_the_freed_gpus_sooner_and_keeps_the_slo(small: Path) -> None:
+    sc, base = load_scenario(small)
+    plain = simulate(_with_service(sc, drain_seconds=100.0), base, "cosched", keep_timeline=False)
+    ahead = simulate(_with_service(sc, drain_seconds=100.0, drain_ahead_seconds=100.0), base, "cosched",
+                     keep_timeline=False)
+    assert ahead.gpu_utilization > plain.gpu_utilization
+    assert ahead.training_tokens > plain.training_tokens
+    assert ahead.slo_attainment >= 0.999
+
+
 def test_same_seed_same_json(small: Path, tmp_path: Path) -> None:
     ds, base = load_scenario("deepseek-day")
     a = simulate(ds, base, "cosched", days=0.1, keep_timeline=False).as_json()
