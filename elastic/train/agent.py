@@ -237,6 +237,7 @@ class WorkerAgent:
         # group rendezvous wait on an AbortableStore that asks _rendezvous_aborted between polls
         self._building: int | None = None
         self._abort: tuple[int, str] | None = None
+        self._asker: RendezvousClient | None = None  # the roll call's own line to the coordinator
         # fault injection for tests and chaos drills: "<worker>:<generation>:<where>" makes that worker
         # die (os._exit, as a lost node) in that rescale: "group" before it joins the reshard group,
         # "exchange" inside the exchange, "commit" just after its part of it, "init_pg" after the commit
@@ -692,9 +693,26 @@ class WorkerAgent:
         would wait for the dead peer's key until ``pg_timeout_s``). See ``elastic.train.abortable``."""
         from elastic.train.abortable import roll_call
 
+        asked = [time.monotonic()]
+
         def aborted() -> str | None:
             a = self._abort
-            return a[1] if a is not None and a[0] == d.generation else None
+            if a is not None and a[0] == d.generation:
+                return a[1]
+            # a wait beyond a moment: ask the coordinator ourselves rather than wait for the heartbeat
+            # thread, whose long poll may have begun before this build and carry no "building"
+            if time.monotonic() - asked[0] >= ROLL_CALL_ASK_S:
+                asked[0] = time.monotonic()
+                if self._asker is None:
+                    self._asker = RendezvousClient(self.client.url, self.worker, timeout_s=5.0, retry_s=0)
+                try:
+                    resp = self._asker.call("heartbeat", generation=self.generation, building=d.generation)
+                except RendezvousError:
+                    return None  # the heartbeat thread decides what a lost coordinator means
+                if resp.get("abort") == d.generation:
+                    self._abort = (d.generation, str(resp.get("abort_reason") or "a peer was lost"))
+                    return self._abort[1]
+            return None
 
         roll_call(store, "roll-call", rank, world, aborted, self.opts.pg_timeout_s)
 
@@ -866,6 +884,10 @@ class _Phases:
         out["execute_seconds"] = s.get("group", 0.0) + s.get("exchange", 0.0)
         out["rebuild_seconds"] = s.get("close", 0.0) + s.get("init_pg", 0.0) + s.get("engine", 0.0)
         return out
+
+
+ROLL_CALL_ASK_S = 0.1
+"""A roll call still waiting after this long asks the coordinator whether to give up (then as often)."""
 
 
 def _preload(factory: Any) -> None:

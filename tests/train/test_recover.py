@@ -164,6 +164,8 @@ def test_a_survivor_gives_a_long_step_up_as_soon_as_its_peer_is_lost_instead_of_
     # a joiner dies before it joins the exchange's group: the others give that rendezvous up at once
     # (AbortableStore) instead of waiting for its key until pg_timeout_s
     ("tp1.pp1.dp2", ("tp1.pp1.dp4", W4), "w2:2:group", "tp1.pp1.dp2", ["w0", "w1"]),
+    # so does an old member: the job recovers on its other replica
+    ("tp1.pp1.dp2", ("tp1.pp1.dp4", W4), "w1:2:group", "tp1.pp1.dp1", ["w0"]),
     # an old member dies inside an exchange with joiners (a transient group carries it)
     ("tp1.pp1.dp2", ("tp1.pp1.dp4", W4), "w1:2:exchange", "tp1.pp1.dp1", ["w0"]),
     # an old member dies inside the exchange (the old default group carries it: no joiner)
