@@ -569,7 +569,8 @@ class InferenceSpec(_Spec):
                     "before the scale-down window lets it go, so its requests are done when it leaves and its "
                     "GPU goes to training at once (set it near the longest request you serve); it is put "
                     "back the moment the load rises again. 0 = off (drain only once the window has passed). "
-                    "Backends that cannot hold a replica out of the balancer ignore it")
+                    "The Ray backend does it; a backend that cannot hold a replica out of the balancer "
+                    "(Kubernetes today) ignores it")
 
     @model_validator(mode="after")
     def _bounds(self) -> InferenceSpec:
