@@ -234,7 +234,7 @@ class WorkerAgent:
         self._interrupted_gen = -1  # the generation we were last told to interrupt (logged once)
         # the generation whose groups this worker is building (its heartbeat says so), and why the
         # coordinator said to give that up (a peer lost: the generation is recovered or rolled back);
-        # group rendezvous wait on an AbortableStore that asks _rendezvous_aborted between polls
+        # a group's roll call (elastic.train.abortable) asks between its polls whether to give up
         self._building: int | None = None
         self._abort: tuple[int, str] | None = None
         self._asker: RendezvousClient | None = None  # the roll call's own line to the coordinator
