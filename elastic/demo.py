@@ -135,7 +135,10 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
 
     console = Console()
     day = minutes * 60.0
-    warmup = max(15.0, 5 * tick_seconds)
+    # the warm-up covers the cold start: the training job's first workers (7 processes on this
+    # machine's cores: ~10 s) and the first scale-up, which waits for them; with 15 s that scale-up
+    # sometimes landed 3-4 s into the day, the one replica saturated meanwhile (2026-12-01)
+    warmup = max(25.0, 5 * tick_seconds)
     kill_t = None if kill_worker_at is None else warmup + day_offset(kill_worker_at) * day
     cfg = load_config(data=demo_config(minutes, tick_seconds))
     replica_cfg = ReplicaConfig(model="tiny", max_running=SLOTS, max_waiting=128, tokens_per_second=TOKENS_PER_SECOND)

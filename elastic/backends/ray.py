@@ -126,6 +126,7 @@ class RayBackend:
         # the load balancer, still the service's (they hold their GPU and finish their requests)
         self.ahead: dict[str, dict[GPU, float]] = {}
         self.jobs: dict[str, _Job] = {}
+        self._starting: dict[str, Any] = {}  # job -> handle of a start in progress (see cancel_grow)
         self._lock = threading.RLock()
         self.adopted: list[str] = []  # what _adopt found (for the controller's recovery notes)
         if detached:
@@ -334,9 +335,13 @@ class RayBackend:
         return out
 
     def cancel_grow(self, job: str) -> bool:
+        """Call off a grow or a *start* of ``job`` whose workers have not all registered yet: a start
+        called off has created no state (its workers are dismissed, the job is not running), so
+        inference never waits for a job's cold start to end before it gets a GPU back."""
         with self._lock:
             j = self.jobs.get(job)
-        return j is not None and j.handle.cancel_pending()
+            handle = j.handle if j is not None else self._starting.get(job)
+        return handle is not None and handle.cancel_pending()
 
     def _new_handle(self, spec: TrainingSpec) -> Any:
         kw = {"options": self.train_options, "hardware": self.pool.hardware, "gpus_per_node": self.pool.gpus_per_node}
@@ -355,6 +360,8 @@ class RayBackend:
             j.workers[g] = f"{spec.name}-w{j.next_id}"
             j.next_id += 1
         _remember_gpus(handle, j)
+        with self._lock:
+            self._starting[spec.name] = handle  # cancel_grow can call the start off until its directive
         try:
             res = handle.start(layout, [j.workers[g] for g in gpus])
         except (SpecError, Exception) as e:  # noqa: BLE001 - surfaced as a failed step
@@ -362,7 +369,12 @@ class RayBackend:
                 handle.stop()
             except Exception:  # noqa: BLE001
                 pass
+            if isinstance(e, RescaleCancelled):
+                raise GrowCancelled(f"{spec.name}: start on {layout} called off before its first step: {e}") from e
             raise BackendError(f"{spec.name}: start on {layout} failed: {e}") from e
+        finally:
+            with self._lock:
+                self._starting.pop(spec.name, None)
         with self._lock:
             self.jobs[spec.name] = j
         out = RescaleOutcome(spec.name, None, str(layout), res.generation, pause_seconds=0.0,

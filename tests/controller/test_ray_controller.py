@@ -301,3 +301,51 @@ def test_a_replica_drained_ahead_leaves_the_balancer_keeps_its_gpu_and_then_leav
         assert sorted(backend.service_targets("chat")) == sorted(urls[:2])
     finally:
         backend.shutdown()
+
+
+def test_a_job_still_starting_can_be_called_off_and_gives_every_gpu_back(ray_local) -> None:
+    """A start is a grow from nothing: until its workers have all registered it can be called off
+    (inference needs a GPU it was lent), nothing exists to lose, and the job starts again later."""
+    import threading
+
+    from elastic.backends.base import GrowCancelled
+    from elastic.model import GPU
+
+    cfg = load_config(data=CONFIG)
+    spec = cfg.jobs[0]
+    backend = _spy_backend(cfg.pool)
+    out: dict[str, object] = {}
+
+    def start() -> None:
+        try:
+            out["result"] = backend.set_job_gpus(spec, tuple(GPU("local", i) for i in range(4)),
+                                                 Layout.parse("tp1.pp1.dp4"))
+        except Exception as e:  # noqa: BLE001 - what the test looks at
+            out["error"] = e
+
+    try:
+        t = threading.Thread(target=start)
+        t.start()
+        deadline = time.monotonic() + 30
+        while "tiny-job" not in backend._starting and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.3)  # its workers are starting
+        assert backend.cancel_grow("tiny-job") is True
+        t.join(60)
+        assert not t.is_alive()
+        assert isinstance(out.get("error"), GrowCancelled), out
+        assert "called off" in str(out["error"])
+        assert backend.job_runtime("tiny-job") is None and "tiny-job" not in backend._starting
+        ray = ray_local
+        deadline = time.monotonic() + 20
+        while ray.available_resources().get("GPU", 0) < 8 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ray.available_resources().get("GPU", 0) == 8  # every GPU back, nothing left running
+        assert backend.cancel_grow("tiny-job") is False  # nothing in flight any more
+        # it starts again on fewer GPUs, from step 0: nothing had been trained
+        res = backend.set_job_gpus(spec, (GPU("local", 0), GPU("local", 1)), Layout.parse("tp1.pp1.dp2"))
+        assert res.to_layout == "tp1.pp1.dp2"
+        rt = backend.job_runtime("tiny-job")
+        assert rt is not None and len(rt.gpus) == 2 and rt.phase in ("Running", "Rescaling")
+    finally:
+        backend.shutdown()
