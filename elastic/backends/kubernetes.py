@@ -414,7 +414,9 @@ class KubernetesBackend:
             else:
                 res = j.handle.rescale(layout, [new_workers[g] for g in gpus])
         except RescaleCancelled as e:
-            raise GrowCancelled(f"{spec.name}: rescale to {layout} called off: {e}") from e
+            if starting:  # nothing was trained: drop the half-started job (its pods, its handle)
+                self._stop_coordinated(spec, j)
+            raise GrowCancelled(f"{spec.name}: {'start' if starting else 'rescale'} on {layout} called off: {e}") from e
         except Exception as e:  # noqa: BLE001 - refused/abandoned: surfaced as a failed step
             if starting:
                 self._stop_coordinated(spec, j)
