@@ -548,7 +548,12 @@ class Controller:
                 if alloc is None:  # what every workload holds after this tick's steps
                     alloc, runtimes = self._observe_jobs(set(failed))
                 fewer = {**replicas, s.name: replace(d, replicas=d.replicas - d.leaving)}
-                keep = set(schedule(self._snapshot(now, nodes, alloc, fewer, runtimes)).allocation.gpus_of(s.name))
+                try:
+                    keep = set(schedule(self._snapshot(now, nodes, alloc, fewer, runtimes)).allocation.gpus_of(s.name))
+                except Exception as e:  # noqa: BLE001 - a nicety: never a reason to stop the tick
+                    log.warning("drain ahead of %s: no plan for %d replicas (%s); nobody drained ahead", s.name,
+                                d.replicas - d.leaving, e)
+                    keep = set(alloc.gpus_of(s.name))
                 gpus = tuple(g for g in alloc.gpus_of(s.name) if g not in keep)
             wanted[s.name] = gpus
         out: list[str] = []
