@@ -88,6 +88,9 @@ class Exporter:
         # services
         self.current = G("elastic_service_current_replicas", "Replicas the service runs now", ["service"])
         self.desired = G("elastic_service_desired_replicas", "Replicas the replica policy wants", ["service"])
+        self.leaving = G("elastic_service_leaving_replicas", "Replicas drained ahead of a scale-down the policy "
+                         "sees coming: out of the load balancer, finishing their requests (drain_ahead_seconds)",
+                         ["service"])
         self.load = G("elastic_service_load", "Load metric the policy last saw (the unit of the service's metric)",
                       ["service"])
         self.target = G("elastic_service_load_target", "Target of the service's load metric (per replica for "
@@ -228,21 +231,24 @@ class Exporter:
             spec = _inference_spec(s.spec)
             per = spec.gpus_per_replica if spec else 1
             desired, current = st.get("desiredReplicas"), st.get("currentReplicas")
-            # GPUs a service still holds beyond what it is meant to run are draining (being given back)
-            draining = max(0, held - int(desired) * per) if desired is not None else 0
+            leaving = int(st.get("leavingReplicas") or 0)
+            # GPUs a service still holds beyond what it is meant to run are draining (being given back),
+            # and so are the replicas drained ahead of a scale-down (out of the balancer already)
+            draining = max(0, held - (int(desired) - leaving) * per) if desired is not None else 0
             split["inference"] += held - draining
             split["draining"] += draining
             names.append((s.name,))
             # what it holds after the last apply is the truth; the recorded status is pre-apply
             _set_opt(self.current, (s.name,), held // per if s.name in alloc or current is not None else None)
             _set_opt(self.desired, (s.name,), desired)
+            _set_opt(self.leaving, (s.name,), leaving if desired is not None else None)
             _set_opt(self.load, (s.name,), st.get("observedValue"))
             target = spec.metric.target if spec and spec.metric else None
             _set_opt(self.target, (s.name,), target)
             value = st.get("observedValue")
             if target and value is not None and math.isfinite(float(value)):
                 busy += (held - draining) * min(1.0, max(0.0, float(value) / target))
-        for g in (self.current, self.desired, self.load, self.target):
+        for g in (self.current, self.desired, self.leaving, self.load, self.target):
             g.keep_only(names)
         return busy, split
 

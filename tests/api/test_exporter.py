@@ -140,3 +140,19 @@ def test_a_recovery_in_place_is_counted_once_and_the_job_phase_is_exported(env: 
     again = Exporter()
     again.update_from(None, env.store)
     assert again.registry.get_sample_value("elastic_job_recoveries_total", {"job": "pretrain"}) == 1
+
+
+def test_replicas_drained_ahead_are_reported_and_count_as_draining(env: Env) -> None:
+    for load in (10.0, 40.0):
+        env.tick(load)
+    chat = len(env.backend.service_gpus("chat"))
+    assert chat >= 2
+    assert _one(_samples(env), "elastic_service_leaving_replicas", service="chat") == 0
+    # the controller recorded one replica drained ahead of a scale-down (ReplicaDecision.leaving)
+    rec = next(s for s in db.list_services(env.store) if s.name == "chat")
+    db.set_service_status(env.store, "chat", {**rec.status, "desiredReplicas": chat, "leavingReplicas": 1})
+    env.exporter.update_from(env.ctl, env.store)
+    m = _samples(env)
+    assert _one(m, "elastic_service_leaving_replicas", service="chat") == 1
+    assert _one(m, "elastic_gpus", pool="p", state="draining") == 1  # out of the balancer: not busy
+    assert _one(m, "elastic_gpus", pool="p", state="inference") == chat - 1
