@@ -232,12 +232,9 @@ class WorkerAgent:
         # engine of the generation the coordinator named, never a newer one
         self._engine_lock = threading.Lock()
         self._interrupted_gen = -1  # the generation we were last told to interrupt (logged once)
-        # the generation whose groups this worker is building (its heartbeat says so), and why the
-        # coordinator said to give that up (a peer lost: the generation is recovered or rolled back);
-        # a group's roll call (elastic.train.abortable) asks between its polls whether to give up
-        self._building: int | None = None
-        self._abort: tuple[int, str] | None = None
-        self._asker: RendezvousClient | None = None  # the roll call's own line to the coordinator
+        # a group's roll call (elastic.train.abortable) asks the coordinator on a line of its own
+        # whether the generation it is for was given up (a peer lost: recovered or rolled back)
+        self._asker: RendezvousClient | None = None
         # fault injection for tests and chaos drills: "<worker>:<generation>:<where>" makes that worker
         # die (os._exit, as a lost node) in that rescale: "group" before it joins the reshard group,
         # "exchange" inside the exchange, "commit" just after its part of it, "init_pg" after the commit
@@ -436,14 +433,6 @@ class WorkerAgent:
                 self._exit_notice()
                 return None
             return d.switch_step
-        self._building, self._abort = d.generation, None
-        try:
-            return self._transition_go(d, prep, clock)
-        finally:
-            self._building = None
-
-    def _transition_go(self, d: Directive, prep: _Prep, clock: _Phases) -> int | None:
-        """The rescale after ``go``: see :meth:`_transition`."""
         new_ranks = {str(k): int(v) for k, v in prep.plan_info["new_ranks"].items()}
         layout, rank = Layout.parse(d.layout), new_ranks.get(self.worker)
         keep_default = self._keeps_default_group(d, new_ranks)
@@ -696,23 +685,23 @@ class WorkerAgent:
         asked = [time.monotonic()]
 
         def aborted() -> str | None:
-            a = self._abort
-            if a is not None and a[0] == d.generation:
-                return a[1]
-            # a wait beyond a moment: ask the coordinator ourselves rather than wait for the heartbeat
-            # thread, whose long poll may have begun before this build and carry no "building"
-            if time.monotonic() - asked[0] >= ROLL_CALL_ASK_S:
-                asked[0] = time.monotonic()
-                if self._asker is None:
-                    self._asker = RendezvousClient(self.client.url, self.worker, timeout_s=5.0, retry_s=0)
-                try:
-                    resp = self._asker.call("heartbeat", generation=self.generation, building=d.generation)
-                except RendezvousError:
-                    return None  # the heartbeat thread decides what a lost coordinator means
-                if resp.get("abort") == d.generation:
-                    self._abort = (d.generation, str(resp.get("abort_reason") or "a peer was lost"))
-                    return self._abort[1]
-            return None
+            # a wait beyond a moment (a roll call of live members takes milliseconds): ask whether the
+            # coordinator gave this generation up, at most every ROLL_CALL_ASK_S
+            if time.monotonic() - asked[0] < ROLL_CALL_ASK_S:
+                return None
+            asked[0] = time.monotonic()
+            if self._asker is None:
+                self._asker = RendezvousClient(self.client.url, self.worker, timeout_s=5.0, retry_s=0)
+            try:
+                resp = self._asker.call("heartbeat", generation=self.generation, building=d.generation)
+            except RendezvousError:
+                return None  # the heartbeat thread decides what a lost coordinator means
+            if resp.get("abort") != d.generation:
+                return None
+            why = str(resp.get("abort_reason") or "a peer was lost")
+            log.warning("worker %s: a peer of generation %d was lost while its groups were built; giving "
+                        "their rendezvous up (%s)", self.worker, d.generation, why)
+            return why
 
         roll_call(store, "roll-call", rank, world, aborted, self.opts.pg_timeout_s)
 
@@ -799,8 +788,7 @@ class WorkerAgent:
         while not self._stop.wait(pause):
             now = time.monotonic()
             try:
-                resp = beat.call("heartbeat", generation=self.generation, wait_s=interval,
-                                 **({"building": self._building} if self._building is not None else {}))
+                resp = beat.call("heartbeat", generation=self.generation, wait_s=interval)
                 lost_since = None
             except RendezvousError as e:
                 lost_since = lost_since or now
@@ -813,11 +801,6 @@ class WorkerAgent:
             pause = 0.0 if time.monotonic() - now >= 0.5 * interval else interval
             if resp.get("interrupt") is not None:
                 self._interrupt(int(resp["interrupt"]))
-            ab = resp.get("abort")
-            if ab is not None and (self._abort is None or self._abort[0] != int(ab)):
-                self._abort = (int(ab), str(resp.get("abort_reason") or "a peer was lost"))
-                log.warning("worker %s: a peer of generation %d was lost while its groups were built; giving "
-                            "their rendezvous up (%s)", self.worker, self._abort[0], self._abort[1])
             if resp.get("failed"):
                 # The main thread may sit in a collective with a dead peer; give it a grace period
                 # to notice on its own (and exit with its own reason), then leave so no process
