@@ -975,14 +975,14 @@ class Coordinator:
                 rec = self._rescales.get(gen)
                 return ({"decision": "go", "reason": ""} if rec is not None and rec.ok
                         else {"decision": "stop", "reason": f"generation {gen} is not in flight"})
-            if set(p.directive.members) <= p.exchanged:
+            if self._committed(p):
                 return {"decision": "go", "reason": ""}
             return None
 
         p = self._pending
         if p is not None and p.directive.generation == gen and p.decision == "go" and w in p.directive.members:
             p.exchanged.add(w)
-            if set(p.directive.members) <= p.exchanged:
+            if self._committed(p):
                 self._cv.notify_all()
         out = answer()
         if out is None and wait_s > 0:
@@ -1055,7 +1055,7 @@ class Coordinator:
         through its exchange yet, and the job was recoverable on the old generation."""
         p = self._pending
         if (p is None or p.decision != "go" or not p.directive.rollback or p.record.ok is not None
-                or p.previous is None or set(p.directive.members) <= p.exchanged):
+                or p.previous is None or self._committed(p)):
             return None
         return p
 
