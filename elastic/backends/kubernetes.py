@@ -225,14 +225,8 @@ class KubernetesBackend:
     def service_targets(self, service: str) -> list[str]:
         """``http://<podIP>:<first container port>`` of the Deployment's ready pods (direct scrape)."""
         t = self._target(service)
-        dep = self._deployment(service)
-        labels = (dep.spec.selector.match_labels or {}) if dep.spec and dep.spec.selector else {}
-        if not labels:
-            return []
-        pods = self._call(f"list pods of {t.namespace}/{t.deployment}", self.core.list_namespaced_pod, t.namespace,
-                          label_selector=",".join(f"{k}={v}" for k, v in sorted(labels.items())))
         urls = []
-        for p in pods.items:
+        for p in self._deployment_pods(t, self._deployment(service)):
             ready = any(c.type == "Ready" and c.status == "True" for c in (p.status.conditions or [])) if p.status else False
             ports = [port.container_port for c in p.spec.containers for port in (c.ports or [])]
             if ready and p.status.pod_ip and ports:
@@ -271,13 +265,17 @@ class KubernetesBackend:
 
     def _terminating_pods(self, t: ServiceTarget, dep: Any) -> list[str]:
         """The Deployment's pods that are marked for deletion but not gone yet."""
+        return sorted(p.metadata.name for p in self._deployment_pods(t, dep) if p.metadata.deletion_timestamp)
+
+    def _deployment_pods(self, t: ServiceTarget, dep: Any) -> list[Any]:
+        """The pods the Deployment's selector matches (checked here too: an API server that ignores
+        label selectors must not hand us another workload's pods). None without a selector."""
         labels = (dep.spec.selector.match_labels or {}) if dep.spec and dep.spec.selector else {}
         if not labels:
             return []
         pods = self._call(f"list pods of {t.namespace}/{t.deployment}", self.core.list_namespaced_pod, t.namespace,
                           label_selector=",".join(f"{k}={v}" for k, v in sorted(labels.items())))
-        return sorted(p.metadata.name for p in pods.items if p.metadata.deletion_timestamp
-                      and labels.items() <= (p.metadata.labels or {}).items())
+        return [p for p in pods.items if labels.items() <= (p.metadata.labels or {}).items()]
 
     # ---- protocol: training ---------------------------------------------------------------------
     def _job_target(self, job: str) -> JobTarget:
