@@ -581,6 +581,16 @@ class InferenceSpec(_Spec):
         return self
 
 
+class CheckpointSpec(_Spec):
+    """Periodic sharded checkpoints of a training job (``elastic.train.checkpoint``)."""
+
+    dir: str = Field(min_length=1, description="a directory every worker can write (a shared volume); the job's "
+                                               "checkpoints go into <dir>/<job name>")
+    every_steps: int = Field(default=100, gt=0, description="save every this many steps (the step's tensors are "
+                                                            "copied, then written in the background)")
+    keep: int = Field(default=2, gt=0, description="complete checkpoints kept; older ones are deleted")
+
+
 class TrainingSpec(_Spec):
     name: str = Field(min_length=1)
     model: str = Field(description="preset name or path to a model file")
@@ -602,6 +612,11 @@ class TrainingSpec(_Spec):
         description="never shard the optimizer state (no ZeRO-1) so that every data-parallel replica holds "
                     "a full copy: a lost worker is then recovered from its replica without a restart; costs "
                     "optimizer memory (GPU counts where only ZeRO-1 fits drop out)")
+    checkpoint: CheckpointSpec | None = Field(
+        default=None,
+        description="a safety net for losses no replica covers (dp = 1, ZeRO-1, two losses): the job then starts "
+                    "again from its newest complete checkpoint, on any layout, instead of from step 0. Rescales "
+                    "never use it (they move the state between live workers). None: no checkpoints")
 
     @model_validator(mode="after")
     def _bounds(self) -> TrainingSpec:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -344,7 +345,8 @@ class RayBackend:
         return handle is not None and handle.cancel_pending()
 
     def _new_handle(self, spec: TrainingSpec) -> Any:
-        kw = {"options": self.train_options, "hardware": self.pool.hardware, "gpus_per_node": self.pool.gpus_per_node}
+        kw = {"options": job_options(self.train_options, spec), "hardware": self.pool.hardware,
+              "gpus_per_node": self.pool.gpus_per_node}
         if self.detached:
             return RayJobHandle(spec.name, self.trainer_config(spec), namespace=self.namespace,
                                 spec_doc=spec.model_dump(mode="json"), **kw)
@@ -737,7 +739,21 @@ class _RemoteCoordinator:
 def _coordinator_settings(opts: Any) -> dict[str, Any]:
     return {"heartbeat_interval_s": opts.heartbeat_interval_s, "heartbeat_timeout_s": opts.heartbeat_timeout_s,
             "join_timeout_s": opts.join_timeout_s, "max_steps": opts.max_steps, "recover": opts.recover,
-            "transactional": opts.transactional_rescale}
+            "transactional": opts.transactional_rescale, "checkpoint": opts.checkpoint}
+
+
+def job_options(options: Any, spec: TrainingSpec) -> Any:
+    """The launch options of one job: the backend's, with the job's own checkpoint directory."""
+    from dataclasses import replace
+
+    from elastic.train.checkpoint import CheckpointSettings
+    from elastic.train.launch import LaunchOptions
+
+    if spec.checkpoint is None:
+        return options
+    c = spec.checkpoint
+    return replace(options or LaunchOptions(), checkpoint=CheckpointSettings(
+        os.path.join(c.dir, spec.name), every_steps=c.every_steps, keep=c.keep))
 
 
 class RayJobHandle(JobHandle):

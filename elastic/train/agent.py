@@ -52,6 +52,11 @@ redone on the recovered layout. Any other error is posted as the job's failure r
 coordinator unreachable for ``coordinator_timeout_s`` or a job the coordinator marked failed
 makes the agent exit on its own (``watchdog``).
 
+Checkpoints (``checkpoint`` settings from the coordinator): every ``every_steps`` steps the agent
+copies the pieces its rank owns and writes them in a background thread
+(:mod:`elastic.train.checkpoint`); a first generation that the coordinator starts from a
+checkpoint (``Directive.resume``) reads its boxes out of it instead of initialising them.
+
 What it must not do: choose layouts, compute maths (the engine does), or keep running
 after its coordinator is gone.
 """
@@ -77,6 +82,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.model import Layout, ModelSpec, SpecError, load_model
+from elastic.train.checkpoint import CheckpointSettings
 from elastic.train.rendezvous import Directive, RendezvousClient, RendezvousError
 
 log = logging.getLogger(__name__)
@@ -218,9 +224,16 @@ class WorkerAgent:
         self.engine: Engine | None = None
         self.generation = 0
         self.layout: Layout | None = None
+        self.rank = -1  # in self.layout
         self._store: Any = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"prepare-{worker}")
         self._reaper = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"reaper-{worker}")
+        # periodic checkpoints (elastic.train.checkpoint), settings from the coordinator at register
+        self._ckpt: CheckpointSettings | None = None
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"checkpoint-{worker}")
+        self._writing: Future[Any] | None = None
+        self._writing_step = -1
+        self._job = ""
         self._graveyard: list[Any] = []  # shut-down groups, destroyed after the next step (_bury)
         self._prep: Future[_Prep] | None = None
         self._prep_gen = 0
@@ -254,6 +267,8 @@ class WorkerAgent:
             log.error("worker %s: %s", self.worker, e)
             return 3
         self.config = dict(reg.get("config") or {})
+        self._ckpt = CheckpointSettings.from_json(reg.get("checkpoint"))
+        self._job = str(reg.get("job", ""))
         beat = threading.Thread(target=self._heartbeat, args=(float(reg.get("heartbeat_interval_s", 1.0)),),
                                 name=f"heartbeat-{self.worker}", daemon=True)
         beat.start()
@@ -275,6 +290,7 @@ class WorkerAgent:
             self._stop.set()
             self._pool.shutdown(wait=False)
             self._reaper.shutdown(wait=False)
+            self._writer.shutdown(wait=True)  # a checkpoint being written is finished (the launcher bounds it)
             self.client.close()
 
     def _main(self) -> int:
@@ -322,6 +338,7 @@ class WorkerAgent:
                 last = _result_json(result)
                 self._applied = step
                 step += 1
+                self._maybe_checkpoint(step)
                 self._bury()  # the first step after a rescale is done: its old groups may go now
             elif action == "break" and not self._broken:
                 last = None  # a peer was lost while we were between steps: report what we hold, then wait
@@ -349,6 +366,8 @@ class WorkerAgent:
                 time.sleep(_REASK_S)
             elif action in ("stop", "finish"):
                 log.info("worker %s: %s at step %d (%s)", self.worker, action, step, resp.get("reason", ""))
+                if resp.get("save") and not self._broken:
+                    self._maybe_checkpoint(step, final=True)
                 self._close_engine()
                 self._exit_notice()
                 return 0
@@ -494,7 +513,8 @@ class WorkerAgent:
             if d.hold:  # a keeper: hold the state as received, build nothing, step nothing
                 engine: Engine = HeldState(new_state)
             else:
-                engine = self.factory(self.config, layout, rank, new_state if d.old_ranks else None)
+                engine = self.factory(self.config, layout, rank,
+                                      new_state if d.old_ranks else self._initial_state(d, layout, rank))
         except Exception as e:
             # past a transactional commit the new state is whole on every member: a peer lost while
             # the groups are built is recovered from the new generation, like one lost in a step
@@ -504,12 +524,70 @@ class WorkerAgent:
         if broke:
             return self._build_broke(d, layout, new_state, broke)
         with self._engine_lock:
-            self.engine, self.generation, self.layout = engine, d.generation, layout
+            self.engine, self.generation, self.layout, self.rank = engine, d.generation, layout, rank
         self._applied = d.switch_step - 1
         clock.mark("engine")
         self._maybe_die(d, "engine")
         self._report_result(d, {**stats, "rank": rank, **clock.report()})
         return d.switch_step
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def _initial_state(self, d: Directive, layout: Layout, rank: int) -> State | None:
+        """A first generation's state: read out of the checkpoint the coordinator starts from (any saved
+        layout), or None (the engine initialises it from the seed)."""
+        if not d.resume:
+            return None
+        from elastic.train import checkpoint
+
+        ref = checkpoint.CheckpointRef(d.resume, d.switch_step, d.resume_layout or "")
+        t0 = time.perf_counter()
+        state = checkpoint.load_rank(ref, config_model(self.config), layout, rank, config_kind_dtypes(self.config),
+                                     device=self.opts.device)
+        log.info("worker %s: rank %d of %s read from %s (saved on %s) in %.2f s", self.worker, rank, layout,
+                 d.resume, d.resume_layout, time.perf_counter() - t0)
+        return state
+
+    def _maybe_checkpoint(self, step: int, *, final: bool = False) -> None:
+        """Every ``every_steps`` steps: copy the pieces this rank owns, write them in the background.
+
+        The copy is taken now (the next step changes the tensors in place); a write still running
+        from the last checkpoint makes this one skipped rather than the step wait on the disk.
+        ``final`` (the job stops or finishes at ``step``): at any step, after the last write, and
+        waited for (the launcher bounds it by its exit timeout; cut short, the checkpoint is
+        incomplete and the previous one stands)."""
+        c = self._ckpt
+        if c is None or self.layout is None or self.engine is None or isinstance(self.engine, HeldState):
+            return
+        if final:
+            if self._writing is not None:
+                self._writing.result()
+            if self._writing_step == step:
+                return
+        elif step % c.every_steps:
+            return
+        elif self._writing is not None and not self._writing.done():
+            log.warning("worker %s: checkpoint at step %d skipped: the one at step %d is still being written "
+                        "(raise checkpoint every_steps)", self.worker, step, self._writing_step)
+            return
+        from elastic.reshard.spec import sharding_spec
+        from elastic.train import checkpoint
+
+        assert self.engine is not None
+        spec = sharding_spec(config_model(self.config), self.layout, config_kinds(self.config))
+        pieces = checkpoint.snapshot(spec, self.rank, self.engine.state())
+        root, rank, job = c.dir, self.rank, self._job
+
+        def write() -> None:
+            try:
+                checkpoint.write_rank(root, step, spec, rank, pieces, job=job)
+                if rank == 0:
+                    checkpoint.prune(root, c.keep)
+            except Exception:  # noqa: BLE001 - a failed write costs this checkpoint, never the job
+                log.exception("worker %s: writing the checkpoint at step %d failed", self.worker, step)
+
+        self._writing, self._writing_step = self._writer.submit(write), step
+        if final:
+            self._writing.result()
 
     def _build_broke(self, d: Directive, layout: Layout, new_state: State, error: str) -> int:
         """A peer was lost while this member built the new generation's groups, after the commit:

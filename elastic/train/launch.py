@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry
 
 from elastic.model import HardwareSpec, Layout, SpecError, check_layout, load_hardware
 from elastic.train.agent import config_json
+from elastic.train.checkpoint import CheckpointSettings
 from elastic.train.procenv import worker_memory_env
 from elastic.train.rendezvous import (
     Coordinator,
@@ -93,6 +94,11 @@ class LaunchOptions:
     # the job going on unchanged) and the new layout's groups are built after the exchange rather
     # than during it. False: reuse the memory; a loss mid-exchange then fails the job.
     transactional_rescale: bool = True
+    # Periodic sharded checkpoints into this job's own directory (every worker must be able to
+    # write it, and the coordinator to list it): a loss no replica covers (dp = 1, ZeRO-1, two
+    # losses) then costs the steps since the last one instead of the whole run, because a start
+    # begins at the newest complete checkpoint, on any layout. None: no checkpoint.
+    checkpoint: CheckpointSettings | None = None
 
 
 def make_validator(cfg: Any, hardware: HardwareSpec | str | None = None, gpus_per_node: int | None = None):
@@ -133,6 +139,7 @@ class JobHandle(ABC):
             job, config_json(cfg), host=host, registry=registry, heartbeat_interval_s=o.heartbeat_interval_s,
             heartbeat_timeout_s=o.heartbeat_timeout_s, join_timeout_s=o.join_timeout_s, max_steps=o.max_steps,
             validator=self.validate, recover=o.recover, transactional=o.transactional_rescale,
+            checkpoint=o.checkpoint,
         )
         self._spawned: set[str] = set()
         self._gone: set[str] = set()

@@ -41,6 +41,12 @@ see identically:
    state is whole by then; the rescale itself is recorded as done.
    Otherwise (or when recovery fails) the job turns ``failed`` with a reason and every later
    request from a worker is answered ``stop``.
+5. **Where a start begins.** With ``checkpoint`` settings the workers write sharded
+   checkpoints (:mod:`elastic.train.checkpoint`; the settings reach them at register) and the
+   first directive of a job starts at the newest complete one (``Directive.resume``,
+   ``switch_step`` = its step) on whatever layout it is given; else at step 0. A requested
+   stop and a finish tell the workers to write a last one (``save``); a failed job's stop does
+   not.
 
 It also aggregates per-step reports into the loss history and the Prometheus metrics
 (:mod:`elastic.train.telemetry`), and records each rescale (pause, bytes moved, planned
@@ -69,6 +75,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 
 from elastic.model import Layout, SpecError
+from elastic.train.checkpoint import CheckpointRef, CheckpointSettings
+from elastic.train.checkpoint import latest as latest_checkpoint
 from elastic.train.telemetry import TrainingMetrics
 
 log = logging.getLogger(__name__)
@@ -131,6 +139,10 @@ class Directive:
     # build the new layout; a member lost before that rolls the job back to the old generation,
     # which then recovers from its survivors (set when the old layout is recoverable)
     rollback: bool = False
+    # a start (no old generation) from a checkpoint: its path; ``switch_step`` is its step and every
+    # worker reads its boxes out of it (elastic.train.checkpoint) instead of initialising them
+    resume: str | None = None
+    resume_layout: str | None = None
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -286,6 +298,7 @@ class Coordinator:
         recover: bool = False,
         transactional: bool = True,
         recovery_timeout_s: float | None = None,
+        checkpoint: CheckpointSettings | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if heartbeat_timeout_s <= heartbeat_interval_s:
@@ -308,6 +321,9 @@ class Coordinator:
         self.transactional = transactional
         # survivors must report within this after a loss (default: the heartbeat timeout)
         self.recovery_timeout_s = recovery_timeout_s if recovery_timeout_s is not None else heartbeat_timeout_s
+        # periodic checkpoints (the workers write them; a start begins at the newest complete one)
+        self.checkpoint = checkpoint
+        self.resumed_from: CheckpointRef | None = None
         self.metrics = TrainingMetrics(job, registry)
         self._clock = clock
         lock = threading.RLock()
@@ -403,7 +419,8 @@ class Coordinator:
                 raise SpecError(f"job {self.job}: " + ("a job that has not started has no state to hold; start it"
                                                        if cur is None else "is paused already; resume it first"))
             old_ranks = dict(cur.ranks) if cur else {}
-            switch = self._switch_step_locked() if cur else 0
+            resume = latest_checkpoint(self.checkpoint.dir) if self.checkpoint and cur is None else None
+            switch = self._switch_step_locked() if cur else resume.step if resume else 0
             self._check_before_max_steps(generation, switch)
             d = Directive(
                 job=self.job, generation=generation, layout=str(lay), workers=tuple(members), remap=remap,
@@ -411,7 +428,12 @@ class Coordinator:
                 store_host=self.advertise_host, store_port=self.store_port,
                 join_timeout_s=join_timeout_s if join_timeout_s is not None else self.join_timeout_s,
                 hold=hold, rollback=self.transactional and cur is not None and not hold and self._recoverable(cur),
+                resume=resume.path if resume else None, resume_layout=resume.layout if resume else None,
             )
+            if resume is not None:
+                self.resumed_from = resume
+                log.info("job %s starts from checkpoint %s (step %d, saved on %s)", self.job, resume.path,
+                         resume.step, resume.layout)
             rec = RescaleRecord(generation, d.old_layout, d.layout, list(members), list(d.joiners),
                                 list(d.leavers), switch, hold=hold)
             self._pending = _Pending(d, rec, self._clock())
@@ -720,7 +742,8 @@ class Coordinator:
         self._left.discard(w)
         self._registered.add(w)
         return {"job": self.job, "config": self.config, "heartbeat_interval_s": self.heartbeat_interval_s,
-                "heartbeat_timeout_s": self.heartbeat_timeout_s}
+                "heartbeat_timeout_s": self.heartbeat_timeout_s,
+                "checkpoint": self.checkpoint.to_json() if self.checkpoint else None}
 
     def _h_heartbeat(self, b: dict[str, Any]) -> dict[str, Any]:
         """A worker's liveness beat. With ``generation`` and ``wait_s`` it long-polls: answered at
@@ -806,7 +829,10 @@ class Coordinator:
             self._record_report_locked(w, gen, b["result"])
         self._note_resumed_locked(w, gen, step)
         if self._phase in ("failed", "stopping", "stopped"):
-            return {"action": "stop", "reason": self._error or self._reason or self._phase}
+            # a requested stop at a step boundary: every worker of the generation is at the same step
+            # with a whole state, which is worth a last checkpoint (a failed job's is not)
+            return {"action": "stop", "reason": self._error or self._reason or self._phase,
+                    "save": self._phase != "failed" and self._recovery is None}
         if self._recovery is not None and gen == self._recovery.generation:
             return self._recovery_answer_locked(w, gen, float(b.get("wait_s") or 0.0))
         cur = self._current
@@ -823,7 +849,7 @@ class Coordinator:
                                          f"{self._pending.directive.switch_step}")
                 self._phase, self._reason = "finished", f"reached max_steps={self.max_steps}"
                 self._cv.notify_all()
-            return {"action": "finish", "reason": f"reached max_steps={self.max_steps}"}
+            return {"action": "finish", "reason": f"reached max_steps={self.max_steps}", "save": True}
         p = self._pending
         if p is not None and p.decision is None and w in p.directive.old_ranks:
             if step >= p.directive.switch_step:

@@ -143,6 +143,10 @@ def test_failed_step_stops_the_plan_and_is_recorded(env) -> None:
     ({"pool": {"nodez": 3}}, "unknown field 'pool.nodez'"),
     ({"jobs": [{"name": "j", "model": "tiny", "on_below_minimum": "drop"}]},
      "'jobs.0.on_below_minimum': Input should be 'pause' or 'preempt'"),
+    ({"jobs": [{"name": "j", "model": "tiny", "checkpoint": {"dir": "/ck", "every_steps": 0}}]},
+     "'jobs.0.checkpoint.every_steps': Input should be greater than 0"),
+    ({"jobs": [{"name": "j", "model": "tiny", "checkpoint": {"every_steps": 10}}]},
+     "field 'jobs.0.checkpoint.dir' is missing"),
 ])
 def test_bad_config_is_rejected_at_load(patch, needle) -> None:
     data = dict(CONFIG, **patch)

@@ -248,6 +248,54 @@ def test_a_killed_training_worker_is_recovered_in_place_recorded_and_grown_back(
         store.dispose()
 
 
+def test_a_job_no_replica_can_recover_is_restarted_by_the_controller_from_its_checkpoint(ray_local, tmp_path) -> None:
+    """ZeRO-1 (each optimizer slice exists once): a killed worker fails the job. The controller reaps
+    it and starts it again, and the start begins at the job's newest complete checkpoint instead of
+    step 0 (the steps since then are redone)."""
+    from elastic.train import checkpoint as ck
+
+    ctl, backend, source, clock, store = _controller(
+        tmp_path, job={"zero": 1, "checkpoint": {"dir": str(tmp_path / "ck"), "every_steps": 2}})
+    ray = ray_local
+    root = tmp_path / "ck" / "tiny-job"  # <dir>/<job name>
+    try:
+        _tick(ctl, source, clock, 10.0)
+        rt0 = backend.job_runtime("tiny-job")
+        assert rt0.layout == "tp1.pp1.dp4.z1", rt0.layout
+        handle = backend.jobs["tiny-job"].handle
+        deadline = time.monotonic() + 120
+        while (ref := ck.latest(root)) is None or ref.step < 4:
+            assert time.monotonic() < deadline, f"no complete checkpoint at step 4 in {root}"
+            time.sleep(0.05)
+        handle.wait_step(ref.step + 1, timeout=120)
+        ray.kill(handle.actors[sorted(handle.actors)[1]], no_restart=True)
+        deadline = time.monotonic() + 120
+        while handle.status().phase != "failed":
+            assert time.monotonic() < deadline, handle.status()
+            time.sleep(0.05)
+        ref = ck.latest(root)
+        lost_at = max(r.step for r in handle.history())
+
+        applied = []
+        for _ in range(3):  # reap the failed job, then start it again on what is free
+            applied += _tick(ctl, source, clock, 10.0).applied
+            j = backend.jobs.get("tiny-job")
+            if j is not None and j.handle is not handle:
+                break
+        assert any(a.startswith("stop_failed_training tiny-job") for a in applied), applied
+        new = backend.jobs["tiny-job"].handle
+        assert new is not handle, "the failed job was not started again"
+        new.wait_step(ref.step + 2, timeout=120)
+        steps = [r.step for r in new.history()]
+        assert steps[0] == ref.step <= lost_at, (steps, ref, lost_at)
+        assert steps == list(range(ref.step, ref.step + len(steps))), steps
+        db.current_allocation(store, "ray-local").check_disjoint()
+        print(f"failed after step {lost_at}, started again at step {ref.step} from {ref.path}")
+    finally:
+        backend.shutdown()
+        store.dispose()
+
+
 def test_a_replica_drained_ahead_leaves_the_balancer_keeps_its_gpu_and_then_leaves_at_once(ray_local) -> None:
     """``drain_ahead``: the replica a coming scale-down will remove takes no new request but finishes
     its own, keeps its GPU and still counts in the service's metric; the scale-down then finds it

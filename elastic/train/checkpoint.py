@@ -1,0 +1,245 @@
+"""Periodic sharded checkpoints: the safety net for a loss that no surviving replica covers.
+
+What it is for: a rescale needs no checkpoint (the state moves between live workers), and a
+worker lost while training is recovered from its data-parallel replicas. Where no replica
+holds what was lost -- ``dp = 1``, ZeRO-1's optimizer slices, two losses in one replica
+group -- the job fails. With checkpoints on, its next start begins at the newest complete
+checkpoint instead of step 0, on whatever layout it is started on: every new rank reads its
+boxes out of the saved layout's files by intersection, as the resharder moves them over the
+wire (:mod:`elastic.reshard.spec` is the contract for both).
+
+On disk, one directory per job::
+
+    <dir>/step-00000120-tp2.pp1.dp2/rank-00000.pt ... rank-00003.pt
+
+``step`` is the step the job continues at (the state after steps ``0 .. step - 1``; the Adam
+step count is the training step and the data is a function of the step, so nothing else is
+needed). Each rank writes one file with the pieces it *owns*: its boxes on the first replica of
+their data-parallel group, the first TP rank for what TP replicates (norms) and the first
+pipeline stage that holds them (ZeRO-1's optimizer slices differ per replica, so every replica
+owns its own), i.e. one copy of the state in all. A rank file is written to a temporary name, flushed to disk and renamed; a checkpoint
+is *complete* when every rank of its layout has its file. Incomplete ones (a worker died
+while writing) are ignored and later pruned.
+
+What it must not do: decide when to save (the agent does, every ``every_steps`` steps, with
+every rank at the same step) or block a step on disk (the agent copies the tensors, then
+writes in a background thread). ``latest`` and ``prune`` touch only file names (no torch):
+the coordinator calls them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from elastic.model import Layout, ModelSpec, SpecError
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+_DIR = re.compile(r"^step-(\d{8,})-(tp\d+\.pp\d+\.dp\d+(?:\.[a-z]+\d+)*)$")
+_RANK = re.compile(r"^rank-(\d{5,})\.pt$")
+
+
+class CheckpointError(SpecError):
+    """A checkpoint cannot be used for this job or layout (nothing was changed)."""
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """A job's checkpointing: where, how often (in steps), how many complete ones to keep."""
+
+    dir: str
+    every_steps: int = 100
+    keep: int = 2
+
+    def __post_init__(self) -> None:
+        if not self.dir:
+            raise SpecError("checkpoint dir is empty; give a directory every worker can write (a shared volume)")
+        if self.every_steps < 1:
+            raise SpecError(f"checkpoint every_steps={self.every_steps}: must be >= 1")
+        if self.keep < 1:
+            raise SpecError(f"checkpoint keep={self.keep}: must be >= 1 (the newest complete one is what a "
+                            "restart begins at)")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dir": self.dir, "every_steps": self.every_steps, "keep": self.keep}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any] | None) -> CheckpointSettings | None:
+        return None if not d else cls(str(d["dir"]), int(d.get("every_steps", 100)), int(d.get("keep", 2)))
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    """One complete checkpoint: the step the job continues at, the layout it was saved under."""
+
+    path: str
+    step: int
+    layout: str
+
+
+def dir_name(step: int, layout: Layout | str) -> str:
+    return f"step-{step:08d}-{layout}"
+
+
+def rank_file(path: str | Path, rank: int) -> Path:
+    return Path(path) / f"rank-{rank:05d}.pt"
+
+
+def _scan(root: str | Path) -> list[tuple[CheckpointRef, bool]]:
+    """Every checkpoint directory under ``root`` (oldest first) and whether it is complete."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = []
+    for d in root.iterdir():
+        m = _DIR.match(d.name)
+        if not m or not d.is_dir():
+            continue
+        step, layout = int(m.group(1)), m.group(2)
+        try:
+            world = Layout.parse(layout).world_size
+        except SpecError:
+            continue
+        ranks = {int(r.group(1)) for f in d.iterdir() if (r := _RANK.match(f.name))}
+        out.append((CheckpointRef(str(d), step, layout), ranks >= set(range(world))))
+    out.sort(key=lambda x: (x[0].step, x[0].path))
+    return out
+
+
+def latest(root: str | Path) -> CheckpointRef | None:
+    """The newest complete checkpoint under ``root`` (None: there is none)."""
+    done = [ref for ref, complete in _scan(root) if complete]
+    return done[-1] if done else None
+
+
+def prune(root: str | Path, keep: int) -> list[str]:
+    """Delete all but the newest ``keep`` complete checkpoints, and incomplete ones older than the
+    newest complete one (an incomplete newer one may still be being written). Returns what went."""
+    scanned = _scan(root)
+    done = [ref for ref, complete in scanned if complete]
+    if not done:
+        return []
+    kept = {ref.path for ref in done[-keep:]}
+    newest = done[-1].step
+    gone = []
+    for ref, complete in scanned:
+        if ref.path in kept or (not complete and ref.step >= newest):
+            continue
+        shutil.rmtree(ref.path, ignore_errors=True)
+        gone.append(ref.path)
+    return gone
+
+
+# ---- what a rank writes and reads (torch from here on) ------------------------------------------
+
+def owned_pieces(spec: Any, rank: int) -> dict[tuple[str, str], tuple[tuple[int, int], ...]]:
+    """The pieces ``rank`` writes: its boxes that no earlier stage, TP rank or replica holds too."""
+    tp_rank, dp_rank, pp_rank = spec.layout.coords(rank)
+    out = {}
+    for (name, kind), box in spec.rank_pieces(rank).items():
+        t = spec.tensor(name)
+        if spec.pp_ranks_of(t)[0] != pp_rank:
+            continue  # a tied embedding's copy on the last stage
+        if t.tp_dim is None and tp_rank:
+            continue  # replicated across TP (norms, row-parallel biases)
+        replica, _ = spec.replica_group(t, dp_rank)
+        if replica == 0 or (kind != "param" and spec.layout.zero):
+            out[(name, kind)] = box
+    return out
+
+
+def snapshot(spec: Any, rank: int, state: Mapping[tuple[str, str], Any]) -> dict[tuple[str, str], Any]:
+    """Copies (on the host) of the pieces ``rank`` owns: the step after this one may go on at once."""
+    return {key: state[key].detach().to("cpu", copy=True) for key in owned_pieces(spec, rank)}
+
+
+def write_rank(root: str | Path, step: int, spec: Any, rank: int, pieces: Mapping[tuple[str, str], Any], *,
+               job: str = "") -> Path:
+    """Write one rank's file of the checkpoint at ``step`` (temporary name, fsync, rename)."""
+    import torch
+
+    d = Path(root) / dir_name(step, spec.layout)
+    d.mkdir(parents=True, exist_ok=True)
+    boxes = owned_pieces(spec, rank)
+    doc = {
+        "format": FORMAT, "job": job, "step": step, "layout": str(spec.layout), "rank": rank,
+        "model": spec.model.model_dump(mode="json"),
+        "pieces": {f"{name}|{kind}": [list(map(list, boxes[(name, kind)])), t]
+                   for (name, kind), t in pieces.items()},
+    }
+    final = rank_file(d, rank)
+    tmp = final.with_name(final.name + f".tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save(doc, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    return final
+
+
+def load_rank(ref: CheckpointRef, model: ModelSpec, layout: Layout, rank: int,
+              kind_dtypes: Mapping[str, Any], device: str = "cpu") -> dict[tuple[str, str], Any]:
+    """The state ``rank`` of ``layout`` holds, read out of checkpoint ``ref`` (any saved layout).
+
+    Raises :class:`CheckpointError` naming the tensor when the checkpoint does not cover it
+    (another model, a state kind it was not saved with, a damaged file)."""
+    import torch
+
+    from elastic.reshard.spec import box_shape, sharding_spec
+
+    kinds = tuple(kind_dtypes)
+    new = sharding_spec(model, layout, kinds).rank_pieces(rank)
+    old_spec = sharding_spec(model, Layout.parse(ref.layout), kinds)
+    wanted = {name for name, _ in new}
+    files: dict[int, dict[str, Any]] = {}
+    for r in range(old_spec.layout.world_size):
+        if not any(name in wanted for name, _ in owned_pieces(old_spec, r)):
+            continue
+        path = rank_file(ref.path, r)
+        try:
+            doc = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unreadable file is the same error to the user
+            raise CheckpointError(f"checkpoint {ref.path}: cannot read {path.name}: {type(e).__name__}: {e}") from e
+        if doc.get("format") != FORMAT:
+            raise CheckpointError(f"checkpoint {ref.path}: {path.name} has format {doc.get('format')!r}, "
+                                  f"this version reads {FORMAT}")
+        saved = ModelSpec.model_validate(doc["model"])
+        if saved != model:
+            raise CheckpointError(f"checkpoint {ref.path} was saved for model {saved.name!r} "
+                                  f"(hidden {saved.hidden}, {saved.layers} layers), not this job's "
+                                  f"{model.name!r}: point checkpoint dir at this job's own directory")
+        files[r] = doc["pieces"]
+    out = {}
+    for (name, kind), box in new.items():
+        buf = torch.empty(box_shape(box), dtype=kind_dtypes[kind], device=device)
+        covered = 0
+        for pieces in files.values():
+            got = pieces.get(f"{name}|{kind}")
+            if got is None:
+                continue
+            sbox, t = tuple(tuple(x) for x in got[0]), got[1]
+            inter = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(box, sbox, strict=True))
+            if any(a >= b for a, b in inter):
+                continue
+            dst = tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inter, box, strict=True))
+            src = tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inter, sbox, strict=True))
+            buf[dst].copy_(t[src])
+            n = 1
+            for a, b in inter:
+                n *= b - a
+            covered += n
+        if covered != buf.numel():
+            raise CheckpointError(
+                f"checkpoint {ref.path} does not hold all of {name!r} ({kind}): {covered} of {buf.numel()} "
+                f"elements" + ("" if any(f"{name}|{kind}" in p for p in files.values())
+                               else f" (no '{kind}' state saved: the job's dtype differs from the checkpoint's?)"))
+        out[(name, kind)] = buf
+    return out
