@@ -14,10 +14,9 @@ On disk, one directory per job::
 
 ``step`` is the step the job continues at (the state after steps ``0 .. step - 1``; the Adam
 step count is the training step and the data is a function of the step, so nothing else is
-needed). Each rank writes one file with the pieces it *owns*: its boxes on the first replica of
-their data-parallel group, the first TP rank for what TP replicates (norms) and the first
-pipeline stage that holds them (ZeRO-1's optimizer slices differ per replica, so every replica
-owns its own), i.e. one copy of the state in all. A rank file is written to a temporary name, flushed to disk and renamed; a checkpoint
+needed). Each rank writes one file with the boxes it *owns* (:func:`owned_pieces`): one copy
+of the state in all, spread evenly over the data-parallel replicas (each writes ``1/dp`` of
+what they all hold, split on dim 0). A rank file is written to a temporary name, flushed to disk and renamed; a checkpoint
 is *complete* when every rank of its layout has its file. Incomplete ones (a worker died
 while writing) are ignored and later pruned.
 
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic.model import Layout, ModelSpec, SpecError
+from elastic.reshard.spec import split_range
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,12 @@ def prune(root: str | Path, keep: int) -> list[str]:
 # ---- what a rank writes and reads (torch from here on) ------------------------------------------
 
 def owned_pieces(spec: Any, rank: int) -> dict[tuple[str, str], tuple[tuple[int, int], ...]]:
-    """The pieces ``rank`` writes: its boxes that no earlier stage, TP rank or replica holds too."""
+    """The boxes ``rank`` writes: one copy of the state over all ranks, spread evenly.
+
+    What data-parallel replicas all hold is split on dim 0 among them (as ZeRO-1 splits the
+    optimizer state), so every replica copies and writes ``1/dp`` of it; ZeRO-1's slices are
+    each their replica's own; what TP replicates (norms) is written by TP rank 0 and a tied
+    embedding by the first stage."""
     tp_rank, dp_rank, pp_rank = spec.layout.coords(rank)
     out = {}
     for (name, kind), box in spec.rank_pieces(rank).items():
@@ -150,15 +155,25 @@ def owned_pieces(spec: Any, rank: int) -> dict[tuple[str, str], tuple[tuple[int,
             continue  # a tied embedding's copy on the last stage
         if t.tp_dim is None and tp_rank:
             continue  # replicated across TP (norms, row-parallel biases)
-        replica, _ = spec.replica_group(t, dp_rank)
-        if replica == 0 or (kind != "param" and spec.layout.zero):
-            out[(name, kind)] = box
+        if kind != "param" and spec.layout.zero:
+            out[(name, kind)] = box  # already this replica's own slice
+            continue
+        replica, count = spec.replica_group(t, dp_rank)
+        a, b = box[0]
+        lo, hi = split_range(b - a, count, replica)
+        if hi > lo:
+            out[(name, kind)] = ((a + lo, a + hi),) + tuple(box[1:])
     return out
 
 
 def snapshot(spec: Any, rank: int, state: Mapping[tuple[str, str], Any]) -> dict[tuple[str, str], Any]:
-    """Copies (on the host) of the pieces ``rank`` owns: the step after this one may go on at once."""
-    return {key: state[key].detach().to("cpu", copy=True) for key in owned_pieces(spec, rank)}
+    """Copies (on the host) of the boxes ``rank`` owns: the step after this one may go on at once."""
+    held = spec.rank_pieces(rank)
+    out = {}
+    for key, box in owned_pieces(spec, rank).items():
+        a = box[0][0] - held[key][0][0]
+        out[key] = state[key].detach()[a:a + box[0][1] - box[0][0]].to("cpu", copy=True)
+    return out
 
 
 def write_rank(root: str | Path, step: int, spec: Any, rank: int, pieces: Mapping[tuple[str, str], Any], *,

@@ -58,18 +58,21 @@ def test_a_checkpoint_saved_under_one_layout_loads_exactly_under_another(tmp_pat
             assert torch.equal(got[key], want[key]), (r, key)
 
 
-def test_the_files_hold_one_copy_of_the_state(tmp_path) -> None:
-    """Replicas and a tied embedding's second copy are not written twice; ZeRO-1 slices are each written once."""
+def test_the_files_hold_one_copy_of_the_state_spread_over_the_replicas(tmp_path) -> None:
+    """Replicas, TP-replicated norms and a tied embedding's second copy are not written twice;
+    what the replicas all hold is split among them, so each copies and writes 1/dp of it."""
     glob = _globals()
     total = sum(t.numel() * t.element_size() for t in glob.values())
-    for layout in ("tp1.pp1.dp4", "tp2.pp2.dp2.z1"):
+    for layout in ("tp1.pp1.dp4", "tp2.pp2.dp2.z1", "tp2.pp1.dp2"):
         _save(tmp_path / layout, 1, layout, glob)
         ref = ck.latest(tmp_path / layout)
-        held = 0
+        per_rank = []
         for r in range(Layout.parse(layout).world_size):
             doc = torch.load(ck.rank_file(ref.path, r), weights_only=True)
-            held += sum(t.numel() * t.element_size() for _, t in doc["pieces"].values())
-        assert held == total, layout
+            per_rank.append(sum(t.numel() * t.element_size() for _, t in doc["pieces"].values()))
+        assert sum(per_rank) == total, layout
+        if layout == "tp1.pp1.dp4":
+            assert max(per_rank) < 1.05 * total / 4, per_rank
 
 
 def test_an_incomplete_checkpoint_is_ignored_and_pruned_once_a_newer_one_is_complete(tmp_path) -> None:
