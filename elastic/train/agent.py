@@ -233,6 +233,7 @@ class WorkerAgent:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"checkpoint-{worker}")
         self._writing: Future[Any] | None = None
         self._writing_step = -1
+        self._written = (-1, -1)  # (step, generation) of this worker's last checkpoint write that completed
         self._job = ""
         self._graveyard: list[Any] = []  # shut-down groups, destroyed after the next step (_bury)
         self._prep: Future[_Prep] | None = None
@@ -336,6 +337,8 @@ class WorkerAgent:
                     self._break(step, f"{type(e).__name__}: {_short(e, 160)}")
                     continue
                 last = _result_json(result)
+                if self._ckpt is not None:
+                    last["checkpoint"] = list(self._written)
                 self._applied = step
                 step += 1
                 self._maybe_checkpoint(step)
@@ -575,11 +578,12 @@ class WorkerAgent:
         assert self.engine is not None
         spec = sharding_spec(config_model(self.config), self.layout, config_kinds(self.config))
         pieces = checkpoint.snapshot(spec, self.rank, self.engine.state())
-        root, rank, job = c.dir, self.rank, self._job
+        root, rank, job, gen = c.dir, self.rank, self._job, self.generation
 
         def write() -> None:
             try:
                 checkpoint.write_rank(root, step, spec, rank, pieces, job=job)
+                self._written = (step, gen)
                 if rank == 0:
                     checkpoint.prune(root, c.keep)
             except Exception:  # noqa: BLE001 - a failed write costs this checkpoint, never the job

@@ -226,6 +226,7 @@ class JobStatus:
     last_rescale: RescaleRecord | None
     reason: str = ""  # the last notable event (e.g. why a rescale was abandoned)
     failures: list[str] = field(default_factory=list)  # every failure report, first one = error
+    checkpoint_step: int | None = None  # the newest complete checkpoint's step (-1: none yet; None: off)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -324,6 +325,7 @@ class Coordinator:
         # periodic checkpoints (the workers write them; a start begins at the newest complete one)
         self.checkpoint = checkpoint
         self.resumed_from: CheckpointRef | None = None
+        self._checkpoint_step = -1  # every worker of a generation wrote its part (from their step reports)
         self.metrics = TrainingMetrics(job, registry)
         self._clock = clock
         lock = threading.RLock()
@@ -432,6 +434,7 @@ class Coordinator:
             )
             if resume is not None:
                 self.resumed_from = resume
+                self._note_checkpoint_locked(resume.step)
                 log.info("job %s starts from checkpoint %s (step %d, saved on %s)", self.job, resume.path,
                          resume.step, resume.layout)
             rec = RescaleRecord(generation, d.old_layout, d.layout, list(members), list(d.joiners),
@@ -507,6 +510,7 @@ class Coordinator:
             step_seconds=last.seconds if last else None, error=self._error,
             last_rescale=RescaleRecord(**asdict(rec)) if rec else None, reason=self._reason,
             failures=list(self._failures),
+            checkpoint_step=self._checkpoint_step if self.checkpoint else None,
         )
 
     def history(self) -> list[StepRecord]:
@@ -722,8 +726,18 @@ class Coordinator:
                          max(float(r.get("seconds", 0.0)) for r in reps.values()))
         self._history.append(rec)
         self.metrics.record_step(rec.step, rec.loss, rec.tokens, rec.seconds)
+        # each worker reports its last completed checkpoint write (step, generation): when every worker
+        # of this generation names the same one, it is complete
+        written = {tuple(r["checkpoint"]) if r.get("checkpoint") else None for r in reps.values()}
+        if len(written) == 1 and (w := written.pop()) is not None and int(w[1]) == gen:
+            self._note_checkpoint_locked(int(w[0]))
         self._maybe_complete_locked()
         self._cv.notify_all()
+
+    def _note_checkpoint_locked(self, step: int) -> None:
+        if step > self._checkpoint_step:
+            self._checkpoint_step = step
+            self.metrics.record_checkpoint(step)
 
     # ---- request handlers (HTTP threads) --------------------------------------------------
     def _touch(self, worker: str) -> None:

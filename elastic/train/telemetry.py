@@ -44,6 +44,7 @@ class _Families:
     last_reshard_bytes: Gauge
     last_planned_bytes: Gauge
     last_lower_bound_bytes: Gauge
+    checkpoint_step: Gauge
 
 
 _LOCK = threading.Lock()
@@ -92,6 +93,9 @@ def _families(registry: CollectorRegistry) -> _Families:
             last_lower_bound_bytes=Gauge("elastic_training_last_reshard_lower_bound_bytes",
                                          "Bytes the last reshard had to move at least (needed minus local)", L,
                                          registry=r),
+            checkpoint_step=Gauge("elastic_training_checkpoint_step",
+                                  "Step the job's newest complete checkpoint continues at: a start after a "
+                                  "failure begins there (-1: none, or checkpoints off)", L, registry=r),
         )
         _BY_REGISTRY[id(registry)] = (registry, fam)
         return fam
@@ -106,6 +110,7 @@ class TrainingMetrics:
         self._f = _families(self.registry)
         for fam in vars(self._f).values():  # every series exists (at 0) from the job's start
             fam.labels(job)
+        self._f.checkpoint_step.labels(job).set(-1)
 
     def record_step(self, step: int, loss: float | None, tokens: int, seconds: float) -> None:
         f, j = self._f, self.job
@@ -148,6 +153,10 @@ class TrainingMetrics:
 
     def record_rescale_failure(self) -> None:
         self._f.rescale_failures.labels(self.job).inc()
+
+    def record_checkpoint(self, step: int) -> None:
+        """Every worker of the job has written its part of the checkpoint at ``step``."""
+        self._f.checkpoint_step.labels(self.job).set(step)
 
     def record_failed(self, failed: bool) -> None:
         self._f.failed.labels(self.job).set(1 if failed else 0)

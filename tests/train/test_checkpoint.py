@@ -163,6 +163,11 @@ def test_a_job_no_replica_can_recover_starts_again_from_its_checkpoint_on_anothe
             assert time.monotonic() < deadline, f"no complete checkpoint at step 6: {ck.latest(settings.dir)}"
             time.sleep(0.05)
         h.wait_step(ref.step + 1, timeout=60)  # the steps after it are lost with the worker
+        # the coordinator knows it from the workers' step reports, and publishes it
+        st = h.status()
+        assert st.checkpoint_step is not None and st.checkpoint_step >= ref.step and st.checkpoint_step % 3 == 0, st
+        gauge = h.coordinator.metrics.registry.get_sample_value("elastic_training_checkpoint_step", {"job": "ck"})
+        assert gauge >= ref.step, gauge
         os.kill(h.pid("w1"), signal.SIGKILL)
         failed = _wait_phase(h, {"failed"}, timeout=90)
     finally:
@@ -202,8 +207,12 @@ def test_a_start_without_a_checkpoint_begins_at_step_0_and_the_coordinator_names
     d = c.directive(1, "tp1.pp1.dp1", ["w0"])
     assert d.switch_step == 0 and d.resume is None and c.resumed_from is None
     assert c._h_register({"worker": "w0"})["checkpoint"] == settings.to_json()
+    assert c.status().checkpoint_step == -1
+    assert Coordinator("k", {"model": "tiny"}).status().checkpoint_step is None  # off
 
     _save(tmp_path / "none-yet", 15, "tp1.pp1.dp2", _globals())
     c = Coordinator("j", {"model": "tiny"}, checkpoint=settings)
     d = c.directive(1, "tp1.pp1.dp1", ["w0"])
     assert (d.switch_step, d.resume_layout) == (15, "tp1.pp1.dp2") and d.resume.endswith("step-00000015-tp1.pp1.dp2")
+    assert c.status().checkpoint_step == 15
+    assert c.metrics.registry.get_sample_value("elastic_training_checkpoint_step", {"job": "j"}) == 15
