@@ -663,6 +663,7 @@ class Controller:
                 "generation": rt.generation if rt else 0, "step": rt.step if rt else 0,
                 "loss": rt.loss if rt else None, "tokensPerSecond": rt.tokens_per_second if rt else 0.0,
                 "worldSize": len(rt.gpus) if rt else 0,
+                "checkpointStep": rt.checkpoint_step if rt else None,
                 "reason": jd.reason if jd else None, "message": jd.message if jd else None}, now=_dt(now))
 
     def _record_allocations(self, alloc: Allocation, generation: int) -> None:

@@ -47,6 +47,8 @@ class JobRuntime:
     # the job recovered on its own from a lost worker into ``generation``: what was lost, and why
     recovery: str = ""
     recovered_from: str | None = None  # the layout before that recovery
+    # the step its newest complete checkpoint continues at (-1: none yet); None: no checkpoints
+    checkpoint_step: int | None = None
 
 
 RUNTIME_PHASES = {"running": "Running", "rescaling": "Rescaling", "failed": "Failed", "starting": "Pending",
@@ -78,7 +80,8 @@ def coordinator_runtime(job: str, st: Any, workers: dict[GPU, str], last: Rescal
                       st.loss, st.tokens_per_second or 0.0, st.error,
                       last.pause_seconds if last else None, last.bytes_moved if last else None,
                       recovery=rec.recovery if recovered else "",
-                      recovered_from=rec.from_layout if recovered else None)
+                      recovered_from=rec.from_layout if recovered else None,
+                      checkpoint_step=getattr(st, "checkpoint_step", None))
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,9 @@ class Exporter:
         self.layout_info = G("elastic_training_layout_info", "The job's current layout (value 1)",
                              ["job", "tp", "pp", "dp"])
         self.step = G("elastic_job_step", "Last training step the job reported", ["job"])
+        self.checkpoint_step = G("elastic_job_checkpoint_step",
+                                 "Step the job's newest complete checkpoint continues at (-1: none yet; absent: "
+                                 "no checkpoints): a failure no replica covers redoes the steps since", ["job"])
         self.tokens_per_second = G("elastic_job_tokens_per_second", "Training throughput the job reported",
                                    ["job"])
         self.generation = G("elastic_job_generation", "Layout generation (one more per rescale)", ["job"])
@@ -265,6 +268,7 @@ class Exporter:
                 busy += held
             _set_opt(self.world_size, (j.name,), st.get("worldSize", held))
             _set_opt(self.step, (j.name,), st.get("step"))
+            _set_opt(self.checkpoint_step, (j.name,), st.get("checkpointStep"))
             _set_opt(self.tokens_per_second, (j.name,), st.get("tokensPerSecond"))
             _set_opt(self.generation, (j.name,), st.get("generation"))
             for ph in JOB_PHASES:
@@ -274,7 +278,7 @@ class Exporter:
                 labels = (j.name, str(layout.tp), str(layout.pp), str(layout.dp))
                 self.layout_info.set(labels, 1)
                 layouts.append(labels)
-        for g in (self.world_size, self.step, self.tokens_per_second, self.generation):
+        for g in (self.world_size, self.step, self.checkpoint_step, self.tokens_per_second, self.generation):
             g.keep_only(names)
         self.phase.keep_only([(n, ph) for (n,) in names for ph in JOB_PHASES])
         self.layout_info.keep_only(layouts)

@@ -156,3 +156,18 @@ def test_replicas_drained_ahead_are_reported_and_count_as_draining(env: Env) -> 
     assert _one(m, "elastic_service_leaving_replicas", service="chat") == 1
     assert _one(m, "elastic_gpus", pool="p", state="draining") == 1  # out of the balancer: not busy
     assert _one(m, "elastic_gpus", pool="p", state="inference") == chat - 1
+
+
+def test_the_newest_checkpoint_step_is_exported_only_for_jobs_that_checkpoint(env: Env) -> None:
+    from dataclasses import replace
+
+    env.tick(10.0)
+    before = env.backend.jobs["pretrain"]
+    env.backend.jobs["pretrain"] = replace(before, step=250, checkpoint_step=200)
+    env.tick(10.0)
+    m = _samples(env)
+    assert _one(m, "elastic_job_step", job="pretrain") == 250
+    assert _one(m, "elastic_job_checkpoint_step", job="pretrain") == 200
+    assert not [k for k in m if k[0] == "elastic_job_checkpoint_step" and ("job", "big") in k[1]], \
+        "a job without checkpoints has no series (missing is not 0)"
+    assert db.get_job(env.store, "pretrain").status["checkpointStep"] == 200

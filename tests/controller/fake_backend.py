@@ -95,7 +95,8 @@ class FakeBackend:
         assert layout is not None and layout.world_size == len(gpus), (layout, len(gpus))
         gen = (before.generation + 1) if before else 0
         step = before.step if before else 0
-        self.jobs[spec.name] = JobRuntime(spec.name, "Running", str(layout), tuple(gpus), gen, step)
+        self.jobs[spec.name] = JobRuntime(spec.name, "Running", str(layout), tuple(gpus), gen, step,
+                                          checkpoint_step=step if spec.checkpoint else None)
         return RescaleOutcome(spec.name, before.layout if before else None, str(layout), gen, pause_seconds=0.01,
                               bytes_moved=1000 * len(gpus), bytes_planned=1000 * len(gpus),
                               bytes_lower_bound=1000 * len(gpus), step=step)
