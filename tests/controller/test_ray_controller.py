@@ -291,6 +291,7 @@ def test_a_job_no_replica_can_recover_is_restarted_by_the_controller_from_its_ch
         # after the last step on record)
         assert steps[0] == ref.step <= lost_at + 1, (steps, ref, lost_at)
         assert steps == list(range(ref.step, ref.step + len(steps))), steps
+        assert backend.job_runtime("tiny-job").checkpoint_step >= ref.step  # the operator sees it
         db.current_allocation(store, "ray-local").check_disjoint()
         print(f"failed after step {lost_at}, started again at step {ref.step} from {ref.path}")
     finally:
