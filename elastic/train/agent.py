@@ -234,6 +234,7 @@ class WorkerAgent:
         self._writing: Future[Any] | None = None
         self._writing_step = -1
         self._written = (-1, -1)  # (step, generation) of this worker's last checkpoint write that completed
+        self._snap: dict[Any, Any] | None = None  # host buffers of the last snapshot, refilled by the next
         self._job = ""
         self._graveyard: list[Any] = []  # shut-down groups, destroyed after the next step (_bury)
         self._prep: Future[_Prep] | None = None
@@ -577,7 +578,9 @@ class WorkerAgent:
 
         assert self.engine is not None
         spec = sharding_spec(config_model(self.config), self.layout, config_kinds(self.config))
-        pieces = checkpoint.snapshot(spec, self.rank, self.engine.state())
+        # the last snapshot's buffers are refilled (none is being written here: see above)
+        pieces = checkpoint.snapshot(spec, self.rank, self.engine.state(), into=self._snap)
+        self._snap = pieces
         root, rank, job, gen = c.dir, self.rank, self._job, self.generation
 
         def write() -> None:
