@@ -71,6 +71,18 @@ class CheckpointSettings:
     def to_json(self) -> dict[str, Any]:
         return {"dir": self.dir, "every_steps": self.every_steps, "keep": self.keep}
 
+    def check_writable(self) -> None:
+        """Create the directory and write a file in it, or raise SpecError naming it (a job must
+        not train for hours believing it is protected)."""
+        probe = Path(self.dir) / f".probe-{os.getpid()}"
+        try:
+            Path(self.dir).mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise SpecError(f"checkpoint dir {self.dir!r} is not writable here ({e.strerror or e}); give "
+                            "checkpoint.dir a directory every worker and the coordinator can write") from e
+
     @classmethod
     def from_json(cls, d: Mapping[str, Any] | None) -> CheckpointSettings | None:
         return None if not d else cls(str(d["dir"]), int(d.get("every_steps", 100)), int(d.get("keep", 2)))

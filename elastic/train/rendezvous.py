@@ -364,6 +364,8 @@ class Coordinator:
         """1. host the TCPStore master, 2. serve HTTP, 3. watch heartbeats and deadlines."""
         import torch.distributed as dist
 
+        if self.checkpoint is not None:
+            self.checkpoint.check_writable()
         self._store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
         self._server = _Server((self.host, self.port), _make_handler(self))
         self._server.daemon_threads = True

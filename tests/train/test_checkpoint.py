@@ -110,6 +110,19 @@ def test_a_checkpoint_of_another_model_or_dtype_is_refused_with_the_reason(tmp_p
         ck.load_rank(ref, MODEL, Layout.parse("tp1.pp1.dp1"), 0, F32)
 
 
+def test_a_checkpoint_dir_that_cannot_be_written_refuses_the_start(tmp_path) -> None:
+    from elastic.train.rendezvous import Coordinator
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    c = Coordinator("j", {"model": "tiny"}, checkpoint=ck.CheckpointSettings(str(blocker / "ck")))
+    with pytest.raises(ValueError, match="checkpoint dir .*a-file/ck' is not writable here"):
+        c.start()
+    ok = ck.CheckpointSettings(str(tmp_path / "new" / "ck"))
+    ok.check_writable()
+    assert (tmp_path / "new" / "ck").is_dir() and not list((tmp_path / "new" / "ck").iterdir())
+
+
 def test_settings_are_validated() -> None:
     with pytest.raises(ValueError, match="every_steps=0"):
         ck.CheckpointSettings("/x", every_steps=0)
