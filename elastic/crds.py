@@ -31,6 +31,7 @@ from elastic.model import (
     HARDWARE_PRESETS,
     MODEL_PRESETS,
     Behavior,
+    CheckpointSpec,
     InferenceSpec,
     MetricTarget,
     ModelSpec,
@@ -282,6 +283,22 @@ class WorkerTemplate(_CR):
     """Container resources (``requests``/``limits``); ``nvidia.com/gpu: 1`` is always added."""
     service_account_name: str | None = None
     """Service account of the worker pods."""
+    volumes: list[dict[str, Any]] = Field(default_factory=list)
+    """Pod volumes (Kubernetes ``Volume`` objects), e.g. the shared volume ``checkpoint.dir`` lives on."""
+    volume_mounts: list[dict[str, Any]] = Field(default_factory=list)
+    """Mounts of ``volumes`` into the worker container (Kubernetes ``VolumeMount`` objects)."""
+
+
+class CheckpointPolicy(_CR):
+    """Periodic sharded checkpoints: a loss no replica covers restarts the job here, not at step 0."""
+
+    dir: str = Field(min_length=1)
+    """Directory inside the worker pods, on a volume every worker mounts read-write (``template.volumes``);
+    the job's checkpoints go to ``<dir>/<job name>``."""
+    every_steps: int = Field(default=100, ge=1)
+    """Save every this many steps (the step waits only for a copy to host memory)."""
+    keep: int = Field(default=2, ge=1)
+    """Complete checkpoints kept; older ones are deleted."""
 
 
 class ElasticTrainingJobSpec(_CR):
@@ -323,6 +340,9 @@ class ElasticTrainingJobSpec(_CR):
     is recovered from its replica without a restart (costs optimizer memory)."""
     priority: int = 0
     """Higher wins GPUs first among training jobs; inference defaults to 100."""
+    checkpoint: CheckpointPolicy | None = None
+    """Periodic checkpoints, for losses no data-parallel replica covers (``dp = 1``, ZeRO-1, two losses):
+    the job then starts again from the newest complete one, on any layout. Omit: it starts from step 0."""
     template: WorkerTemplate
     """Worker pod template."""
 
@@ -647,7 +667,9 @@ def to_training_spec(workload: str, spec: ElasticTrainingJobSpec, model_dir: str
                         priority=spec.priority, global_batch=spec.global_batch, micro_batch=spec.micro_batch,
                         allowed_tp=spec.allowed_tp, allowed_pp=spec.allowed_pp, zero=spec.zero,
                         replicate_optimizer=spec.replicate_optimizer,
-                        on_below_minimum=spec.on_below_minimum)
+                        on_below_minimum=spec.on_below_minimum,
+                        checkpoint=CheckpointSpec(dir=spec.checkpoint.dir, every_steps=spec.checkpoint.every_steps,
+                                                  keep=spec.checkpoint.keep) if spec.checkpoint else None)
 
 
 def _inline_model(workload: str, data: dict[str, Any], model_dir: str | Path | None) -> str:

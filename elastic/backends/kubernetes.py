@@ -52,7 +52,7 @@ from elastic.backends.base import (
     still_held,
 )
 from elastic.model import GPU, InferenceSpec, Layout, TrainingSpec, load_model
-from elastic.train.launch import JobHandle
+from elastic.train.launch import JobHandle, job_options
 from elastic.train.rendezvous import RescaleCancelled
 
 log = logging.getLogger("elastic.backends.kubernetes")
@@ -433,7 +433,10 @@ class KubernetesBackend:
 
         cfg = (self.trainer_config(spec) if self.trainer_config else
                TrainConfig(model=load_model(spec.model), global_batch=spec.global_batch, micro_batch=spec.micro_batch))
-        return KubernetesJobHandle(self, spec, cfg, options=self.launch_options, hardware=self.hardware,
+        # the coordinator runs in this process, without the workers' volume: it starts a job at the
+        # newest checkpoint its workers report when they register
+        opts = job_options(self.launch_options, spec, coordinator_sees=False)
+        return KubernetesJobHandle(self, spec, cfg, options=opts, hardware=self.hardware,
                                    gpus_per_node=self.gpus_per_node, host=self.coordinator_host,
                                    advertise_host=self.advertise_host)
 
@@ -479,6 +482,10 @@ class KubernetesBackend:
         }
         if tpl.get("serviceAccountName"):
             pod_spec["serviceAccountName"] = tpl["serviceAccountName"]
+        if tpl.get("volumes"):  # e.g. the shared volume of the job's checkpoints
+            pod_spec["volumes"] = [dict(v) for v in tpl["volumes"]]
+        if tpl.get("volumeMounts"):
+            container["volumeMounts"] = [dict(m) for m in tpl["volumeMounts"]]
         meta: dict[str, Any] = {
             "name": pod, "namespace": t.namespace,
             "labels": {LABEL_JOB: t.name, LABEL_WORKER: pod, LABEL_MANAGED: self.field_manager},

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -48,7 +47,7 @@ from elastic.backends.base import (
     still_held,
 )
 from elastic.model import GPU, InferenceSpec, Layout, PoolSpec, SpecError, TrainingSpec, load_model
-from elastic.train.launch import JobHandle, gpu_workers
+from elastic.train.launch import JobHandle, gpu_workers, job_options
 from elastic.train.rendezvous import RescaleCancelled
 
 log = logging.getLogger("elastic.backends.ray")
@@ -741,19 +740,6 @@ def _coordinator_settings(opts: Any) -> dict[str, Any]:
             "join_timeout_s": opts.join_timeout_s, "max_steps": opts.max_steps, "recover": opts.recover,
             "transactional": opts.transactional_rescale, "checkpoint": opts.checkpoint}
 
-
-def job_options(options: Any, spec: TrainingSpec) -> Any:
-    """The launch options of one job: the backend's, with the job's own checkpoint directory."""
-    from dataclasses import replace
-
-    from elastic.train.checkpoint import CheckpointSettings
-    from elastic.train.launch import LaunchOptions
-
-    if spec.checkpoint is None:
-        return options
-    c = spec.checkpoint
-    return replace(options or LaunchOptions(), checkpoint=CheckpointSettings(
-        os.path.join(c.dir, spec.name), every_steps=c.every_steps, keep=c.keep))
 
 
 class RayJobHandle(JobHandle):

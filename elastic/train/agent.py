@@ -196,6 +196,9 @@ class AgentOptions:
     # a collective that breaks because a peer died: report and wait for the coordinator's recovery
     # directive (it fails the job itself when no recovery is possible); False: fail at once
     recover: bool = True
+    # the job's checkpoint directory as this worker sees it: what it holds is reported at register
+    # (a coordinator that cannot see the directory starts the job there); "" = none
+    checkpoint_dir: str = ""
 
 
 @dataclass
@@ -264,7 +267,13 @@ class WorkerAgent:
         Returns an exit code."""
         _preload(self.factory)  # before registering: the launcher waits for this, the rescale pause does not
         try:
-            reg = self.client.call("register", pid=os.getpid(), host=socket.gethostname())
+            seen = None
+            if self.opts.checkpoint_dir:
+                from elastic.train.checkpoint import latest
+
+                ref = latest(self.opts.checkpoint_dir)
+                seen = ref.to_json() if ref else None
+            reg = self.client.call("register", pid=os.getpid(), host=socket.gethostname(), checkpoint_latest=seen)
         except RendezvousError as e:
             log.error("worker %s: %s", self.worker, e)
             return 3

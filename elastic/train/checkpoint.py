@@ -58,6 +58,9 @@ class CheckpointSettings:
     dir: str
     every_steps: int = 100
     keep: int = 2
+    # False where the coordinator runs without the workers' volume (the Kubernetes operator): it then
+    # starts a job at the newest complete checkpoint its workers report when they register
+    coordinator_sees: bool = True
 
     def __post_init__(self) -> None:
         if not self.dir:
@@ -95,6 +98,13 @@ class CheckpointRef:
     path: str
     step: int
     layout: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "step": self.step, "layout": self.layout}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any] | None) -> CheckpointRef | None:
+        return None if not d else cls(str(d["path"]), int(d["step"]), str(d["layout"]))
 
 
 def dir_name(step: int, layout: Layout | str) -> str:

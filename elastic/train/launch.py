@@ -101,6 +101,16 @@ class LaunchOptions:
     checkpoint: CheckpointSettings | None = None
 
 
+def job_options(options: LaunchOptions | None, spec: Any, *, coordinator_sees: bool = True) -> LaunchOptions | None:
+    """One job's launch options: the backend's, with the job's own checkpoint directory
+    ``<spec.checkpoint.dir>/<job name>`` (``spec``: a ``TrainingSpec``)."""
+    if spec.checkpoint is None:
+        return options
+    c = spec.checkpoint
+    return replace(options or LaunchOptions(), checkpoint=CheckpointSettings(
+        os.path.join(c.dir, spec.name), every_steps=c.every_steps, keep=c.keep, coordinator_sees=coordinator_sees))
+
+
 def make_validator(cfg: Any, hardware: HardwareSpec | str | None = None, gpus_per_node: int | None = None):
     """Refuse (SpecError) a layout the model, the global batch or the memory planner cannot take."""
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
@@ -337,6 +347,8 @@ class JobHandle(ABC):
             # (a leaver's, inside the pause); see elastic.train.procenv
             **worker_memory_env(os.environ),
         }
+        if self.opts.checkpoint is not None:
+            env["ELASTIC_CHECKPOINT_DIR"] = self.opts.checkpoint.dir
         if self.opts.engine_factory:
             env["ELASTIC_ENGINE_FACTORY"] = self.opts.engine_factory
         if self.opts.nice:

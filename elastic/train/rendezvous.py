@@ -326,6 +326,7 @@ class Coordinator:
         self.checkpoint = checkpoint
         self.resumed_from: CheckpointRef | None = None
         self._checkpoint_step = -1  # every worker of a generation wrote its part (from their step reports)
+        self._reported_checkpoints: dict[str, CheckpointRef | None] = {}  # worker -> what it sees, at register
         self.metrics = TrainingMetrics(job, registry)
         self._clock = clock
         lock = threading.RLock()
@@ -364,7 +365,7 @@ class Coordinator:
         """1. host the TCPStore master, 2. serve HTTP, 3. watch heartbeats and deadlines."""
         import torch.distributed as dist
 
-        if self.checkpoint is not None:
+        if self.checkpoint is not None and self.checkpoint.coordinator_sees:
             self.checkpoint.check_writable()
         self._store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
         self._server = _Server((self.host, self.port), _make_handler(self))
@@ -423,7 +424,7 @@ class Coordinator:
                 raise SpecError(f"job {self.job}: " + ("a job that has not started has no state to hold; start it"
                                                        if cur is None else "is paused already; resume it first"))
             old_ranks = dict(cur.ranks) if cur else {}
-            resume = latest_checkpoint(self.checkpoint.dir) if self.checkpoint and cur is None else None
+            resume = self._resume_from_locked(members) if self.checkpoint and cur is None else None
             switch = self._switch_step_locked() if cur else resume.step if resume else 0
             self._check_before_max_steps(generation, switch)
             d = Directive(
@@ -736,6 +737,15 @@ class Coordinator:
         self._maybe_complete_locked()
         self._cv.notify_all()
 
+    def _resume_from_locked(self, members: Sequence[str]) -> CheckpointRef | None:
+        """Where a job's first generation starts: the newest complete checkpoint the coordinator sees,
+        or (``coordinator_sees=False``) the newest one the members reported when they registered."""
+        assert self.checkpoint is not None
+        if self.checkpoint.coordinator_sees:
+            return latest_checkpoint(self.checkpoint.dir)
+        seen = [r for m in members if (r := self._reported_checkpoints.get(m)) is not None]
+        return max(seen, key=lambda r: r.step) if seen else None
+
     def _note_checkpoint_locked(self, step: int) -> None:
         if step > self._checkpoint_step:
             self._checkpoint_step = step
@@ -757,6 +767,8 @@ class Coordinator:
         self._touch(w)
         self._left.discard(w)
         self._registered.add(w)
+        if self.checkpoint is not None:
+            self._reported_checkpoints[w] = CheckpointRef.from_json(b.get("checkpoint_latest"))
         return {"job": self.job, "config": self.config, "heartbeat_interval_s": self.heartbeat_interval_s,
                 "heartbeat_timeout_s": self.heartbeat_timeout_s,
                 "checkpoint": self.checkpoint.to_json() if self.checkpoint else None}

@@ -74,6 +74,7 @@ def options_from_env(env: Mapping[str, str]) -> AgentOptions:
         verify_reshard=_flag(env, "ELASTIC_VERIFY_RESHARD", False),
         exit_on_leave=_flag(env, "ELASTIC_EXIT_ON_LEAVE", True),
         recover=_flag(env, "ELASTIC_RECOVER", True),
+        checkpoint_dir=env.get("ELASTIC_CHECKPOINT_DIR", ""),
     )
 
 

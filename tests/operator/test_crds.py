@@ -37,7 +37,10 @@ def test_maps_camel_case_specs_onto_the_controller_types(tmp_path) -> None:
     assert (job.min_gpus, job.max_gpus, job.global_batch, job.micro_batch, job.allowed_tp) == (2, 8, 32, 2, [1, 2])
     assert job.on_below_minimum == "pause"
     job = to_training_spec("ml/train", parse_spec(ElasticTrainingJobSpec, {**JOB, "onBelowMinimum": "preempt"}))
-    assert job.on_below_minimum == "preempt"
+    assert job.on_below_minimum == "preempt" and job.checkpoint is None
+    job = to_training_spec("ml/train", parse_spec(ElasticTrainingJobSpec, {
+        **JOB, "checkpoint": {"dir": "/ckpt", "everySteps": 50}}))
+    assert (job.checkpoint.dir, job.checkpoint.every_steps, job.checkpoint.keep) == ("/ckpt", 50, 2)
     tiny = {k: v for k, v in MODEL_PRESETS["tiny"].model_dump(mode="json").items() if k != "name"}
     inline = {**JOB, "model": None, "modelSpec": tiny}
     job = to_training_spec("ml/inline", parse_spec(ElasticTrainingJobSpec, inline), tmp_path)
@@ -53,6 +56,9 @@ BAD: list[tuple[str, dict[str, Any], str, str]] = [
     ("job", {**JOB, "template": {}}, "spec.template.image", "InvalidTemplateImage"),
     ("job", {**JOB, "modelSpec": None, "model": None}, "spec.model", "InvalidModel"),
     ("job", {**JOB, "onBelowMinimum": "drop"}, "spec.onBelowMinimum", "InvalidOnBelowMinimum"),
+    ("job", {**JOB, "checkpoint": {"dir": "/c", "everySteps": 0}}, "spec.checkpoint.everySteps",
+     "InvalidCheckpointEverySteps"),
+    ("job", {**JOB, "checkpoint": {"everySteps": 5}}, "spec.checkpoint.dir", "InvalidCheckpointDir"),
     ("svc", {**SVC, "minReplicas": 5}, "spec.minReplicas", "InvalidMinReplicas"),
     ("svc", {**SVC, "metric": {"preset": "nope", "target": 1}}, "spec.metric.preset", "InvalidMetricPreset"),
     ("svc", {**SVC, "metric": {"query": "up", "target": 1}}, "spec.metric.prometheus", "InvalidMetricPrometheus"),

@@ -39,7 +39,10 @@ SERVICE = {"apiVersion": f"{G}/{V}", "kind": "InferenceService", "metadata": {"n
                     "behavior": {"scaleDown": {"stabilizationWindowSeconds": 0}}}}
 JOB = {"apiVersion": f"{G}/{V}", "kind": "ElasticTrainingJob", "metadata": {"name": "train"},
        "spec": {"pool": "a", "model": "tiny", "minGPUs": 1, "maxGPUs": 8, "globalBatch": 8,
-                "template": {"image": "elastic:dev"}}}
+                "checkpoint": {"dir": "/ckpt", "everySteps": 50},
+                "template": {"image": "elastic:dev",
+                             "volumes": [{"name": "ckpt", "persistentVolumeClaim": {"claimName": "train-ckpt"}}],
+                             "volumeMounts": [{"name": "ckpt", "mountPath": "/ckpt"}]}}}
 
 
 def _seed(api: Any) -> None:
@@ -118,6 +121,9 @@ def test_apply_rescale_and_delete_through_the_operator(emulator, tmp_path: Path)
         assert pod["metadata"]["annotations"]["elastic.dev/generation"] == "1"
         assert pod["metadata"]["managedFields"][0]["manager"] == "elastic-operator"
         assert pod["spec"]["containers"][0]["command"] == ["python", "-m", "elastic.train.worker"]
+        # the template's volumes reach every worker (the checkpoints' shared volume)
+        assert pod["spec"]["volumes"] == [{"name": "ckpt", "persistentVolumeClaim": {"claimName": "train-ckpt"}}]
+        assert pod["spec"]["containers"][0]["volumeMounts"] == [{"name": "ckpt", "mountPath": "/ckpt"}]
         term = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
         node = term["nodeSelectorTerms"][0]["matchFields"][0]["values"][0]
         assert node in ("n0", "n1") and pod["metadata"]["annotations"]["elastic.dev/gpu"].startswith(node + "/")

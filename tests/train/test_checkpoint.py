@@ -154,11 +154,15 @@ def _wait_phase(h, phases: set[str], timeout: float):
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_a_job_no_replica_can_recover_starts_again_from_its_checkpoint_on_another_layout(tmp_path) -> None:
+@pytest.mark.parametrize("coordinator_sees", [True, False], ids=["coordinator-lists", "workers-report"])
+def test_a_job_no_replica_can_recover_starts_again_from_its_checkpoint_on_another_layout(
+        tmp_path, coordinator_sees) -> None:
     """``tp2.pp1.dp1`` holds one copy of the state: a killed worker fails the job. With checkpoints
     every 3 steps its next start -- on ``tp1.pp2.dp2``, four workers -- begins at the newest complete
     one, and every step's loss, before the loss and after the restart, is a never-interrupted
-    single-process run's."""
+    single-process run's. ``workers-report``: the coordinator does not look at the directory (as
+    the Kubernetes operator, which does not mount the workers' volume): the workers tell it what
+    they see when they register."""
     import signal
     import time
 
@@ -166,7 +170,7 @@ def test_a_job_no_replica_can_recover_starts_again_from_its_checkpoint_on_anothe
     from tests.train import _mp
 
     cfg = _cfg()
-    settings = ck.CheckpointSettings(str(tmp_path / "ck"), every_steps=3, keep=2)
+    settings = ck.CheckpointSettings(str(tmp_path / "ck"), every_steps=3, keep=2, coordinator_sees=coordinator_sees)
     opts = LaunchOptions(pg_timeout_s=60, heartbeat_timeout_s=30, join_timeout_s=120, checkpoint=settings)
     h = ProcessJobHandle("ck", cfg, options=opts, log_dir=str(tmp_path / "first"))
     try:
@@ -229,3 +233,19 @@ def test_a_start_without_a_checkpoint_begins_at_step_0_and_the_coordinator_names
     assert (d.switch_step, d.resume_layout) == (15, "tp1.pp1.dp2") and d.resume.endswith("step-00000015-tp1.pp1.dp2")
     assert c.status().checkpoint_step == 15
     assert c.metrics.registry.get_sample_value("elastic_training_checkpoint_step", {"job": "j"}) == 15
+
+    # a coordinator that cannot see the directory (the Kubernetes operator) believes its workers
+    (tmp_path / "a-file").write_text("")
+    blind = ck.CheckpointSettings(str(tmp_path / "a-file" / "not-mounted-here"), coordinator_sees=False)
+    c = Coordinator("j", {"model": "tiny"}, checkpoint=blind)
+    c.start()  # no writability check where it cannot look (this path could not be created)
+    try:
+        ref = ck.CheckpointRef("/ckpt/j/step-00000040-tp1.pp1.dp2", 40, "tp1.pp1.dp2")
+        old = ck.CheckpointRef("/ckpt/j/step-00000020-tp1.pp1.dp2", 20, "tp1.pp1.dp2")
+        c._h_register({"worker": "w0", "checkpoint_latest": old.to_json()})  # its view lagged
+        c._h_register({"worker": "w1", "checkpoint_latest": ref.to_json()})
+        c._h_register({"worker": "w2"})  # sees nothing: not a member below anyway
+        d = c.directive(1, "tp1.pp1.dp2", ["w0", "w1"])
+        assert (d.resume, d.switch_step, d.resume_layout) == (ref.path, 40, "tp1.pp1.dp2")
+    finally:
+        c.stop()

@@ -1,0 +1,56 @@
+"""The Kubernetes backend (coordinator runtime) runs a checkpointing job: its worker pods mount the
+template's volumes and are told the job's checkpoint directory; the coordinator, inside the operator
+and without that volume, takes the newest checkpoint from what the workers report at register."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from elastic.backends.kubernetes import JobTarget, KubernetesBackend
+from elastic.model import GPU, CheckpointSpec, Layout, TrainingSpec
+
+from .conftest import NS
+
+SPEC = TrainingSpec(name="pretrain", model="tiny", min_gpus=1, max_gpus=4, global_batch=8,
+                    checkpoint=CheckpointSpec(dir="/ckpt", every_steps=50))
+TEMPLATE = {"image": "elastic:dev",
+            "volumes": [{"name": "ckpt", "persistentVolumeClaim": {"claimName": "pretrain-ckpt"}}],
+            "volumeMounts": [{"name": "ckpt", "mountPath": "/ckpt"}]}
+
+
+def test_worker_pods_get_the_volume_and_the_checkpoint_dir_and_the_coordinator_trusts_them(emulator) -> None:
+    from kubernetes import client
+
+    _, api = emulator
+    b = KubernetesBackend(api_client=api, job_runtime="coordinator", coordinator_host="127.0.0.1",
+                          advertise_host="127.0.0.1", pod_gone_wait_seconds=5.0, poll_seconds=0.05)
+    b.set_job("pretrain", JobTarget(NS, "pretrain", TEMPLATE))
+    out: dict[str, Any] = {}
+
+    def start() -> None:
+        try:
+            out["result"] = b.set_job_gpus(SPEC, (GPU("n0", 0), GPU("n0", 1)), Layout.parse("tp1.pp1.dp2"))
+        except Exception as e:  # noqa: BLE001 - what the test looks at
+            out["error"] = e
+
+    t = threading.Thread(target=start, daemon=True)
+    t.start()
+    core = client.CoreV1Api(api)
+    deadline = time.monotonic() + 20
+    while len(core.list_namespaced_pod(NS).items) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pods = core.list_namespaced_pod(NS).items
+    assert len(pods) == 2  # applied; no kubelet runs them, so they never register
+    for p in pods:
+        env = {e.name: e.value for e in p.spec.containers[0].env}
+        assert env["ELASTIC_CHECKPOINT_DIR"] == "/ckpt/pretrain", env  # <dir>/<job name>, as the pod sees it
+        assert [v.name for v in p.spec.volumes] == ["ckpt"]
+        assert p.spec.volumes[0].persistent_volume_claim.claim_name == "pretrain-ckpt"
+        assert [(m.name, m.mount_path) for m in p.spec.containers[0].volume_mounts] == [("ckpt", "/ckpt")]
+    handle = b._jobs["pretrain"].handle
+    assert handle.opts.checkpoint.dir == "/ckpt/pretrain" and handle.opts.checkpoint.coordinator_sees is False
+    assert b.cancel_grow("pretrain") is True
+    t.join(30)
+    assert not t.is_alive() and "error" in out
