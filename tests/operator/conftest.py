@@ -70,3 +70,35 @@ def wait_for(what: str, cond: Callable[[], Any], timeout: float = 20.0, interval
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what} (last: {last!r})")
+
+
+def coordinator_backend(api: Any, job: str, template: dict[str, Any]) -> Any:
+    """The Kubernetes backend in its coordinator runtime, with ``job``'s target in namespace ``NS``."""
+    from elastic.backends.kubernetes import JobTarget, KubernetesBackend
+
+    b = KubernetesBackend(api_client=api, job_runtime="coordinator", coordinator_host="127.0.0.1",
+                          advertise_host="127.0.0.1", pod_gone_wait_seconds=5.0, poll_seconds=0.05)
+    b.set_job(job, JobTarget(NS, job, template))
+    return b
+
+
+def start_in_thread(backend: Any, spec: Any, layout: str) -> tuple[Any, dict[str, Any]]:
+    """``backend.set_job_gpus`` for a start on ``layout`` (GPUs of node n0) in a thread: it waits for
+    worker registrations that never come (no kubelet runs pods here). Returns the thread and where
+    its result or error lands."""
+    import threading
+
+    from elastic.model import GPU, Layout
+
+    lay = Layout.parse(layout)
+    out: dict[str, Any] = {}
+
+    def start() -> None:
+        try:
+            out["result"] = backend.set_job_gpus(spec, tuple(GPU("n0", i) for i in range(lay.world_size)), lay)
+        except Exception as e:  # noqa: BLE001 - what the test looks at
+            out["error"] = e
+
+    t = threading.Thread(target=start, daemon=True)
+    t.start()
+    return t, out

@@ -4,14 +4,11 @@ and without that volume, takes the newest checkpoint from what the workers repor
 
 from __future__ import annotations
 
-import threading
 import time
-from typing import Any
 
-from elastic.backends.kubernetes import JobTarget, KubernetesBackend
-from elastic.model import GPU, CheckpointSpec, Layout, TrainingSpec
+from elastic.model import CheckpointSpec, TrainingSpec
 
-from .conftest import NS
+from .conftest import NS, coordinator_backend, start_in_thread
 
 SPEC = TrainingSpec(name="pretrain", model="tiny", min_gpus=1, max_gpus=4, global_batch=8,
                     checkpoint=CheckpointSpec(dir="/ckpt", every_steps=50))
@@ -24,19 +21,8 @@ def test_worker_pods_get_the_volume_and_the_checkpoint_dir_and_the_coordinator_t
     from kubernetes import client
 
     _, api = emulator
-    b = KubernetesBackend(api_client=api, job_runtime="coordinator", coordinator_host="127.0.0.1",
-                          advertise_host="127.0.0.1", pod_gone_wait_seconds=5.0, poll_seconds=0.05)
-    b.set_job("pretrain", JobTarget(NS, "pretrain", TEMPLATE))
-    out: dict[str, Any] = {}
-
-    def start() -> None:
-        try:
-            out["result"] = b.set_job_gpus(SPEC, (GPU("n0", 0), GPU("n0", 1)), Layout.parse("tp1.pp1.dp2"))
-        except Exception as e:  # noqa: BLE001 - what the test looks at
-            out["error"] = e
-
-    t = threading.Thread(target=start, daemon=True)
-    t.start()
+    b = coordinator_backend(api, "pretrain", TEMPLATE)
+    t, out = start_in_thread(b, SPEC, "tp1.pp1.dp2")
     core = client.CoreV1Api(api)
     deadline = time.monotonic() + 20
     while len(core.list_namespaced_pod(NS).items) < 2 and time.monotonic() < deadline:

@@ -7,15 +7,13 @@ job is dropped (its pods deleted, its coordinator stopped) and a later start beg
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
 from elastic.backends.base import GrowCancelled
-from elastic.backends.kubernetes import JobTarget, KubernetesBackend
-from elastic.model import GPU, Layout, TrainingSpec
+from elastic.model import TrainingSpec
 
-from .conftest import NS
+from .conftest import NS, coordinator_backend, start_in_thread
 
 SPEC = TrainingSpec(name="pretrain", model="tiny", min_gpus=1, max_gpus=4, global_batch=8)
 
@@ -29,21 +27,9 @@ def _pods(api: Any) -> list[str]:
 
 def test_a_starting_job_is_called_off_and_its_pods_deleted(emulator) -> None:
     _, api = emulator
-    b = KubernetesBackend(api_client=api, job_runtime="coordinator", coordinator_host="127.0.0.1",
-                          advertise_host="127.0.0.1", pod_gone_wait_seconds=5.0, poll_seconds=0.05)
-    b.set_job("pretrain", JobTarget(NS, "pretrain", {"image": "elastic:dev"}))
-    out: dict[str, Any] = {}
-
-    def start() -> None:
-        try:
-            out["result"] = b.set_job_gpus(SPEC, (GPU("n0", 0), GPU("n0", 1)), Layout.parse("tp1.pp1.dp2"))
-        except Exception as e:  # noqa: BLE001 - what the test looks at
-            out["error"] = e
-
+    b = coordinator_backend(api, "pretrain", {"image": "elastic:dev"})
     for attempt in (1, 2):  # called off, then started afresh (a new coordinator) and called off again
-        out.clear()
-        t = threading.Thread(target=start, daemon=True)
-        t.start()
+        t, out = start_in_thread(b, SPEC, "tp1.pp1.dp2")
         deadline = time.monotonic() + 20
         while len(_pods(api)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
