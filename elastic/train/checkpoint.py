@@ -16,14 +16,14 @@ On disk, one directory per job::
 step count is the training step and the data is a function of the step, so nothing else is
 needed). Each rank writes one file with the boxes it *owns* (:func:`owned_pieces`): one copy
 of the state in all, spread evenly over the data-parallel replicas (each writes ``1/dp`` of
-what they all hold, split on dim 0). A rank file is written to a temporary name, flushed to disk and renamed; a checkpoint
-is *complete* when every rank of its layout has its file. Incomplete ones (a worker died
-while writing) are ignored and later pruned.
+what they all hold, split on dim 0). A rank file is written to a temporary name, flushed to
+disk and renamed; a checkpoint is *complete* when every rank of its layout has its file.
+Incomplete ones (a worker died while writing) are ignored and later pruned.
 
 What it must not do: decide when to save (the agent does, every ``every_steps`` steps, with
 every rank at the same step) or block a step on disk (the agent copies the tensors, then
 writes in a background thread). ``latest`` and ``prune`` touch only file names (no torch):
-the coordinator calls them.
+the coordinator and, where it cannot see the directory, the workers call them.
 """
 
 from __future__ import annotations
