@@ -249,3 +249,27 @@ def test_a_start_without_a_checkpoint_begins_at_step_0_and_the_coordinator_names
         assert (d.resume, d.switch_step, d.resume_layout) == (ref.path, 40, "tp1.pp1.dp2")
     finally:
         c.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_job_that_reaches_max_steps_leaves_a_checkpoint_of_its_last_state(tmp_path) -> None:
+    """The finish writes one at ``max_steps`` even between two periodic ones: the trained model."""
+    import time
+
+    from elastic.train.launch import LaunchOptions, ProcessJobHandle
+
+    settings = ck.CheckpointSettings(str(tmp_path / "ck"), every_steps=100)
+    h = ProcessJobHandle("fin", _cfg(), options=LaunchOptions(max_steps=5, checkpoint=settings),
+                         log_dir=str(tmp_path))
+    try:
+        h.start("tp1.pp1.dp2", ["w0", "w1"], timeout=180)
+        deadline = time.monotonic() + 120
+        while h.status().phase != "finished":
+            assert time.monotonic() < deadline, h.status()
+            time.sleep(0.05)
+        h._wait_gone(["w0", "w1"], 30, kill=False)  # the workers write it before they exit
+    finally:
+        h.stop()
+    ref = ck.latest(settings.dir)
+    assert ref is not None and (ref.step, ref.layout) == (5, "tp1.pp1.dp2"), ref
