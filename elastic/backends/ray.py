@@ -741,7 +741,6 @@ def _coordinator_settings(opts: Any) -> dict[str, Any]:
             "transactional": opts.transactional_rescale, "checkpoint": opts.checkpoint}
 
 
-
 class RayJobHandle(JobHandle):
     """A training job whose coordinator and workers are detached, named Ray actors.
 

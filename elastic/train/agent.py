@@ -82,7 +82,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.model import Layout, ModelSpec, SpecError, load_model
-from elastic.train.checkpoint import CheckpointSettings
+from elastic.train import checkpoint
 from elastic.train.rendezvous import Directive, RendezvousClient, RendezvousError
 
 log = logging.getLogger(__name__)
@@ -232,7 +232,7 @@ class WorkerAgent:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"prepare-{worker}")
         self._reaper = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"reaper-{worker}")
         # periodic checkpoints (elastic.train.checkpoint), settings from the coordinator at register
-        self._ckpt: CheckpointSettings | None = None
+        self._ckpt: checkpoint.CheckpointSettings | None = None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"checkpoint-{worker}")
         self._writing: Future[Any] | None = None
         self._writing_step = -1
@@ -269,16 +269,14 @@ class WorkerAgent:
         try:
             seen = None
             if self.opts.checkpoint_dir:
-                from elastic.train.checkpoint import latest
-
-                ref = latest(self.opts.checkpoint_dir)
+                ref = checkpoint.latest(self.opts.checkpoint_dir)
                 seen = ref.to_json() if ref else None
             reg = self.client.call("register", pid=os.getpid(), host=socket.gethostname(), checkpoint_latest=seen)
         except RendezvousError as e:
             log.error("worker %s: %s", self.worker, e)
             return 3
         self.config = dict(reg.get("config") or {})
-        self._ckpt = CheckpointSettings.from_json(reg.get("checkpoint"))
+        self._ckpt = checkpoint.CheckpointSettings.from_json(reg.get("checkpoint"))
         self._job = str(reg.get("job", ""))
         beat = threading.Thread(target=self._heartbeat, args=(float(reg.get("heartbeat_interval_s", 1.0)),),
                                 name=f"heartbeat-{self.worker}", daemon=True)
@@ -550,8 +548,6 @@ class WorkerAgent:
         layout), or None (the engine initialises it from the seed)."""
         if not d.resume:
             return None
-        from elastic.train import checkpoint
-
         ref = checkpoint.CheckpointRef(d.resume, d.switch_step, d.resume_layout or "")
         t0 = time.perf_counter()
         state = checkpoint.load_rank(ref, config_model(self.config), layout, rank, config_kind_dtypes(self.config),
@@ -583,7 +579,6 @@ class WorkerAgent:
                         "(raise checkpoint every_steps)", self.worker, step, self._writing_step)
             return
         from elastic.reshard.spec import sharding_spec
-        from elastic.train import checkpoint
 
         assert self.engine is not None
         spec = sharding_spec(config_model(self.config), self.layout, config_kinds(self.config))
