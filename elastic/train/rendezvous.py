@@ -594,8 +594,12 @@ class Coordinator:
             self._seen.pop(worker, None)
 
     def registered(self, worker: str) -> bool:
+        """``worker``'s process has registered and has not left since. A name given again to a
+        new process (a worker that left and is launched anew) counts only once that process has
+        registered: the launcher must not post a directive that would wait, inside the pause, for
+        a process still starting."""
         with self._cv:
-            return worker in self._registered
+            return worker in self._registered and worker not in self._left
 
     def has_left(self, worker: str) -> bool:
         """``worker`` exited on purpose (leaver, stopped, abandoned joiner): its exit is no failure."""
