@@ -295,8 +295,11 @@ class CheckpointPolicy(_CR):
     dir: str = Field(min_length=1)
     """Directory inside the worker pods, on a volume every worker mounts read-write (``template.volumes``);
     the job's checkpoints go to ``<dir>/<job name>``."""
-    every_steps: int = Field(default=100, ge=1)
-    """Save every this many steps (the step waits only for a copy to host memory)."""
+    every_steps: int | None = Field(default=100, ge=1)
+    """Save at every multiple of this many steps (the step waits only for a copy to host memory);
+    null: by time only."""
+    every_seconds: float | None = Field(default=None, gt=0)
+    """Also save once this many seconds have passed since the last checkpoint began."""
     keep: int = Field(default=2, ge=1)
     """Complete checkpoints kept; older ones are deleted."""
 
@@ -662,6 +665,9 @@ def to_training_spec(workload: str, spec: ElasticTrainingJobSpec, model_dir: str
     for fname, values in (("allowedTP", spec.allowed_tp), ("allowedPP", spec.allowed_pp)):
         if values is not None and (not values or any(v < 1 for v in values)):
             raise CRError(f"spec.{fname}", f"Invalid{fname[0].upper()}{fname[1:]}", f"{values}: give degrees >= 1 (or omit the field)")
+    if spec.checkpoint is not None and spec.checkpoint.every_steps is None and spec.checkpoint.every_seconds is None:
+        raise CRError("spec.checkpoint.everySteps", "InvalidCheckpointEverySteps",
+                      "neither everySteps nor everySeconds is set; give at least one (e.g. everySteps: 100)")
     assert model_ref is not None
     return TrainingSpec(name=workload, model=model_ref, min_gpus=spec.min_gpus, max_gpus=spec.max_gpus,
                         priority=spec.priority, global_batch=spec.global_batch, micro_batch=spec.micro_batch,
@@ -669,6 +675,7 @@ def to_training_spec(workload: str, spec: ElasticTrainingJobSpec, model_dir: str
                         replicate_optimizer=spec.replicate_optimizer,
                         on_below_minimum=spec.on_below_minimum,
                         checkpoint=CheckpointSpec(dir=spec.checkpoint.dir, every_steps=spec.checkpoint.every_steps,
+                                                  every_seconds=spec.checkpoint.every_seconds,
                                                   keep=spec.checkpoint.keep) if spec.checkpoint else None)
 
 

@@ -586,9 +586,18 @@ class CheckpointSpec(_Spec):
 
     dir: str = Field(min_length=1, description="a directory every worker can write (a shared volume); the job's "
                                                "checkpoints go into <dir>/<job name>")
-    every_steps: int = Field(default=100, gt=0, description="save every this many steps (the step's tensors are "
-                                                            "copied, then written in the background)")
+    every_steps: int | None = Field(default=100, gt=0, description="save at every multiple of this many steps (the "
+                                                                   "step's tensors are copied, then written in the "
+                                                                   "background); null: by time only")
+    every_seconds: float | None = Field(default=None, gt=0, description="also save once this many seconds have passed "
+                                                                       "since the last checkpoint began")
     keep: int = Field(default=2, gt=0, description="complete checkpoints kept; older ones are deleted")
+
+    @model_validator(mode="after")
+    def _one_interval(self) -> CheckpointSpec:
+        if self.every_steps is None and self.every_seconds is None:
+            raise ValueError("neither every_steps nor every_seconds is set; give at least one (e.g. every_steps: 100)")
+        return self
 
 
 class TrainingSpec(_Spec):

@@ -52,9 +52,11 @@ redone on the recovered layout. Any other error is posted as the job's failure r
 coordinator unreachable for ``coordinator_timeout_s`` or a job the coordinator marked failed
 makes the agent exit on its own (``watchdog``).
 
-Checkpoints (``checkpoint`` settings from the coordinator): every ``every_steps`` steps the agent
-copies the pieces its rank owns and writes them in a background thread
-(:mod:`elastic.train.checkpoint`); a first generation that the coordinator starts from a
+Checkpoints (``checkpoint`` settings from the coordinator): when the coordinator's ``go`` for a
+step carries ``save`` (it decides, the same for every rank), the agent copies the pieces its
+rank owns after that step and writes them in a background thread
+(:mod:`elastic.train.checkpoint`); a write that fails is reported with the next step's
+result (``checkpoint_error``), never fails the job. A first generation that the coordinator starts from a
 checkpoint (``Directive.resume``) reads its boxes out of it instead of initialising them.
 
 What it must not do: choose layouts, compute maths (the engine does), or keep running
@@ -237,6 +239,7 @@ class WorkerAgent:
         self._writing: Future[Any] | None = None
         self._writing_step = -1
         self._written = (-1, -1)  # (step, generation) of this worker's last checkpoint write that completed
+        self._write_error = ""  # why the last write failed, until reported with a step result
         self._snap: dict[Any, Any] | None = None  # host buffers of the last snapshot, refilled by the next
         self._job = ""
         self._graveyard: list[Any] = []  # shut-down groups, destroyed after the next step (_bury)
@@ -335,6 +338,7 @@ class WorkerAgent:
             if action == "go":
                 if resp.get("pending"):
                     self._prepare_early(Directive.from_json(resp["pending"]))
+                save = bool(resp.get("save"))
                 assert self.engine is not None
                 try:
                     result = self.engine.train_step(step)
@@ -347,9 +351,12 @@ class WorkerAgent:
                 last = _result_json(result)
                 if self._ckpt is not None:
                     last["checkpoint"] = list(self._written)
+                    if self._write_error:
+                        last["checkpoint_error"], self._write_error = self._write_error, ""
                 self._applied = step
                 step += 1
-                self._maybe_checkpoint(step)
+                if save:
+                    self._checkpoint(step)
                 self._bury()  # the first step after a rescale is done: its old groups may go now
             elif action == "break" and not self._broken:
                 last = None  # a peer was lost while we were between steps: report what we hold, then wait
@@ -378,7 +385,7 @@ class WorkerAgent:
             elif action in ("stop", "finish"):
                 log.info("worker %s: %s at step %d (%s)", self.worker, action, step, resp.get("reason", ""))
                 if resp.get("save") and not self._broken:
-                    self._maybe_checkpoint(step, final=True)
+                    self._checkpoint(step, final=True)
                 self._close_engine()
                 self._exit_notice()
                 return 0
@@ -556,27 +563,24 @@ class WorkerAgent:
                  d.resume, d.resume_layout, time.perf_counter() - t0)
         return state
 
-    def _maybe_checkpoint(self, step: int, *, final: bool = False) -> None:
-        """Every ``every_steps`` steps: copy the pieces this rank owns, write them in the background.
+    def _checkpoint(self, step: int, *, final: bool = False) -> None:
+        """Save the state at ``step`` (the coordinator said so): copy the pieces this rank owns now
+        (the next step changes the tensors in place), write them in the background.
 
-        The copy is taken now (the next step changes the tensors in place); a write still running
-        from the last checkpoint makes this one skipped rather than the step wait on the disk.
-        ``final`` (the job stops or finishes at ``step``): at any step, after the last write, and
-        waited for (the launcher bounds it by its exit timeout; cut short, the checkpoint is
-        incomplete and the previous one stands)."""
+        The coordinator begins no checkpoint before the last one is complete, so a write still
+        running here is rare (its completion not reported yet); it is waited for, as every rank
+        must write its part. ``final`` (the job stops or finishes at ``step``): after the last
+        write, and waited for (the launcher bounds it by its exit timeout; cut short, the
+        checkpoint is incomplete and the previous one stands)."""
         c = self._ckpt
         if c is None or self.layout is None or self.engine is None or isinstance(self.engine, HeldState):
             return
-        if final:
-            if self._writing is not None:
-                self._writing.result()
-            if self._writing_step == step:
-                return
-        elif step % c.every_steps:
-            return
-        elif self._writing is not None and not self._writing.done():
-            log.warning("worker %s: checkpoint at step %d skipped: the one at step %d is still being written "
-                        "(raise checkpoint every_steps)", self.worker, step, self._writing_step)
+        if self._writing is not None and not self._writing.done():
+            log.info("worker %s: the checkpoint at step %d waits for the write of step %d", self.worker, step,
+                     self._writing_step)
+        if self._writing is not None:
+            self._writing.result()
+        if final and self._writing_step == step:
             return
         from elastic.reshard.spec import sharding_spec
 
@@ -593,8 +597,9 @@ class WorkerAgent:
                 self._written = (step, gen)
                 if rank == 0:
                     checkpoint.prune(root, c.keep)
-            except Exception:  # noqa: BLE001 - a failed write costs this checkpoint, never the job
+            except Exception as e:  # noqa: BLE001 - a failed write costs this checkpoint, never the job
                 log.exception("worker %s: writing the checkpoint at step %d failed", self.worker, step)
+                self._write_error = f"{type(e).__name__}: {_short(e, 200)}"
 
         self._writing, self._writing_step = self._writer.submit(write), step
         if final:

@@ -20,8 +20,9 @@ what they all hold, split on dim 0). A rank file is written to a temporary name,
 disk and renamed; a checkpoint is *complete* when every rank of its layout has its file.
 Incomplete ones (a worker died while writing) are ignored and later pruned.
 
-What it must not do: decide when to save (the agent does, every ``every_steps`` steps, with
-every rank at the same step) or block a step on disk (the agent copies the tensors, then
+What it must not do: decide when to save (the coordinator does, for every rank of a
+generation at once: every ``every_steps`` steps, every ``every_seconds``, or when asked; see
+:mod:`elastic.train.rendezvous`) or block a step on disk (the agent copies the tensors, then
 writes in a background thread). ``latest`` and ``prune`` touch only file names (no torch):
 the coordinator and, where it cannot see the directory, the workers call them.
 """
@@ -53,26 +54,38 @@ class CheckpointError(SpecError):
 
 @dataclass(frozen=True)
 class CheckpointSettings:
-    """A job's checkpointing: where, how often (in steps), how many complete ones to keep."""
+    """A job's checkpointing: where, how often, how many complete ones to keep.
+
+    How often: at every multiple of ``every_steps`` steps and/or once ``every_seconds`` have
+    passed since the last one (whichever comes first; ``None`` turns that rule off, one must
+    stay on). A checkpoint is never begun while the previous one is still being written or a
+    rescale is in flight; a postponed one is taken at the first step that allows it."""
 
     dir: str
-    every_steps: int = 100
+    every_steps: int | None = 100
     keep: int = 2
     # False where the coordinator runs without the workers' volume (the Kubernetes operator): it then
     # starts a job at the newest complete checkpoint its workers report when they register
     coordinator_sees: bool = True
+    every_seconds: float | None = None
 
     def __post_init__(self) -> None:
         if not self.dir:
             raise SpecError("checkpoint dir is empty; give a directory every worker can write (a shared volume)")
-        if self.every_steps < 1:
-            raise SpecError(f"checkpoint every_steps={self.every_steps}: must be >= 1")
+        if self.every_steps is not None and self.every_steps < 1:
+            raise SpecError(f"checkpoint every_steps={self.every_steps}: must be >= 1 (or unset, with every_seconds)")
+        if self.every_seconds is not None and not self.every_seconds > 0:
+            raise SpecError(f"checkpoint every_seconds={self.every_seconds}: must be > 0 (or unset)")
+        if self.every_steps is None and self.every_seconds is None:
+            raise SpecError("checkpoint: neither every_steps nor every_seconds is set; give at least one "
+                            "(e.g. every_steps: 100)")
         if self.keep < 1:
             raise SpecError(f"checkpoint keep={self.keep}: must be >= 1 (the newest complete one is what a "
                             "restart begins at)")
 
     def to_json(self) -> dict[str, Any]:
-        return {"dir": self.dir, "every_steps": self.every_steps, "keep": self.keep}
+        return {"dir": self.dir, "every_steps": self.every_steps, "every_seconds": self.every_seconds,
+                "keep": self.keep}
 
     def check_writable(self) -> None:
         """Create the directory and write a file in it, or raise SpecError naming it (a job must
@@ -88,7 +101,11 @@ class CheckpointSettings:
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any] | None) -> CheckpointSettings | None:
-        return None if not d else cls(str(d["dir"]), int(d.get("every_steps", 100)), int(d.get("keep", 2)))
+        if not d:
+            return None
+        steps, secs = d.get("every_steps", 100), d.get("every_seconds")
+        return cls(str(d["dir"]), None if steps is None else int(steps), int(d.get("keep", 2)),
+                   every_seconds=None if secs is None else float(secs))
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,8 @@ def job_options(options: LaunchOptions | None, spec: Any, *, coordinator_sees: b
         return options
     c = spec.checkpoint
     return replace(options or LaunchOptions(), checkpoint=CheckpointSettings(
-        os.path.join(c.dir, spec.name), every_steps=c.every_steps, keep=c.keep, coordinator_sees=coordinator_sees))
+        os.path.join(c.dir, spec.name), every_steps=c.every_steps, keep=c.keep, coordinator_sees=coordinator_sees,
+        every_seconds=c.every_seconds))
 
 
 def make_validator(cfg: Any, hardware: HardwareSpec | str | None = None, gpus_per_node: int | None = None):
@@ -257,6 +258,13 @@ class JobHandle(ABC):
                 return False
             self._cancel.set()
             return True
+
+    def checkpoint(self, timeout: float = 600.0) -> int:
+        """Save a checkpoint now (at the next step boundary that allows one) and wait until every
+        rank has written its part; returns its step. For maintenance: a node about to be drained,
+        a change of model code. Raises SpecError (no checkpoint settings, or the job ended),
+        CheckpointFailed (a rank could not write: the previous one stands) or TimeoutError."""
+        return self.coordinator.wait_checkpoint(self.coordinator.request_checkpoint(), timeout)
 
     def status(self) -> JobStatus:
         return self.coordinator.status()

@@ -47,6 +47,16 @@ see identically:
    ``switch_step`` = its step) on whatever layout it is given; else at step 0. A requested
    stop and a finish tell the workers to write a last one (``save``); a failed job's stop does
    not.
+6. **When to save.** The coordinator decides, once per step for every rank of a generation
+   (the first member to ask for step ``s`` fixes the answer the others get): ``go`` carries
+   ``save`` when the state after step ``s`` is to be checkpointed -- at a multiple of
+   ``every_steps``, once ``every_seconds`` have passed, or when asked
+   (:meth:`Coordinator.request_checkpoint`). Never while a rescale is in flight (a leaver
+   would not finish its write) nor while the previous checkpoint is incomplete (a rank still
+   writing: the disk sets the pace, not the step); a postponed one is taken at the first step
+   that allows it. A rank whose write fails reports it: that checkpoint is given up (the
+   previous complete one stands), the next is due by the usual rules, and a caller waiting
+   for one (:meth:`Coordinator.wait_checkpoint`) hears why.
 
 It also aggregates per-step reports into the loss history and the Prometheus metrics
 (:mod:`elastic.train.telemetry`), and records each rescale (pause, bytes moved, planned
@@ -184,6 +194,10 @@ class StepRecord:
     @property
     def tokens_per_second(self) -> float | None:
         return self.tokens / self.seconds if self.seconds > 0 else None
+
+
+class CheckpointFailed(RuntimeError):
+    """A checkpoint asked for could not be written (a rank's write failed); nothing else changed."""
 
 
 @dataclass
@@ -327,6 +341,14 @@ class Coordinator:
         self.resumed_from: CheckpointRef | None = None
         self._checkpoint_step = -1  # every worker of a generation wrote its part (from their step reports)
         self._reported_checkpoints: dict[str, CheckpointRef | None] = {}  # worker -> what it sees, at register
+        # when to save (section 6 above): (generation, step) -> the answer every member gets; the save
+        # decided last, (generation, step it saves), until complete; its step and clock time; a request
+        self._save_answers: dict[tuple[int, int], bool] = {}
+        self._save_inflight: tuple[int, int] | None = None
+        self._save_last_step: int | None = None
+        self._save_last_at: float | None = None
+        self._save_requested = False
+        self._save_failures: list[str] = []  # why decided saves did not complete (ranks' write errors)
         self.metrics = TrainingMetrics(job, registry)
         self._clock = clock
         lock = threading.RLock()
@@ -738,6 +760,13 @@ class Coordinator:
         written = {tuple(r["checkpoint"]) if r.get("checkpoint") else None for r in reps.values()}
         if len(written) == 1 and (w := written.pop()) is not None and int(w[1]) == gen:
             self._note_checkpoint_locked(int(w[0]))
+        failed = sorted(f"{w}: {r['checkpoint_error']}" for w, r in reps.items() if r.get("checkpoint_error"))
+        if failed:
+            at = self._save_inflight[1] if self._save_inflight else "?"
+            self._save_failures.append(f"step {at}: " + "; ".join(failed))
+            self._save_inflight = None  # given up: the next is due by the usual rules
+            log.error("job %s: the checkpoint at step %s will not complete (%s); the previous complete one stands",
+                      self.job, at, "; ".join(failed))
         self._maybe_complete_locked()
         self._cv.notify_all()
 
@@ -888,9 +917,80 @@ class Coordinator:
                 self._note_boundary_locked(p, w)
                 return {"action": "switch", "directive": p.directive.to_json()}
             self._max_begun = max(self._max_begun, step)
-            return {"action": "go", "pending": p.directive.to_json()}
+            return {"action": "go", "pending": p.directive.to_json()}  # no save while a rescale is in flight
         self._max_begun = max(self._max_begun, step)
-        return {"action": "go"}
+        return {"action": "go", "save": True} if self._save_answer_locked(gen, step) else {"action": "go"}
+
+    def _save_answer_locked(self, gen: int, step: int) -> bool:
+        """Whether the state after ``step`` of generation ``gen`` is to be checkpointed: decided when
+        the first member asks, the same answer for the others (section 6 of the module doc)."""
+        c = self.checkpoint
+        if c is None:
+            return False
+        key = (gen, step)
+        if key in self._save_answers:
+            return self._save_answers[key]
+        now = self._clock()
+        if self._save_last_step is None:  # the first step asked for: the clocks start here
+            self._save_last_step, self._save_last_at = step, now
+        if self._save_inflight is not None:
+            g, at = self._save_inflight
+            if self._checkpoint_step >= at or g != gen:
+                # complete, or whatever of it was written stands (a new generation's members are done
+                # with the old one's writes before they switch)
+                self._save_inflight = None
+        due = (self._save_requested
+               or (c.every_steps is not None and (step + 1) // c.every_steps > self._save_last_step // c.every_steps)
+               or (c.every_seconds is not None and now - (self._save_last_at or now) >= c.every_seconds))
+        in_flight = self._pending is not None and self._pending.decision is None  # a rescale not decided yet
+        save = due and self._save_inflight is None and not in_flight
+        if save:
+            self._save_inflight, self._save_last_step, self._save_last_at = (gen, step + 1), step + 1, now
+            self._save_requested = False
+        self._save_answers[key] = save
+        if len(self._save_answers) > 64:  # members are at most a step or two apart
+            for k in sorted(self._save_answers)[:-32]:
+                del self._save_answers[k]
+        return save
+
+    def request_checkpoint(self) -> tuple[int, int]:
+        """Ask for a checkpoint at the next step that allows one. Returns a ticket for
+        :meth:`wait_checkpoint`: (the newest complete checkpoint's step now, -1 for none; the
+        number of failed writes so far). Raises SpecError when the job has no checkpoint
+        settings or has ended (nothing asked)."""
+        with self._cv:
+            if self.checkpoint is None:
+                raise SpecError(f"job {self.job} has no checkpoint settings; give it checkpoint.dir to save one")
+            if self._phase in ("failed", "stopping", "stopped", "finished"):
+                raise SpecError(f"job {self.job} is {self._phase}; a checkpoint needs a running job")
+            self._save_requested = True
+            return self._checkpoint_step, len(self._save_failures)
+
+    def wait_checkpoint(self, ticket: tuple[int, int], timeout: float) -> int:
+        """Wait until a checkpoint newer than the ticket's (:meth:`request_checkpoint`) is complete;
+        returns its step. Raises CheckpointFailed when a rank's write failed meanwhile,
+        SpecError when the job ended first, TimeoutError (saying what held it back) after
+        ``timeout`` seconds."""
+        after, failures = ticket
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._checkpoint_step <= after:
+                if len(self._save_failures) > failures:
+                    stands = f"the one at step {after} still stands" if after >= 0 else "there is no complete one"
+                    raise CheckpointFailed(f"job {self.job}: the checkpoint could not be written "
+                                           f"({self._save_failures[-1]}); {stands}")
+                if self._phase in ("failed", "stopped", "finished"):
+                    raise SpecError(f"job {self.job} is {self._phase} and saved no checkpoint after step {after}"
+                                    + (f": {self._error}" if self._error else ""))
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    why = ("a rescale is in flight" if self._pending is not None and self._pending.decision is None else
+                           "the previous checkpoint is still being written" if self._save_inflight is not None else
+                           "the workers have not reached a step boundary")
+                    raise TimeoutError(f"job {self.job}: no checkpoint after step {after} within {timeout:g} s "
+                                       f"({why})")
+                self._cv.wait(min(left, 1.0))
+            return self._checkpoint_step
 
     def _hold_answer_locked(self, w: str, gen: int, wait_s: float) -> dict[str, Any]:
         """A keeper of a held generation asks before the step it sits at: switch when the next

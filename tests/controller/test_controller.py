@@ -147,6 +147,8 @@ def test_failed_step_stops_the_plan_and_is_recorded(env) -> None:
      "'jobs.0.checkpoint.every_steps': Input should be greater than 0"),
     ({"jobs": [{"name": "j", "model": "tiny", "checkpoint": {"every_steps": 10}}]},
      "field 'jobs.0.checkpoint.dir' is missing"),
+    ({"jobs": [{"name": "j", "model": "tiny", "checkpoint": {"dir": "/ck", "every_steps": None}}]},
+     "field 'jobs.0.checkpoint': neither every_steps nor every_seconds is set; give at least one"),
 ])
 def test_bad_config_is_rejected_at_load(patch, needle) -> None:
     data = dict(CONFIG, **patch)

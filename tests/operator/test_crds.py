@@ -41,6 +41,9 @@ def test_maps_camel_case_specs_onto_the_controller_types(tmp_path) -> None:
     job = to_training_spec("ml/train", parse_spec(ElasticTrainingJobSpec, {
         **JOB, "checkpoint": {"dir": "/ckpt", "everySteps": 50}}))
     assert (job.checkpoint.dir, job.checkpoint.every_steps, job.checkpoint.keep) == ("/ckpt", 50, 2)
+    job = to_training_spec("ml/train", parse_spec(ElasticTrainingJobSpec, {
+        **JOB, "checkpoint": {"dir": "/ckpt", "everySteps": None, "everySeconds": 1800}}))
+    assert (job.checkpoint.every_steps, job.checkpoint.every_seconds) == (None, 1800.0)
     tiny = {k: v for k, v in MODEL_PRESETS["tiny"].model_dump(mode="json").items() if k != "name"}
     inline = {**JOB, "model": None, "modelSpec": tiny}
     job = to_training_spec("ml/inline", parse_spec(ElasticTrainingJobSpec, inline), tmp_path)
@@ -59,6 +62,10 @@ BAD: list[tuple[str, dict[str, Any], str, str]] = [
     ("job", {**JOB, "checkpoint": {"dir": "/c", "everySteps": 0}}, "spec.checkpoint.everySteps",
      "InvalidCheckpointEverySteps"),
     ("job", {**JOB, "checkpoint": {"everySteps": 5}}, "spec.checkpoint.dir", "InvalidCheckpointDir"),
+    ("job", {**JOB, "checkpoint": {"dir": "/c", "everySteps": None}}, "spec.checkpoint.everySteps",
+     "InvalidCheckpointEverySteps"),
+    ("job", {**JOB, "checkpoint": {"dir": "/c", "everySeconds": 0}}, "spec.checkpoint.everySeconds",
+     "InvalidCheckpointEverySeconds"),
     ("svc", {**SVC, "minReplicas": 5}, "spec.minReplicas", "InvalidMinReplicas"),
     ("svc", {**SVC, "metric": {"preset": "nope", "target": 1}}, "spec.metric.preset", "InvalidMetricPreset"),
     ("svc", {**SVC, "metric": {"query": "up", "target": 1}}, "spec.metric.prometheus", "InvalidMetricPrometheus"),
