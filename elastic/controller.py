@@ -265,6 +265,21 @@ class Controller:
             tps = self._throughput[job].get(layout.world_size, (str(layout), 1.0))[1]
             self.pinned[job] = {layout.world_size: (str(layout), max(tps, 1.0))}
 
+    def checkpoint_job(self, job: str, wait_seconds: float = 0.0) -> Any:
+        """Save ``job``'s state at its next step boundary and, with ``wait_seconds``, wait until
+        every rank wrote it (``CheckpointOutcome``). Not under the tick's lock: a tick goes on
+        meanwhile. KeyError: not a job of this controller; BackendError: not running or the
+        backend cannot; SpecError (no checkpoint settings), CheckpointFailed, TimeoutError."""
+        if job not in self._throughput:
+            raise KeyError(job)
+        act = getattr(self.backend, "checkpoint_job", None)
+        if act is None:
+            raise BackendError(f"the {getattr(self.backend, 'name', type(self.backend).__name__)} backend cannot save "
+                               "a checkpoint on demand")
+        out = act(job, wait_seconds)
+        log.info("checkpoint of %s asked for%s", job, f": step {out.step}" if out.step is not None else "")
+        return out
+
     def _service_spec(self, service: str) -> Any:
         for s in self.cfg.services:
             if s.name == service:

@@ -39,6 +39,7 @@ from elastic.api import schemas as S
 from elastic.api.auth import Principal, TokenSet
 from elastic.api.pagination import ContinueCodec
 from elastic.api.problems import PROBLEM_JSON, Problem, ProblemDetail, install, invalid, problem_response
+from elastic.backends.base import BackendError, CheckpointNotSaved
 from elastic.model import (
     InferenceSpec,
     Layout,
@@ -71,7 +72,8 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     text = {400: "Malformed request (e.g. invalid JSON or continue token)", 401: "Missing or unknown bearer token",
             403: "The token is read-only", 404: "Not found", 409: "Conflict with the current state",
             415: "The body is not JSON (send Content-Type: application/json)",
-            422: "Invalid input; 'field' names it", 503: "Database or controller unavailable"}
+            422: "Invalid input; 'field' names it", 502: "The workers could not do it (e.g. a failed write)",
+            503: "Database or controller unavailable", 504: "Not done within the time asked for"}
     return {c: {"description": text[c], "model": ProblemDetail, "content": {PROBLEM_JSON: {}}} for c in codes}
 
 
@@ -415,6 +417,40 @@ def _routes_interventions(app: FastAPI, api: _Api) -> None:
                                gpu_memory_bytes=planned.memory.total,
                                message=f"pinned to {layout}; the controller rescales at its next tick when "
                                        f"{layout.world_size} GPUs are free for it")
+
+    @app.post(f"{API}/jobs/{{name}}/checkpoint", response_model=S.CheckpointResult,
+              responses={**_errors(404, *WRITE_ERR, 502, 504), 202: {"model": S.CheckpointResult,
+                                                                   "description": "Asked for, not waited for"}},
+              tags=["jobs"])
+    def checkpoint(name: Name, body: S.CheckpointRequest, who: Writer, response: Response) -> S.CheckpointResult:
+        """Save the job's state at its next step boundary (before maintenance, a risky change):
+        a sharded checkpoint in its checkpoint directory, as the periodic ones."""
+        ctl = api.controller()
+        if db.get_job(api.store, name) is None:
+            raise Problem(404, "not-found", f"training job '{name}' not found")
+        with api.audited(who, "job.checkpoint", f"job/{name}", body.model_dump()):
+            pass  # on record before it is asked for; nothing to undo if the audit cannot be written
+        try:
+            out = ctl.checkpoint_job(name, body.wait_seconds)
+        except KeyError:
+            raise Problem(409, "not-managed", f"training job '{name}' is not managed by the running controller "
+                                              "(it was added after the controller started); restart it") from None
+        except SpecError as e:
+            raise Problem(409, "no-checkpoint", f"{e}") from None
+        except CheckpointNotSaved as e:
+            raise Problem(502, "checkpoint-failed", f"{e}") from None
+        except BackendError as e:
+            raise Problem(409, "not-running", f"{e}") from None
+        except TimeoutError as e:
+            raise Problem(504, "checkpoint-timeout", f"{e}; it is still taken once allowed: watch the job's "
+                                                     "checkpointStep") from None
+        if out.step is None:
+            response.status_code = 202
+            msg = (f"asked for; the next step boundary that allows it saves it (newest complete now: "
+                   f"{'step ' + str(out.previous_step) if out.previous_step >= 0 else 'none'})")
+        else:
+            msg = f"saved at step {out.step} on every rank"
+        return S.CheckpointResult(job=name, previous_step=out.previous_step, step=out.step, message=msg)
 
     @app.put(f"{API}/services/{{name}}/override", response_model=S.Override, responses=_errors(404, *WRITE_ERR),
              tags=["services"])

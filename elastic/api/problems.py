@@ -36,7 +36,7 @@ _PREFIX = "urn:elastic:problem:"
 
 _TITLES = {400: "Bad request", 401: "Unauthorized", 403: "Forbidden", 404: "Not found",
            405: "Method not allowed", 409: "Conflict", 415: "Unsupported media type", 422: "Invalid request",
-           500: "Internal server error", 503: "Service unavailable"}
+           500: "Internal server error", 502: "Bad gateway", 503: "Service unavailable", 504: "Gateway timeout"}
 
 
 class FieldError(BaseModel):

@@ -43,6 +43,14 @@ class RescaleRequest(_In):
                                examples=["tp2.pp2.dp2"])
 
 
+class CheckpointRequest(_In):
+    """Save a running training job's state now (at its next step boundary)."""
+
+    wait_seconds: float = Field(default=0.0, ge=0, le=3600,
+                                description="wait up to this long for every rank to write it (0: ask and return; "
+                                            "the job's checkpointStep shows when it is complete)")
+
+
 class OverrideRequest(_In):
     """Pin an inference service's replica count until a time."""
 
@@ -131,6 +139,13 @@ class RescaleResult(BaseModel):
     world_size: int | None
     tokens_per_second: float | None = Field(description="planner estimate for the pinned layout")
     gpu_memory_bytes: int | None = Field(description="planner estimate of the busiest GPU's memory")
+    message: str
+
+
+class CheckpointResult(BaseModel):
+    job: str
+    previous_step: int = Field(description="the newest complete checkpoint's step when asked (-1: none)")
+    step: int | None = Field(description="the new checkpoint's step, complete on every rank; null: not waited for")
     message: str
 
 

@@ -25,6 +25,10 @@ class GrowCancelled(BackendError):
     joiners were dismissed, nothing moved, the job holds the GPUs it held before."""
 
 
+class CheckpointNotSaved(BackendError):
+    """A checkpoint asked for could not be written (a worker's write failed); the previous one stands."""
+
+
 class BackendUnavailable(BackendError):
     """The cluster cannot be reached at all."""
 
@@ -49,6 +53,31 @@ class JobRuntime:
     recovered_from: str | None = None  # the layout before that recovery
     # the step its newest complete checkpoint continues at (-1: none yet); None: no checkpoints
     checkpoint_step: int | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointOutcome:
+    """A checkpoint asked of a running job (``checkpoint_job``)."""
+
+    job: str
+    previous_step: int  # the newest complete checkpoint's step when it was asked (-1: none)
+    step: int | None  # the new one's step once every rank wrote it; None: asked, not waited for
+
+
+def checkpoint_through(handle: Any, job: str, wait_seconds: float) -> CheckpointOutcome:
+    """Ask a job's coordinator (through its ``JobHandle``) for a checkpoint at the next step that
+    allows one; with ``wait_seconds`` > 0 wait until it is complete. SpecError (no checkpoint
+    settings, job ended) and TimeoutError pass through; a failed write raises CheckpointNotSaved."""
+    from elastic.train.rendezvous import CheckpointFailed
+
+    if handle is None:
+        raise BackendError(f"training job {job} is not running here; only a running job can save a checkpoint")
+    ticket = handle.coordinator.request_checkpoint()
+    try:
+        step = handle.coordinator.wait_checkpoint(ticket, wait_seconds) if wait_seconds > 0 else None
+    except CheckpointFailed as e:
+        raise CheckpointNotSaved(str(e)) from None
+    return CheckpointOutcome(job, int(ticket[0]), step)
 
 
 RUNTIME_PHASES = {"running": "Running", "rescaling": "Rescaling", "failed": "Failed", "starting": "Pending",
@@ -140,6 +169,9 @@ class Backend(Protocol):
     # its state off-GPU (phase ``Paused``, no GPUs, ``layout`` = what the keepers hold); a later
     # ``set_job_gpus`` with GPUs resumes it at the same step. A backend without it can only
     # preempt (stop) a job that must go below its minimum; the controller then says so.
+
+    # Optional: ``checkpoint_job(job, wait_seconds) -> CheckpointOutcome`` saves a running job's
+    # state now (a checkpoint at its next step boundary; see ``checkpoint_through``).
 
     def cancel_grow(self, job: str) -> bool:
         """Call off a ``set_job_gpus`` grow of ``job`` running in another thread if its joiners

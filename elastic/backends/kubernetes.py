@@ -45,9 +45,11 @@ from typing import Any
 from elastic.backends.base import (
     BackendError,
     BackendUnavailable,
+    CheckpointOutcome,
     GrowCancelled,
     JobRuntime,
     RescaleOutcome,
+    checkpoint_through,
     coordinator_runtime,
     still_held,
 )
@@ -327,6 +329,15 @@ class KubernetesBackend:
         if st.phase == "running":
             j.workers = still_held(j.workers, st.workers)  # after a recovery on its own: fewer
         return coordinator_runtime(job, st, j.workers, j.last)
+
+    def checkpoint_job(self, job: str, wait_seconds: float = 0.0) -> CheckpointOutcome:
+        """Coordinator runtime: save ``job``'s state at its next step boundary (``checkpoint_through``)."""
+        if self.job_runtime_mode != "coordinator":
+            raise BackendError(f"training job {job}: on-demand checkpoints need the coordinator runtime "
+                               "(job_runtime_mode='coordinator'); the pods runtime has no coordinator to ask")
+        with self._lock:
+            j = self._jobs.get(job)
+        return checkpoint_through(j.handle if j is not None else None, job, wait_seconds)
 
     def cancel_grow(self, job: str) -> bool:
         """Coordinator runtime: call off a rescale whose joiner pods have not joined yet.

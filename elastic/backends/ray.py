@@ -40,9 +40,11 @@ from typing import Any
 from elastic.backends.base import (
     BackendError,
     BackendUnavailable,
+    CheckpointOutcome,
     GrowCancelled,
     JobRuntime,
     RescaleOutcome,
+    checkpoint_through,
     coordinator_runtime,
     still_held,
 )
@@ -333,6 +335,12 @@ class RayBackend:
                              bytes_lower_bound=res.lower_bound_bytes, step=res.switch_step)
         j.last = out
         return out
+
+    def checkpoint_job(self, job: str, wait_seconds: float = 0.0) -> CheckpointOutcome:
+        """Save ``job``'s state at its next step boundary (``checkpoint_through``)."""
+        with self._lock:
+            j = self.jobs.get(job)
+        return checkpoint_through(j.handle if j is not None else None, job, wait_seconds)
 
     def cancel_grow(self, job: str) -> bool:
         """Call off a grow or a *start* of ``job`` whose workers have not all registered yet: a start
@@ -705,6 +713,9 @@ class _RemoteCoordinator:
 
     def wait_step(self, step: int, timeout: float) -> Any:
         return self._call("wait_step", step, timeout, timeout=timeout + 30)
+
+    def wait_checkpoint(self, ticket: Any, timeout: float) -> int:
+        return self._call("wait_checkpoint", tuple(ticket), timeout, timeout=timeout + 30)
 
     def status(self) -> Any:
         return self._call("status")

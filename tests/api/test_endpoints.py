@@ -151,6 +151,34 @@ def test_rescale_pins_a_feasible_layout_and_the_next_tick_applies_it(env: Env) -
     assert [a.action for a in _audit(env)] == ["job.rescale", "job.rescale"]
 
 
+def test_checkpoint_on_demand_asks_or_waits_and_names_what_stands_in_the_way(env: Env) -> None:
+    from elastic.backends.base import CheckpointNotSaved
+
+    env.tick(10.0)
+    assert env.backend.jobs["pretrain"].checkpoint_step == 0
+    r = env.send("POST", "/api/v1/jobs/pretrain/checkpoint", json={})
+    assert r.status_code == 202, r.text
+    assert r.json()["step"] is None and r.json()["previous_step"] == 0 and "asked for" in r.json()["message"]
+    r = env.send("POST", "/api/v1/jobs/pretrain/checkpoint", json={"wait_seconds": 30})
+    assert r.status_code == 200, r.text
+    assert (r.json()["step"], r.json()["message"]) == (1, "saved at step 1 on every rank")
+    env.backend.checkpoint_raises = CheckpointNotSaved("job pretrain: the checkpoint could not be written (w1: disk full)")
+    r = env.send("POST", "/api/v1/jobs/pretrain/checkpoint", json={"wait_seconds": 30})
+    assert r.status_code == 502 and "disk full" in r.json()["detail"], r.text
+    env.backend.checkpoint_raises = TimeoutError("job pretrain: no checkpoint after step 1 within 30 s (a rescale is "
+                                                 "in flight)")
+    r = env.send("POST", "/api/v1/jobs/pretrain/checkpoint", json={"wait_seconds": 30})
+    assert r.status_code == 504 and "rescale is in flight" in r.json()["detail"] and "checkpointStep" in r.json()["detail"]
+    # 'big' has no checkpoint settings (and does not run at this load), an unknown job is not found
+    r = env.send("POST", "/api/v1/jobs/big/checkpoint", json={})
+    assert r.status_code == 409 and r.json()["type"].endswith("not-running"), r.text
+    assert env.send("POST", "/api/v1/jobs/nope/checkpoint", json={}).status_code == 404
+    r = env.send("POST", "/api/v1/jobs/pretrain/checkpoint", json={"wait_seconds": -1})
+    assert r.status_code == 422 and r.json()["field"] == "wait_seconds", r.text
+    assert env.send("POST", "/api/v1/jobs/pretrain/checkpoint", json={}, token=READER).status_code == 403
+    assert [a.action for a in _audit(env)] == ["job.checkpoint"] * 5  # every request that got past validation
+
+
 def test_override_pins_replicas_until_a_time_and_clear_removes_it(env: Env) -> None:
     env.tick(10.0)
     r = env.send("PUT", "/api/v1/services/chat/override", json={"replicas": 3, "until": "2030-01-01T00:00:00Z"})

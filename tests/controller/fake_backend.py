@@ -7,8 +7,10 @@ inference before the training shrink freed the GPUs fails loudly), and logs ever
 
 from __future__ import annotations
 
-from elastic.backends.base import BackendError, BackendUnavailable, JobRuntime, RescaleOutcome
-from elastic.model import GPU, InferenceSpec, Layout, TrainingSpec
+from dataclasses import replace
+
+from elastic.backends.base import BackendError, BackendUnavailable, CheckpointOutcome, JobRuntime, RescaleOutcome
+from elastic.model import GPU, InferenceSpec, Layout, SpecError, TrainingSpec
 
 
 class FakeBackend:
@@ -21,6 +23,7 @@ class FakeBackend:
         self.calls: list[tuple[str, str, int]] = []
         self.reachable = True
         self.fail_next: str | None = None
+        self.checkpoint_raises: Exception | None = None  # the next checkpoint_job raises this
 
     # levers
     def set_reachable(self, ok: bool) -> None:
@@ -68,6 +71,24 @@ class FakeBackend:
 
     def job_runtime(self, job: str) -> JobRuntime | None:
         return self.jobs.get(job)
+
+    def checkpoint_job(self, job: str, wait_seconds: float = 0.0) -> CheckpointOutcome:
+        """As a coordinator would: refused without settings or a running job; else the next step's
+        checkpoint, complete at once when waited for."""
+        self.ping()
+        rt = self.jobs.get(job)
+        if rt is None or rt.phase != "Running":
+            raise BackendError(f"training job {job} is not running here; only a running job can save a checkpoint")
+        if rt.checkpoint_step is None:
+            raise SpecError(f"job {job} has no checkpoint settings; give it checkpoint.dir to save one")
+        if (e := self.checkpoint_raises) is not None:
+            self.checkpoint_raises = None
+            raise e
+        self.calls.append(("checkpoint", job, 0))
+        if wait_seconds <= 0:
+            return CheckpointOutcome(job, rt.checkpoint_step, None)
+        self.jobs[job] = replace(rt, step=rt.step + 1, checkpoint_step=rt.step + 1)
+        return CheckpointOutcome(job, rt.checkpoint_step, rt.step + 1)
 
     def cancel_grow(self, job: str) -> bool:
         return False  # its set_job_gpus is instantaneous: nothing is ever waiting to be called off

@@ -292,6 +292,10 @@ def test_a_job_no_replica_can_recover_is_restarted_by_the_controller_from_its_ch
         assert steps[0] == ref.step <= lost_at + 1, (steps, ref, lost_at)
         assert steps == list(range(ref.step, ref.step + len(steps))), steps
         assert backend.job_runtime("tiny-job").checkpoint_step >= ref.step  # the operator sees it
+        # and one on demand (the admin API's POST /jobs/<name>/checkpoint): complete on every rank
+        out = ctl.checkpoint_job("tiny-job", wait_seconds=120)
+        assert out.step is not None and out.step > out.previous_step >= ref.step, out
+        assert backend.job_runtime("tiny-job").checkpoint_step >= out.step
         db.current_allocation(store, "ray-local").check_disjoint()
         print(f"failed after step {lost_at}, started again at step {ref.step} from {ref.path}")
     finally:
@@ -400,3 +404,22 @@ def test_a_job_still_starting_can_be_called_off_and_gives_every_gpu_back(ray_loc
         assert rt is not None and len(rt.gpus) == 2 and rt.phase in ("Running", "Rescaling")
     finally:
         backend.shutdown()
+
+
+def test_a_detached_jobs_coordinator_is_asked_for_a_checkpoint_through_its_actor(ray_local, tmp_path) -> None:
+    """Detached mode reaches the coordinator through an actor: the ask, the wait and its errors cross it."""
+    from elastic.backends.ray import _CoordinatorActor, _RemoteCoordinator
+    from elastic.train.checkpoint import CheckpointSettings
+
+    ray = ray_local
+    cls = ray.remote(num_cpus=0, max_concurrency=4)(_CoordinatorActor)
+    actor = cls.remote("cp", {"model": "tiny"}, {"host": "127.0.0.1",
+                                                "checkpoint": CheckpointSettings(str(tmp_path / "ck"))}, {})
+    try:
+        rc = _RemoteCoordinator(actor, "cp")
+        ticket = rc.request_checkpoint()
+        assert tuple(ticket) == (-1, 0)
+        with pytest.raises(TimeoutError, match="no checkpoint after step -1 within 0.2 s .the workers have not"):
+            rc.wait_checkpoint(ticket, 0.2)
+    finally:
+        ray.kill(actor)

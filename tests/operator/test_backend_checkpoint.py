@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
+from elastic.backends.base import BackendError
 from elastic.model import CheckpointSpec, TrainingSpec
 
 from .conftest import NS, coordinator_backend, start_in_thread
@@ -37,6 +40,17 @@ def test_worker_pods_get_the_volume_and_the_checkpoint_dir_and_the_coordinator_t
         assert [(m.name, m.mount_path) for m in p.spec.containers[0].volume_mounts] == [("ckpt", "/ckpt")]
     handle = b._jobs["pretrain"].handle
     assert handle.opts.checkpoint.dir == "/ckpt/pretrain" and handle.opts.checkpoint.coordinator_sees is False
+    # a checkpoint on demand reaches the job's coordinator in the operator; nobody steps yet, so it waits
+    asked = b.checkpoint_job("pretrain", 0)
+    assert (asked.previous_step, asked.step) == (-1, None)
+    with pytest.raises(TimeoutError, match="the workers have not reached a step boundary"):
+        b.checkpoint_job("pretrain", 0.2)
+    with pytest.raises(BackendError, match="training job nope is not running here"):
+        b.checkpoint_job("nope", 0)
+    b.job_runtime_mode = "pods"
+    with pytest.raises(BackendError, match="need the coordinator runtime"):
+        b.checkpoint_job("pretrain", 0)
+    b.job_runtime_mode = "coordinator"
     assert b.cancel_grow("pretrain") is True
     t.join(30)
     assert not t.is_alive() and "error" in out
