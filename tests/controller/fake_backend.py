@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from elastic.backends.base import BackendError, BackendUnavailable, CheckpointOutcome, JobRuntime, RescaleOutcome
+from elastic.backends.base import (
+    BackendError,
+    BackendUnavailable,
+    CheckpointOutcome,
+    JobRuntime,
+    RescaleOutcome,
+)
 from elastic.model import GPU, InferenceSpec, Layout, SpecError, TrainingSpec
 
 
