@@ -765,6 +765,7 @@ class Coordinator:
             at = self._save_inflight[1] if self._save_inflight else "?"
             self._save_failures.append(f"step {at}: " + "; ".join(failed))
             self._save_inflight = None  # given up: the next is due by the usual rules
+            self.metrics.record_checkpoint_failure()
             log.error("job %s: the checkpoint at step %s will not complete (%s); the previous complete one stands",
                       self.job, at, "; ".join(failed))
         self._maybe_complete_locked()

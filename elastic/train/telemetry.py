@@ -45,6 +45,7 @@ class _Families:
     last_planned_bytes: Gauge
     last_lower_bound_bytes: Gauge
     checkpoint_step: Gauge
+    checkpoint_failures: Counter
 
 
 _LOCK = threading.Lock()
@@ -96,6 +97,9 @@ def _families(registry: CollectorRegistry) -> _Families:
             checkpoint_step=Gauge("elastic_training_checkpoint_step",
                                   "Step the job's newest complete checkpoint continues at: a start after a "
                                   "failure begins there (-1: none, or checkpoints off)", L, registry=r),
+            checkpoint_failures=Counter("elastic_training_checkpoint_failures",
+                                        "Checkpoints given up because a worker could not write its part (the "
+                                        "previous complete one stands)", L, registry=r),
         )
         _BY_REGISTRY[id(registry)] = (registry, fam)
         return fam
@@ -153,6 +157,9 @@ class TrainingMetrics:
 
     def record_rescale_failure(self) -> None:
         self._f.rescale_failures.labels(self.job).inc()
+
+    def record_checkpoint_failure(self) -> None:
+        self._f.checkpoint_failures.labels(self.job).inc()
 
     def record_checkpoint(self, step: int) -> None:
         """Every worker of the job has written its part of the checkpoint at ``step``."""

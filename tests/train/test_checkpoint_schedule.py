@@ -102,10 +102,12 @@ def test_a_checkpoint_asked_for_is_taken_at_the_next_step_and_waited_for(tmp_pat
 
 
 def test_a_write_that_fails_is_reported_to_whoever_waits_and_the_job_goes_on(tmp_path) -> None:
-    c, _, _ = job(tmp_path, every_steps=1000)
+    c, _, reg = job(tmp_path, every_steps=1000)
     ticket = c.request_checkpoint()
     assert any(steps(c, 1, 2))
+    assert reg.get_sample_value("elastic_training_checkpoint_failures_total", {"job": "job"}) == 0
     steps(c, 1, 4, error={"w1": "OSError: [Errno 28] No space left on device"})
+    assert reg.get_sample_value("elastic_training_checkpoint_failures_total", {"job": "job"}) == 1
     with pytest.raises(CheckpointFailed, match=r"w1: OSError: \[Errno 28\] No space left.*no complete one"):
         c.wait_checkpoint(ticket, timeout=1)
     assert c.status().phase == "running"
