@@ -241,6 +241,7 @@ class WorkerAgent:
         self._written = (-1, -1)  # (step, generation) of this worker's last checkpoint write that completed
         self._write_error = ""  # why the last write failed, until reported with a step result
         self._snap: dict[Any, Any] | None = None  # host buffers of the last snapshot, refilled by the next
+        self._snap_ready: Future[dict[Any, Any]] | None = None  # buffers for a new layout, being allocated
         self._job = ""
         self._graveyard: list[Any] = []  # shut-down groups, destroyed after the next step (_bury)
         self._prep: Future[_Prep] | None = None
@@ -547,6 +548,7 @@ class WorkerAgent:
         clock.mark("engine")
         self._maybe_die(d, "engine")
         self._report_result(d, {**stats, "rank": rank, **clock.report()})
+        self._prepare_snapshot_buffers()
         return d.switch_step
 
     # ---- checkpoints ----------------------------------------------------------------------------
@@ -562,6 +564,22 @@ class WorkerAgent:
         log.info("worker %s: rank %d of %s read from %s (saved on %s) in %.2f s", self.worker, rank, layout,
                  d.resume, d.resume_layout, time.perf_counter() - t0)
         return state
+
+    def _prepare_snapshot_buffers(self) -> None:
+        """On a new layout (or the first), allocate and touch this rank's host buffers for its next
+        checkpoint in the background: that checkpoint's copy, which the step waits for, then
+        refills warm memory instead of faulting fresh pages in (0.2-5 s for gpt-100m here)."""
+        if self._ckpt is None or self.layout is None or self.engine is None or isinstance(self.engine, HeldState):
+            return
+        from elastic.reshard.spec import sharding_spec
+
+        spec = sharding_spec(config_model(self.config), self.layout, config_kinds(self.config))
+        shapes = checkpoint.buffer_shapes(spec, self.rank, self.engine.state())
+        if self._snap is not None and {k: (tuple(v.shape), v.dtype) for k, v in self._snap.items()} == {
+                k: (v[0], v[1]) for k, v in shapes.items()}:
+            return  # the same boxes (a rescale that left this rank's part alone): refilled as they are
+        self._snap = None  # the old layout's buffers go (a write still running holds its own)
+        self._snap_ready = self._writer.submit(checkpoint.host_buffers, shapes)
 
     def _checkpoint(self, step: int, *, final: bool = False) -> None:
         """Save the state at ``step`` (the coordinator said so): copy the pieces this rank owns now
@@ -582,6 +600,12 @@ class WorkerAgent:
             self._writing.result()
         if final and self._writing_step == step:
             return
+        if self._snap_ready is not None:  # buffers allocated for this layout in the background
+            try:
+                self._snap = self._snap_ready.result()
+            except Exception:  # noqa: BLE001 - out of host memory there: snapshot allocates, or fails itself
+                log.exception("worker %s: preparing the checkpoint's host buffers failed", self.worker)
+            self._snap_ready = None
         from elastic.reshard.spec import sharding_spec
 
         assert self.engine is not None

@@ -205,22 +205,50 @@ def owned_pieces(spec: Any, rank: int) -> dict[tuple[str, str], tuple[tuple[int,
     return out
 
 
+def _owned_views(spec: Any, rank: int, state: Mapping[tuple[str, str], Any]) -> dict[tuple[str, str], Any]:
+    """The parts of ``rank``'s tensors that are the boxes it owns (views, dim-0 slices)."""
+    held = spec.rank_pieces(rank)
+    out = {}
+    for key, box in owned_pieces(spec, rank).items():
+        a = box[0][0] - held[key][0][0]
+        out[key] = state[key].detach()[a:a + box[0][1] - box[0][0]]
+    return out
+
+
+def buffer_shapes(spec: Any, rank: int, state: Mapping[tuple[str, str], Any]) -> dict[tuple[str, str], Any]:
+    """(shape, dtype, pinned) of each host buffer :func:`snapshot` fills for ``rank`` (metadata only)."""
+    return {k: (tuple(v.shape), v.dtype, bool(v.is_cuda)) for k, v in _owned_views(spec, rank, state).items()}
+
+
+def host_buffers(shapes: Mapping[tuple[str, str], Any]) -> dict[tuple[str, str], Any]:
+    """Host buffers of :func:`buffer_shapes`, their pages touched: a snapshot into them is a refill.
+    Meant for a background thread right after a layout change (fresh memory faults in slowly, and
+    the copy into it is what a step waits for)."""
+    import torch
+
+    out = {}
+    for key, (shape, dtype, pinned) in shapes.items():
+        buf = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pinned)
+        if not pinned:  # pinned memory is resident already
+            buf.zero_()
+        out[key] = buf
+    return out
+
+
 def snapshot(spec: Any, rank: int, state: Mapping[tuple[str, str], Any],
              into: dict[tuple[str, str], Any] | None = None) -> dict[tuple[str, str], Any]:
     """Copies (on the host) of the boxes ``rank`` owns: the step after this one may go on at once.
 
-    ``into``: the buffers of an earlier snapshot of the same layout, no longer being written,
-    filled in place (fresh host memory costs page faults: on ``gpt-100m`` here a first copy runs
-    at ~0.7 GB/s, a refill several times faster); buffers for CUDA tensors are pinned."""
+    ``into``: buffers of an earlier snapshot of the same layout no longer being written, or from
+    :func:`host_buffers`, filled in place (fresh host memory costs page faults: on ``gpt-100m``
+    here a first copy runs at ~0.7 GB/s, a refill several times faster); buffers for CUDA
+    tensors are pinned."""
     import torch
 
-    held = spec.rank_pieces(rank)
-    owned = owned_pieces(spec, rank)
-    reuse = into is not None and into.keys() == owned.keys()
+    views = _owned_views(spec, rank, state)
+    reuse = into is not None and into.keys() == views.keys()
     out = {}
-    for key, box in owned.items():
-        a = box[0][0] - held[key][0][0]
-        src = state[key].detach()[a:a + box[0][1] - box[0][0]]
+    for key, src in views.items():
         buf = into[key] if reuse else None
         if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
             buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)

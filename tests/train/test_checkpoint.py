@@ -75,6 +75,21 @@ def test_the_files_hold_one_copy_of_the_state_spread_over_the_replicas(tmp_path)
             assert max(per_rank) < 1.05 * total / 4, per_rank
 
 
+def test_buffers_prepared_for_a_layout_are_what_its_snapshot_fills() -> None:
+    """After a rescale the agent allocates the next checkpoint's host buffers in the background;
+    the snapshot must fill exactly those (no allocation while the step waits) with the same bytes."""
+    glob = _globals()
+    spec = sharding_spec(MODEL, Layout.parse("tp2.pp2.dp2.z1"), FP32_KINDS)
+    for r in range(spec.layout.world_size):
+        state = _cut(glob, spec, r)
+        bufs = ck.host_buffers(ck.buffer_shapes(spec, r, state))
+        got = ck.snapshot(spec, r, state, into=bufs)
+        want = ck.snapshot(spec, r, state)
+        assert got.keys() == want.keys() == bufs.keys()
+        for key in want:
+            assert got[key] is bufs[key] and torch.equal(got[key], want[key]), (r, key)
+
+
 def test_an_incomplete_checkpoint_is_ignored_and_pruned_once_a_newer_one_is_complete(tmp_path) -> None:
     glob = _globals()
     _save(tmp_path, 10, "tp1.pp1.dp2", glob)
