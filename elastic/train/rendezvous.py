@@ -942,7 +942,8 @@ class Coordinator:
                 self._save_inflight = None
         due = (self._save_requested
                or (c.every_steps is not None and (step + 1) // c.every_steps > self._save_last_step // c.every_steps)
-               or (c.every_seconds is not None and now - (self._save_last_at or now) >= c.every_seconds))
+               or (c.every_seconds is not None and self._save_last_at is not None
+                   and now - self._save_last_at >= c.every_seconds))
         in_flight = self._pending is not None and self._pending.decision is None  # a rescale not decided yet
         save = due and self._save_inflight is None and not in_flight
         if save:
@@ -964,6 +965,9 @@ class Coordinator:
                 raise SpecError(f"job {self.job} has no checkpoint settings; give it checkpoint.dir to save one")
             if self._phase in ("failed", "stopping", "stopped", "finished"):
                 raise SpecError(f"job {self.job} is {self._phase}; a checkpoint needs a running job")
+            if self._current is not None and self._current.hold:
+                raise SpecError(f"job {self.job} is paused: its keepers hold the state and run no step; resume it "
+                                "to save a checkpoint")
             self._save_requested = True
             return self._checkpoint_step, len(self._save_failures)
 

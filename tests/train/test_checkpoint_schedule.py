@@ -115,9 +115,19 @@ def test_a_write_that_fails_is_reported_to_whoever_waits_and_the_job_goes_on(tmp
     assert any(steps(c, 1, 5))
 
 
-def test_asking_a_job_without_settings_or_an_ended_one_is_refused() -> None:
+def test_asking_a_job_without_settings_a_paused_or_an_ended_one_is_refused(tmp_path) -> None:
+    from tests.train.test_agent_rendezvous import _pause
+
     c, _, _ = started()
     with pytest.raises(SpecError, match="no checkpoint settings; give it checkpoint.dir"):
+        c.request_checkpoint()
+    c, clock, _ = job(tmp_path)
+    _pause(c, clock)
+    c.wait_generation(2, timeout=1)
+    with pytest.raises(SpecError, match="paused: its keepers hold the state and run no step; resume it"):
+        c.request_checkpoint()
+    c.request_stop()
+    with pytest.raises(SpecError, match="is stopping; a checkpoint needs a running job"):
         c.request_checkpoint()
 
 
