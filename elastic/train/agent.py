@@ -245,7 +245,7 @@ class WorkerAgent:
         self._job = ""
         self._graveyard: list[Any] = []  # shut-down groups, destroyed after the next step (_bury)
         self._prep: Future[_Prep] | None = None
-        self._prep_gen = 0
+        self._prep_d: Directive | None = None  # the directive the early preparation is for
         self._stop = threading.Event()
         self._job_failed = ""
         self._applied = -1  # the last step whose optimizer update this worker applied
@@ -396,15 +396,17 @@ class WorkerAgent:
     # ---- rescale ------------------------------------------------------------------------------
     def _prepare_early(self, d: Directive) -> None:
         """Plan and allocate for ``d`` in the background while the current step runs."""
-        if self._prep is None or self._prep_gen != d.generation:
-            self._prep_gen = d.generation
+        # the whole directive, not its number: a rescale abandoned before its switch step leaves its
+        # number to the next try, which may name other workers or another layout
+        if self._prep is None or self._prep_d != d:
+            self._prep_d = d
             state = self.engine.state() if self.engine is not None else {}
             self._prep = self._pool.submit(self._plan_and_prepare, d, state)
 
     def _take_prep(self, d: Directive) -> _Prep:
         """The early preparation if it is for ``d`` and still matches the engine's tensors, else prepare now."""
         fut, self._prep = self._prep, None
-        if fut is not None and self._prep_gen == d.generation:
+        if fut is not None and self._prep_d == d:
             prep = fut.result()
             now = self.engine.state() if self.engine is not None else {}
             if prep.error or _same_tensors(prep.old_state, now):

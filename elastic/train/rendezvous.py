@@ -1091,9 +1091,18 @@ class Coordinator:
                                  "the job continues on its old layout")
             return
         if w not in p.arrived:
+            plan = dict(b.get("plan") or {})
+            ranks = {str(k): int(v) for k, v in (plan.get("new_ranks") or {}).items()}
+            d = p.directive
+            if ranks and (set(ranks) != set(d.workers) or sorted(ranks.values()) != list(range(len(d.workers)))):
+                # a plan for another directive (of the same number): never make it the job's layout
+                self._abandon_locked(f"worker {w} arrived with a plan for other workers ({ranks}) than generation "
+                                     f"{d.generation}'s {list(d.workers)}; nothing moved, the job continues on its "
+                                     "old layout")
+                return
             p.arrived[w] = str(b.get("digest", ""))
-            if b.get("plan"):
-                p.plan_info = dict(b["plan"])
+            if plan:
+                p.plan_info = plan
         digests = sorted(set(p.arrived.values()))
         if len(digests) > 1:
             by = {dg: sorted(x for x, y in p.arrived.items() if y == dg) for dg in digests}
@@ -1305,6 +1314,14 @@ class Coordinator:
             self._seen.pop(w, None)
             self._abandon_locked(f"joiner lost before the rescale began ({reason}); nothing moved, the job "
                                  "continues on its old layout")
+            return
+        if (p is not None and p.decision == "abandoned" and w in p.directive.joiners
+                and not (cur is not None and w in cur.ranks)):
+            # a joiner of a rescale given up before anything moved, lost on its way out: it held nothing
+            log.warning("job %s: %s; a joiner of the abandoned generation %d, the job goes on", self.job, reason,
+                        p.directive.generation)
+            self._left.add(w)
+            self._seen.pop(w, None)
             return
         if self._recovery is None and (cur is None or w not in cur.ranks or not self._can_recover_locked()):
             self._fail_locked(reason)

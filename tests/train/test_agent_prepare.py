@@ -52,3 +52,38 @@ def test_retired_groups_outlive_the_pause_and_die_on_the_reaper_thread() -> None
     assert len(died) == 2 and all(name.startswith("reaper-test") for name in died), died
     assert agent._graveyard == []
     agent._bury()  # nothing left: a no-op
+
+
+def test_an_early_preparation_serves_only_the_directive_it_was_made_for() -> None:
+    # A rescale abandoned before its switch step leaves its generation number to the next try.
+    # The old members' early preparation for the first try must not serve the retry (other workers,
+    # another layout): they would meet with a stale plan and wait for joiners that never come.
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from elastic.train.agent import WorkerAgent
+    from elastic.train.rendezvous import Directive
+
+    def directive(layout: str, workers: tuple[str, ...]) -> Directive:
+        return Directive(job="j", generation=2, layout=layout, workers=workers, remap=True,
+                         old_layout="tp1.pp1.dp2", old_ranks={"w0": 0, "w1": 1}, switch_step=5,
+                         store_host="127.0.0.1", store_port=1, join_timeout_s=10.0)
+
+    agent = WorkerAgent.__new__(WorkerAgent)  # only the fields these methods use
+    agent.engine, agent.worker, agent._prep, agent._prep_d = None, "w0", None, None
+    agent._pool = ThreadPoolExecutor(max_workers=1)
+    calls: list[Directive] = []
+
+    def plan(d: Directive, state: dict) -> SimpleNamespace:
+        calls.append(d)
+        return SimpleNamespace(d=d, error="", old_state={})
+
+    agent._plan_and_prepare = plan
+    first = directive("tp1.pp1.dp4", ("w0", "w1", "w2", "w3"))
+    retry = directive("tp2.pp1.dp1", ("w0", "w1"))
+    agent._prepare_early(first)
+    assert agent._take_prep(retry).d == retry and calls == [first, retry]
+    agent._prepare_early(retry)
+    agent._prepare_early(retry)  # told again with every step's "pending": prepared once
+    assert agent._take_prep(Directive.from_json(retry.to_json())).d == retry and calls == [first, retry, retry]
+    agent._pool.shutdown()

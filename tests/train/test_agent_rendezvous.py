@@ -169,6 +169,33 @@ def test_joiner_that_never_arrives_abandons_the_rescale_before_anything_moves() 
     assert (st.phase, st.generation, st.layout) == ("running", 2, "tp1.pp1.dp1")
 
 
+def test_a_joiner_of_an_abandoned_rescale_lost_on_its_way_out_costs_the_job_nothing() -> None:
+    # found by benchmarks/train_soak.py --mid-kill-prob: it failed the whole job
+    c, _, _ = started(recover=True)
+    c.directive(2, "tp1.pp1.dp4", ["w0", "w1", "w2", "w3"])
+    for w in ("w2", "w3"):
+        call(c, "register", w)
+    out = call(c, "arrive", "w2", generation=2, digest="", error="MemoryError: no room")
+    assert out["decision"] == "abandoned"
+    c.worker_lost("w3", "worker w3 exited with signal 9")  # told to go, killed before its exit notice
+    st = c.status()
+    assert (st.phase, st.error, st.generation, st.layout) == ("running", None, 1, "tp1.pp1.dp2")
+    assert run_step(c, ["w0", "w1"], 1, 2) == ["go", "go"]
+
+
+def test_a_plan_for_other_workers_than_the_directives_abandons_the_rescale() -> None:
+    # a member still holding the plan of an abandoned try of the same generation number must never
+    # make its rank map the job's layout
+    c, _, _ = started()
+    d = c.directive(2, "tp1.pp1.dp1", ["w0"])
+    assert run_step(c, ["w0", "w1"], 1, d.switch_step) == ["switch", "switch"]
+    stale = {"new_ranks": {"w0": 0, "w1": 1, "w2": 2, "w3": 3}}
+    out = call(c, "arrive", "w0", generation=2, digest="stale", plan=stale)
+    assert out["decision"] == "abandoned" and "plan for other workers" in out["reason"]
+    st = c.status()
+    assert (st.phase, st.generation, st.layout) == ("running", 1, "tp1.pp1.dp2")
+
+
 def test_members_with_different_plans_abandon_the_rescale() -> None:
     c, _, _ = started()
     d = c.directive(2, "tp1.pp1.dp1", ["w0"])
