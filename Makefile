@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint bench bench-reshard bench-train demo clean
+.PHONY: venv test lint bench bench-reshard bench-train soak demo clean
 
 venv: $(STAMP)
 
@@ -48,6 +48,11 @@ bench-reshard: venv
 
 bench-train: venv
 	$(BIN)/python benchmarks/train_bench.py
+
+# A live job of real worker processes through a seeded random walk of in-place rescales, pauses and
+# kills, checked against the never-rescaled loss curve (SOAK_ARGS="--seed 3 --kill-prob 0.2 --mid-kill-prob 0.3").
+soak: venv
+	$(BIN)/python benchmarks/train_soak.py $(SOAK_ARGS)
 
 demo: venv
 	$(BIN)/elastic demo $(DEMO_ARGS)
