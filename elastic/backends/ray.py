@@ -749,7 +749,8 @@ class _RemoteCoordinator:
 def _coordinator_settings(opts: Any) -> dict[str, Any]:
     return {"heartbeat_interval_s": opts.heartbeat_interval_s, "heartbeat_timeout_s": opts.heartbeat_timeout_s,
             "join_timeout_s": opts.join_timeout_s, "max_steps": opts.max_steps, "recover": opts.recover,
-            "transactional": opts.transactional_rescale, "checkpoint": opts.checkpoint}
+            "transactional": opts.transactional_rescale, "checkpoint": opts.checkpoint,
+            "rendezvous_timeout_s": opts.pg_timeout_s}
 
 
 class RayJobHandle(JobHandle):

@@ -246,6 +246,9 @@ class WorkerAgent:
         self._graveyard: list[Any] = []  # shut-down groups, destroyed after the next step (_bury)
         self._prep: Future[_Prep] | None = None
         self._prep_d: Directive | None = None  # the directive the early preparation is for
+        # the generation whose groups this worker is building (its heartbeats say so): blocked in
+        # gloo's rendezvous with a lost peer it is alive, and the coordinator waits for its report
+        self._building: int | None = None
         self._stop = threading.Event()
         self._job_failed = ""
         self._applied = -1  # the last step whose optimizer update this worker applied
@@ -259,6 +262,7 @@ class WorkerAgent:
         self._asker: RendezvousClient | None = None
         # fault injection for tests and chaos drills: "<worker>:<generation>:<where>" makes that worker
         # die (os._exit, as a lost node) in that rescale: "group" before it joins the reshard group,
+        # "rendezvous" after that group's roll call, before its own part of gloo's rendezvous,
         # "exchange" inside the exchange, "commit" just after its part of it, "init_pg" after the commit
         # before it joins the new default group, "engine" once its new engine is built (its peers are
         # then in the first step)
@@ -524,6 +528,7 @@ class WorkerAgent:
             self._report_result(d, {**stats, **clock.report()})
             return self._leave()
         # 4. the new layout's default group (or what is left of building it) and engine
+        self._building = d.generation
         try:
             if new_pg is not None:
                 new_pg.result()
@@ -542,6 +547,8 @@ class WorkerAgent:
             if not (txn and self.opts.recover and _is_comm_error(e)):
                 raise
             broke = f"{type(e).__name__}: {_short(e, 160)}"
+        finally:
+            self._building = None
         if broke:
             return self._build_broke(d, layout, new_state, broke)
         with self._engine_lock:
@@ -723,8 +730,13 @@ class WorkerAgent:
             grank = {w: i for i, w in enumerate(members)}
             self._maybe_die(d, "group")
             store = dist.PrefixStore(f"{d.job}/g{d.generation}/reshard/", self._store_for(d))
-            self._roll_call(d, store, grank[self.worker], len(members))
-            pg = dist.ProcessGroupGloo(store, grank[self.worker], len(members), self._timeout())
+            self._building = d.generation
+            try:
+                self._roll_call(d, store, grank[self.worker], len(members))
+                self._maybe_die(d, "rendezvous")  # after the roll call, before its part of gloo's rendezvous
+                pg = dist.ProcessGroupGloo(store, grank[self.worker], len(members), self._timeout())
+            finally:
+                self._building = None
         clock.mark("group")
         self._maybe_die(d, "exchange")
         try:
@@ -908,7 +920,9 @@ class WorkerAgent:
         while not self._stop.wait(pause):
             now = time.monotonic()
             try:
-                resp = beat.call("heartbeat", generation=self.generation, wait_s=interval)
+                building = self._building
+                resp = beat.call("heartbeat", generation=self.generation, wait_s=interval,
+                                 **({"building": building} if building is not None else {}))
                 lost_since = None
             except RendezvousError as e:
                 lost_since = lost_since or now

@@ -150,7 +150,7 @@ class JobHandle(ABC):
             job, config_json(cfg), host=host, registry=registry, heartbeat_interval_s=o.heartbeat_interval_s,
             heartbeat_timeout_s=o.heartbeat_timeout_s, join_timeout_s=o.join_timeout_s, max_steps=o.max_steps,
             validator=self.validate, recover=o.recover, transactional=o.transactional_rescale,
-            checkpoint=o.checkpoint,
+            checkpoint=o.checkpoint, rendezvous_timeout_s=o.pg_timeout_s,
         )
         self._spawned: set[str] = set()
         self._gone: set[str] = set()

@@ -313,6 +313,7 @@ class Coordinator:
         recover: bool = False,
         transactional: bool = True,
         recovery_timeout_s: float | None = None,
+        rendezvous_timeout_s: float | None = None,
         checkpoint: CheckpointSettings | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -336,6 +337,11 @@ class Coordinator:
         self.transactional = transactional
         # survivors must report within this after a loss (default: the heartbeat timeout)
         self.recovery_timeout_s = recovery_timeout_s if recovery_timeout_s is not None else heartbeat_timeout_s
+        # how long a worker may block inside a group's rendezvous (its pg_timeout_s): gloo's C++
+        # rendezvous cannot be given up from Python, so a survivor that still beats and says it is
+        # building groups is waited for that long before it is given up (None: not at all)
+        self.rendezvous_timeout_s = rendezvous_timeout_s
+        self._building: dict[str, Any] = {}  # worker -> the generation its last heartbeat said it builds
         # periodic checkpoints (the workers write them; a start begins at the newest complete one)
         self.checkpoint = checkpoint
         self.resumed_from: CheckpointRef | None = None
@@ -821,6 +827,7 @@ class Coordinator:
         wait_s = min(float(b.get("wait_s") or 0.0), LONG_POLL_MAX_S)
         if w not in self._left:
             self._touch(w)
+            self._building[w] = building
 
         def unreported(g: Any) -> bool:
             rec = self._recovery
@@ -1371,7 +1378,9 @@ class Coordinator:
         if silent and not timed_out:
             return
         for w in silent:
-            rec.lost[w] = f"worker {w} did not report within recovery_timeout_s={self.recovery_timeout_s:g}"
+            rec.lost[w] = (f"worker {w} did not report within recovery_timeout_s={self.recovery_timeout_s:g}"
+                           + (f" (nor within rendezvous_timeout_s={self.rendezvous_timeout_s:g} while it built groups)"
+                              if self._building.get(w) is not None and self.rendezvous_timeout_s is not None else ""))
             self.lost.add(w)
             self._left.add(w)
             self._seen.pop(w, None)
@@ -1497,8 +1506,21 @@ class Coordinator:
                     if now - self._seen.get(w, now) > quiet:
                         self._lost_locked(w, f"worker {w} silent for {now - self._seen[w]:.1f} s during a recovery "
                                              f"(> {quiet:g} s: {2.5:g} heartbeats)")
-            if rec is not None and not rec.posted and now - rec.started_at > self.recovery_timeout_s:
+            if (rec is not None and not rec.posted and now - rec.started_at > self.recovery_timeout_s
+                    and not self._in_rendezvous_locked(rec, cur, now)):
                 self._maybe_post_recovery_locked(timed_out=True)
+
+    def _in_rendezvous_locked(self, rec: _Recovery, cur: _Gen | None, now: float) -> bool:
+        """A silent survivor still beats and builds groups: it is blocked in gloo's rendezvous with a
+        lost peer (lost between the roll call and its own part of it) and reports once the
+        rendezvous times out; wait for it up to ``rendezvous_timeout_s`` (+ the recovery timeout)."""
+        if self.rendezvous_timeout_s is None or cur is None:
+            return False
+        if now - rec.started_at > self.rendezvous_timeout_s + self.recovery_timeout_s:
+            return False
+        quiet = 2.5 * self.heartbeat_interval_s
+        return any(self._building.get(w) is not None and now - self._seen.get(w, float("-inf")) <= quiet
+                   for w in cur.ranks if w not in rec.lost and w not in rec.reports)
 
     def _check_deadline_locked(self) -> None:
         p = self._pending

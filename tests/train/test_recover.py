@@ -218,6 +218,41 @@ def test_a_worker_lost_inside_a_rescale_rolls_the_job_back_and_it_recovers_on_th
         assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step} ({r.layout}): {r.loss} vs {want}"
 
 
+def test_a_joiner_lost_inside_gloos_rendezvous_costs_its_peers_pg_timeout_not_the_job(tmp_path, monkeypatch) -> None:
+    """A member lost after the reshard group's roll call, before its own part of gloo's C++
+    rendezvous, leaves the others blocked there until pg_timeout_s (nothing in Python can give
+    it up). They still beat, saying they build groups: the coordinator waits for them beyond
+    recovery_timeout_s (here 3 s < pg_timeout_s = 8 s) instead of giving them up, which left no
+    survivor and failed the job (seen by the soak, 2 of 73 mid-rescale kills). Once their
+    rendezvous times out they report, the rescale is rolled back, the job goes on."""
+    monkeypatch.setenv("ELASTIC_FAULT_EXCHANGE", "w2:2:rendezvous")
+    opts = LaunchOptions(pg_timeout_s=8, heartbeat_interval_s=0.5, heartbeat_timeout_s=3, join_timeout_s=120,
+                         verify_reshard=True)
+    h = ProcessJobHandle("rdv", CFG, options=opts, log_dir=str(tmp_path))
+    try:
+        h.start("tp1.pp1.dp2", ["w0", "w1"], timeout=180)
+        h.wait_step(2, timeout=120)
+        t0 = time.monotonic()
+        with pytest.raises(RescaleFailed, match="rolled back to generation 1"):
+            h.rescale("tp1.pp1.dp4", W4, timeout=120)
+        st = _wait_recovered(h, 3)
+        took = time.monotonic() - t0
+        assert (st.layout, st.workers) == ("tp1.pp1.dp2", ["w0", "w1"]), st
+        assert took >= opts.pg_timeout_s * 0.8, f"{took:.1f} s: the rendezvous should have held them pg_timeout_s"
+        rec = h.coordinator.rescale_record(3)
+        h.wait_step(rec.switch_step + 2, timeout=120)
+        print(f"rolled back and recovered on {st.layout} {took:.1f} s after the rescale began (pg_timeout_s "
+              f"{opts.pg_timeout_s:g}, recovery timeout {h.coordinator.recovery_timeout_s:g})")
+    finally:
+        final = h.stop()
+    assert final.error is None, final.error
+    history = h.history()
+    assert [r.step for r in history] == list(range(len(history))), "a step was lost or repeated"
+    ref = _mp.reference_losses(CFG, len(history))
+    for r, want in zip(history, ref, strict=True):
+        assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step} ({r.layout}): {r.loss} vs {want}"
+
+
 @pytest.mark.parametrize("fault", [
     "w3:2:engine",  # once its engine is built: its peers are in their first step with it
     "w3:2:init_pg",  # before it joins the new default group: its peers give that rendezvous up at once
