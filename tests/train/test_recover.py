@@ -29,6 +29,15 @@ CFG = TrainConfig(model=load_model("tiny"), global_batch=8, micro_batch=1)
 W4 = ["w0", "w1", "w2", "w3"]
 
 
+def _assert_one_loss_curve(h) -> None:
+    """Every step on record once, in order, each loss the never-rescaled run's."""
+    history = h.history()
+    assert [r.step for r in history] == list(range(len(history))), "a step was lost or repeated"
+    ref = _mp.reference_losses(CFG, len(history))
+    for r, want in zip(history, ref, strict=True):
+        assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step} ({r.layout}): {r.loss} vs {want}"
+
+
 def _wait_recovered(h: ProcessJobHandle, generation: int, timeout: float = 120.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -246,11 +255,7 @@ def test_a_joiner_lost_inside_gloos_rendezvous_costs_its_peers_pg_timeout_not_th
     finally:
         final = h.stop()
     assert final.error is None, final.error
-    history = h.history()
-    assert [r.step for r in history] == list(range(len(history))), "a step was lost or repeated"
-    ref = _mp.reference_losses(CFG, len(history))
-    for r, want in zip(history, ref, strict=True):
-        assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step} ({r.layout}): {r.loss} vs {want}"
+    _assert_one_loss_curve(h)
 
 
 @pytest.mark.parametrize("fault", [
@@ -285,8 +290,4 @@ def test_a_worker_lost_in_the_first_step_after_a_committed_rescale_is_recovered_
     finally:
         final = h.stop()
     assert final.error is None, final.error
-    history = h.history()
-    assert [r.step for r in history] == list(range(len(history))), "a step was lost or repeated"
-    ref = _mp.reference_losses(CFG, len(history))
-    for r, want in zip(history, ref, strict=True):
-        assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step} ({r.layout}): {r.loss} vs {want}"
+    _assert_one_loss_curve(h)
