@@ -38,6 +38,14 @@ def _assert_one_loss_curve(h) -> None:
         assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step} ({r.layout}): {r.loss} vs {want}"
 
 
+def _faulty_job(tmp_path, monkeypatch, fault: str, name: str, **opts) -> ProcessJobHandle:
+    """A job whose workers die at ``fault`` (``ELASTIC_FAULT_EXCHANGE``), with verified reshards."""
+    monkeypatch.setenv("ELASTIC_FAULT_EXCHANGE", fault)
+    o = LaunchOptions(**{"pg_timeout_s": 90, "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 30,
+                         "join_timeout_s": 120, "verify_reshard": True, **opts})
+    return ProcessJobHandle(name, CFG, options=o, log_dir=str(tmp_path))
+
+
 def _wait_recovered(h: ProcessJobHandle, generation: int, timeout: float = 120.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -234,10 +242,8 @@ def test_a_joiner_lost_inside_gloos_rendezvous_costs_its_peers_pg_timeout_not_th
     recovery_timeout_s (here 3 s < pg_timeout_s = 8 s) instead of giving them up, which left no
     survivor and failed the job (seen by the soak, 2 of 73 mid-rescale kills). Once their
     rendezvous times out they report, the rescale is rolled back, the job goes on."""
-    monkeypatch.setenv("ELASTIC_FAULT_EXCHANGE", "w2:2:rendezvous")
-    opts = LaunchOptions(pg_timeout_s=8, heartbeat_interval_s=0.5, heartbeat_timeout_s=3, join_timeout_s=120,
-                         verify_reshard=True)
-    h = ProcessJobHandle("rdv", CFG, options=opts, log_dir=str(tmp_path))
+    h = _faulty_job(tmp_path, monkeypatch, "w2:2:rendezvous", "rdv", pg_timeout_s=8, heartbeat_timeout_s=3)
+    opts = h.opts
     try:
         h.start("tp1.pp1.dp2", ["w0", "w1"], timeout=180)
         h.wait_step(2, timeout=120)
@@ -268,10 +274,7 @@ def test_a_worker_lost_in_the_first_step_after_a_committed_rescale_is_recovered_
     the new layout's first step (while the groups are built, or in the step) is recovered from
     the new generation, within seconds (nobody waits on it until pg_timeout_s); the rescale
     itself counts as done."""
-    monkeypatch.setenv("ELASTIC_FAULT_EXCHANGE", fault)
-    opts = LaunchOptions(pg_timeout_s=90, heartbeat_interval_s=0.5, heartbeat_timeout_s=30, join_timeout_s=120,
-                         verify_reshard=True)
-    h = ProcessJobHandle("first-step-loss", CFG, options=opts, log_dir=str(tmp_path))
+    h = _faulty_job(tmp_path, monkeypatch, fault, "first-step-loss")
     try:
         h.start("tp1.pp1.dp2", ["w0", "w1"], timeout=180)
         h.wait_step(2, timeout=120)
@@ -279,7 +282,7 @@ def test_a_worker_lost_in_the_first_step_after_a_committed_rescale_is_recovered_
         h.rescale("tp1.pp1.dp4", W4, timeout=120)
         st = _wait_recovered(h, 3)
         took = time.monotonic() - t0
-        assert took < opts.pg_timeout_s / 3, f"{took:.1f} s: someone waited on the dead peer until a timeout"
+        assert took < h.opts.pg_timeout_s / 3, f"{took:.1f} s: someone waited on the dead peer until a timeout"
         assert st.layout == "tp1.pp1.dp2" and "w3" not in st.workers, st
         done = h.coordinator.rescale_record(2)
         assert done.ok and "lost before its first step finished" in done.reason, done
