@@ -58,9 +58,10 @@ def demo_config(minutes: float, tick_seconds: float) -> dict[str, Any]:
             # (10 s, with a 12 s window below, kept a replica ~20 s after the load fell: utilisation
             # 0.865 against 0.875-0.878 with 5 s / 8 s, SLO 0.995-0.997 either way; 2026-12-01)
             "metric": {"preset": "vllm-requests", "target": TARGET, "windowSeconds": 5},
-            # a leaving replica leaves the balancer 6 s before the window lets it go (a request is 6.4 s):
-            # it has finished its requests by then and its GPU goes to training at once
-            "drain_ahead_seconds": 6.0,
+            # a leaving replica hands its requests off (the balancer resumes them on the replicas that
+            # stay) when the window lets it go, and its GPU goes to training within a second; it serves
+            # until then. (Before: drained 6 s ahead, out of the balancer, its requests counting for nothing.)
+            "drain_ahead_seconds": 0.0, "handoff": True,
             "startup_seconds": 3.0, "forecast": "trend", "forecast_window_seconds": max(10.0, 6 * tick_seconds),
             "behavior": {
                 "scaleUp": {"stabilizationWindowSeconds": 0,
@@ -379,6 +380,7 @@ def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup:
         busy, total, inf, trn, held_inf, held_trn = 0.0, 1.0, 0.0, 0.0, 0.0, 0.0
     pauses = [r["pause_seconds"] for r in done]
     requests = sum(1 for r in report.results if r.sent_at >= warmup)
+    e2e = [r.e2e for r in report.results if r.sent_at >= warmup and r.complete and r.e2e is not None]
     return {
         "gpu_utilization": round(busy / total, 4),
         # the same measure for a clairvoyant controller on this day's expected load (whole
@@ -399,6 +401,11 @@ def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup:
         "failed_requests": sum(1 for r in report.results if r.sent_at >= warmup and not
                                (r.status == 200 and r.ttft is not None and r.complete)),
         "truncated_requests": sum(1 for r in report.results if r.sent_at >= warmup and r.truncated),
+        # resumed on another replica by the balancer (handed off by a leaving replica, or refused by one)
+        "handed_off_requests": sum(1 for r in report.results if r.sent_at >= warmup and r.handoffs),
+        # a request is 6.4 s of tokens: what a hand-off (or a queue) adds shows here
+        "e2e_p50_seconds": _r(_quantile(e2e, 0.5)),
+        "e2e_p99_seconds": _r(_quantile(e2e, 0.99)),
         "requests": requests,
         "reshards": len(done),
         "reshards_failed": sum(1 for r in run.reshards if r["status"] == "failed"),
@@ -453,6 +460,11 @@ def _write_timeline(run: DemoRun, path: str) -> None:
             row = list(astuple(x))
             row[0] = round(x.t - run.warmup, 3)
             w.writerow(row)
+
+
+def _quantile(vals: list[float], q: float) -> float | None:
+    vals = sorted(vals)
+    return vals[min(len(vals) - 1, int(q * len(vals)))] if vals else None
 
 
 def _r(x: float | None) -> float | None:

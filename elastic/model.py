@@ -571,6 +571,15 @@ class InferenceSpec(_Spec):
                     "back the moment the load rises again. 0 = off (drain only once the window has passed). "
                     "The Ray backend does it; a backend that cannot hold a replica out of the balancer "
                     "(Kubernetes today) ignores it")
+    handoff: bool = Field(
+        default=False,
+        description="a leaving replica hands its requests back to the load balancer, which resumes each on "
+                    "another replica from the tokens it had (Llumnix-style migration by recompute), instead of "
+                    "finishing them: its GPU is free within a second of the scale-down rather than after its "
+                    "longest request, and no request is cut. Needs replicas with POST /admin/handoff (the "
+                    "reference replica) and a balancer that resumes handed-off streams (elastic's load "
+                    "generator); a replica without the endpoint is drained as usual. The Ray backend does it; "
+                    "Kubernetes ignores it")
 
     @model_validator(mode="after")
     def _bounds(self) -> InferenceSpec:

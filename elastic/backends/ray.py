@@ -97,6 +97,22 @@ def wait_drained(urls: Sequence[str], timeout: float, poll: float = 0.1) -> list
         time.sleep(poll)
 
 
+def hand_off(urls: Sequence[str], timeout: float = 2.0) -> dict[str, int | None]:
+    """Ask each replica at ``urls`` (already out of the balancer's targets) to hand its requests
+    off (``POST /admin/handoff``, see elastic.serve.server): url -> requests handed off, None
+    where it could not (no such endpoint, unreachable); those are drained as usual."""
+    import httpx
+
+    out: dict[str, int | None] = {}
+    for u in urls:
+        try:
+            r = httpx.post(f"{u.rstrip('/')}/admin/handoff", timeout=timeout)
+            out[u] = int(r.json()["handed_off"]) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            out[u] = None
+    return out
+
+
 class RayBackend:
     """``Backend`` over a Ray cluster (see module docstring)."""
 
@@ -223,6 +239,10 @@ class RayBackend:
             # 1. drain: out of the load balancer's targets first, then stop once their requests are done
             self.replicas[spec.name] = keep
             self.draining[spec.name] = self.draining.get(spec.name, []) + leave
+        if spec.handoff and leave:
+            # their requests resume on the replicas that stay; what could not hand off drains below
+            moved = hand_off([r.url for r in leave])
+            log.info("%s: leaving replicas handed off %s", spec.name, moved)
         self._drain(leave)
         for r in leave:
             try:

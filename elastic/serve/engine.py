@@ -5,6 +5,13 @@ waiting queue, one decoding step for the whole batch at a time, vLLM-named metri
 per second) so a tiny CPU model can stand in for a big GPU model's speed; the compute is
 real but the pace is the knob. A full waiting queue is refused at submit time (the server
 answers 429); cancelled requests (client gone) free their slot at the next step.
+
+Hand-off (``Engine.handoff``): a replica leaving the service gives every request it holds back
+to the load balancer instead of finishing it; each one ends with what it generated so far and
+the prompt to resume from (prompt + tokens so far, the tokens still owed), which another
+replica continues exactly (decoding is greedy: the same context gives the same next token).
+After it, new requests are refused (``Draining``; the server answers 503) so the replica is
+idle at once and its GPU can go elsewhere within a poll instead of after its longest request.
 """
 
 from __future__ import annotations
@@ -27,6 +34,10 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 class QueueFull(Exception):
     """The waiting queue is at ``max_waiting``."""
+
+
+class Draining(Exception):
+    """The replica handed its requests off (it is leaving): send this one elsewhere."""
 
 
 class ReplicaMetrics:
@@ -61,6 +72,7 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     cancelled: bool = False
+    handed_off: bool = False  # given back to the balancer by Engine.handoff (see the module docstring)
     out: asyncio.Queue[str | None] = field(default_factory=asyncio.Queue)
 
     @property
@@ -79,9 +91,13 @@ class Engine:
         self.step_seconds = 1.0 / tokens_per_second
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
+        self.handing_off = False
         self._wake = asyncio.Event()
 
     def submit(self, req: Request) -> None:
+        if self.handing_off:
+            self.metrics.requests.labels(self.metrics.model_name, "refused_draining").inc()
+            raise Draining("this replica is leaving the service and handed its requests off; send it to another")
         if len(self.waiting) + len(self.running) >= self.max_waiting + self.max_running:
             self.metrics.requests.labels(self.metrics.model_name, "rejected").inc()
             raise QueueFull(f"waiting queue full ({self.max_waiting}); retry later")
@@ -89,6 +105,21 @@ class Engine:
         self.metrics.requests.labels(self.metrics.model_name, "accepted").inc()
         self._update_gauges()
         self._wake.set()
+
+    def handoff(self) -> int:
+        """Give every running and waiting request back (each stream ends with a resume point) and
+        refuse new ones from now on; returns how many were handed off. Call it on the engine's loop."""
+        self.handing_off = True
+        reqs = [r for r in self.running + list(self.waiting) if not r.cancelled]
+        self.running.clear()
+        self.waiting.clear()
+        for r in reqs:
+            r.handed_off = True
+            r.out.put_nowait(None)
+        if reqs:
+            self.metrics.requests.labels(self.metrics.model_name, "handed_off").inc(len(reqs))
+        self._update_gauges()
+        return len(reqs)
 
     async def run(self) -> None:
         """The step loop: 1. drop cancelled, 2. admit, 3. one batched step, 4. emit, 5. pace."""
@@ -128,7 +159,7 @@ class Engine:
         now = time.monotonic()
         m, name = self.metrics, self.metrics.model_name
         for r, tok in zip(batch, new, strict=True):
-            if r.cancelled:
+            if r.cancelled or r.handed_off:  # handed off while this step ran: the next replica makes it
                 continue
             r.tokens.append(tok)
             if r.first_token_at is None:

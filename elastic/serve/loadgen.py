@@ -7,6 +7,12 @@ Bounded on purpose: ``duration`` seconds and ``max_requests`` requests at most, 
 ``allow_remote=True``, loopback targets only. Requests go to the target with the fewest
 requests in flight (a least-outstanding balancer); targets may change while running.
 
+It is also the demo's load balancer, so it resumes what a leaving replica hands off: a
+stream that ends with ``finish_reason: "handoff"`` is continued on another target from the
+``resume`` point the replica gave (same text, the time to first token is the first one's),
+and a 503 ``draining`` answer is sent to another target; at most ``MAX_HOPS`` times per
+request. ``Result.handoffs`` counts them.
+
 ``python -m elastic.serve.loadgen --target http://127.0.0.1:8000 --profile diurnal ...``
 """
 
@@ -47,6 +53,7 @@ class Result:
     # the stream ended as the server meant it to (a finish reason or ``[DONE]``): a response
     # cut short (a replica stopped under it) has a first token but is a failed request
     complete: bool = False
+    handoffs: int = 0  # times it moved to another replica (handed off mid-stream, or refused as draining)
 
     @property
     def truncated(self) -> bool:
@@ -82,6 +89,7 @@ class Report:
             "rejected": sum(1 for r in self.results if r.status in (429, 503)),
             "errors": sum(1 for r in self.results if r.status not in (200, 429, 503)),
             "truncated": sum(1 for r in self.results if r.truncated),
+            "handed_off": sum(1 for r in self.results if r.handoffs),
             "ttft_p50": self.ttft_quantile(0.5), "ttft_p90": self.ttft_quantile(0.9),
             "e2e_p50": _q([r.e2e for r in ok if r.e2e is not None], 0.5),
             "slo_ttft_seconds": ttft_target, "slo_attainment": self.slo_attainment(ttft_target),
@@ -103,6 +111,9 @@ def check_loopback(url: str) -> None:
     if not loop:
         raise ValueError(f"target {url!r} is not a loopback address; pass allow_remote=True (--allow-remote) "
                          "to load a remote service on purpose")
+
+
+MAX_HOPS = 4  # a request moves to another replica at most this many times (hand-offs, draining refusals)
 
 
 class LoadGenerator:
@@ -164,27 +175,48 @@ class LoadGenerator:
         return self.report
 
     async def _one(self, client: httpx.AsyncClient, sent_at: float) -> None:
-        urls = self.targets()
-        if not urls:
-            self.report.results.append(Result(sent_at, "", 0))
-            return
-        # Least outstanding requests; ties broken at random so equal replicas share evenly.
-        target = min(urls, key=lambda u: (self.in_flight.get(u, 0), self.rng.random()))
-        self.in_flight[target] = self.in_flight.get(target, 0) + 1
-        try:
-            self.report.results.append(await self._request(client, target, sent_at))
-        finally:
-            self.in_flight[target] -= 1
+        self.report.results.append(await self._serve(client, sent_at))
 
-    async def _request(self, client: httpx.AsyncClient, target: str, sent_at: float) -> Result:
-        body = {"prompt": self.prompt, "max_tokens": self.max_tokens, "stream": True}
+    def _pick(self, avoid: set[str]) -> str | None:
+        # Least outstanding requests; ties broken at random so equal replicas share evenly.
+        urls = [u for u in self.targets() if u not in avoid]
+        return min(urls, key=lambda u: (self.in_flight.get(u, 0), self.rng.random())) if urls else None
+
+    async def _serve(self, client: httpx.AsyncClient, sent_at: float) -> Result:
+        """One request, from its first target to its end, through hand-offs (see the module docstring)."""
+        body: dict = {"prompt": self.prompt, "max_tokens": self.max_tokens, "stream": True}
         t0 = time.monotonic()
-        ttft, tokens, complete = None, 0, False
+        ttft, tokens, hops, avoid, target = None, 0, 0, set(), ""
+        while True:
+            picked = self._pick(avoid)
+            if picked is None:
+                return Result(sent_at, target, 0 if not target else 503, ttft, tokens=tokens, handoffs=hops)
+            target = picked
+            self.in_flight[target] = self.in_flight.get(target, 0) + 1
+            try:
+                leg = await self._request(client, target, body, t0)
+            finally:
+                self.in_flight[target] -= 1
+            ttft = ttft if ttft is not None else leg.ttft
+            tokens += leg.tokens
+            if leg.moved is None or hops >= MAX_HOPS:
+                status = leg.status if leg.moved is None else 503
+                e2e = time.monotonic() - t0 if leg.complete else None
+                return Result(sent_at, target, status, ttft, e2e, tokens, leg.complete and leg.moved is None,
+                              handoffs=hops)
+            hops += 1
+            avoid.add(target)  # it is leaving
+            body = {**body, **leg.moved}
+
+    async def _request(self, client: httpx.AsyncClient, target: str, body: dict, t0: float) -> _Leg:
+        ttft, tokens, complete, moved = None, 0, False, None
         try:
             async with client.stream("POST", f"{target}/v1/completions", json=body) as resp:
                 if resp.status_code != 200:
-                    await resp.aread()
-                    return Result(sent_at, target, resp.status_code)
+                    raw = await resp.aread()
+                    if resp.status_code == 503 and _error_type(raw) == "draining":
+                        return _Leg(503, None, 0, False, {})  # leaving: the same request goes elsewhere
+                    return _Leg(resp.status_code, None, 0, False, None)
                 async for line in resp.aiter_lines():
                     if line == "data: [DONE]":
                         complete = True
@@ -192,14 +224,37 @@ class LoadGenerator:
                     if not line.startswith("data: "):
                         continue
                     chunk = json.loads(line[6:])
-                    if chunk["choices"][0]["finish_reason"] is not None:
+                    choice = chunk["choices"][0]
+                    if choice["finish_reason"] == "handoff":
+                        moved = {k: chunk["resume"][k] for k in ("prompt", "max_tokens")}
+                        continue
+                    if choice["finish_reason"] is not None:
                         complete = True
-                    if chunk["choices"][0]["text"] or chunk["choices"][0]["finish_reason"] is None:
+                    if choice["text"] or choice["finish_reason"] is None:
                         ttft = ttft if ttft is not None else time.monotonic() - t0
                         tokens += 1
-            return Result(sent_at, target, 200, ttft, time.monotonic() - t0, tokens, complete)
+            return _Leg(200, ttft, tokens, complete, moved)
         except (TimeoutError, httpx.HTTPError):
-            return Result(sent_at, target, 0, ttft, tokens=tokens)
+            return _Leg(0, ttft, tokens, False, None)
+
+
+@dataclass(frozen=True)
+class _Leg:
+    """One replica's part of a request: ``moved`` is what to post next (a hand-off's resume point,
+    ``{}`` for the same body after a draining refusal), None when the request ended here."""
+
+    status: int
+    ttft: float | None
+    tokens: int
+    complete: bool
+    moved: dict | None
+
+
+def _error_type(raw: bytes) -> str | None:
+    try:
+        return json.loads(raw)["error"]["type"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 # ---- command line ----------------------------------------------------------------------------------

@@ -3,7 +3,13 @@
 
 * ``POST /v1/completions`` ``{"prompt": str, "max_tokens": int, "stream": bool}``: the
   completion (or SSE chunks ending in ``data: [DONE]``). A full queue answers 429, an engine
-  that is not running 503; both with an OpenAI-style ``{"error": {...}}`` body.
+  that is not running 503; both with an OpenAI-style ``{"error": {...}}`` body. ``prompt``
+  may be token ids (a list of ints, as OpenAI's API allows): how a handed-off request resumes.
+* ``POST /admin/handoff``: the replica is leaving; every request it holds ends at once with
+  ``finish_reason: "handoff"`` and a ``resume`` object (``{"prompt": [token ids: prompt +
+  tokens so far], "max_tokens": tokens still owed}``) that a balancer posts to another replica
+  to continue the same text; later requests get 503 (``type: "draining"``) and ``/health``
+  503. Answers ``{"handed_off": n}``.
 * ``GET /metrics``: vLLM-named metrics (Prometheus text). ``GET /health``: 200 when serving.
 * ``GET /v1/models``: the one model.
 
@@ -30,7 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
 from elastic.model import load_model
-from elastic.serve.engine import Engine, QueueFull, ReplicaMetrics
+from elastic.serve.engine import Draining, Engine, QueueFull, ReplicaMetrics
 from elastic.serve.engine import Request as GenRequest
 from elastic.serve.gpt import TinyGPT, encode
 
@@ -47,7 +53,7 @@ class ReplicaConfig:
 
 
 class CompletionRequest(BaseModel):
-    prompt: str
+    prompt: str | list[int] = Field(description="text, or token ids (how a handed-off request resumes)")
     max_tokens: int = Field(default=16, ge=1)
     stream: bool = False
     model: str | None = None
@@ -78,9 +84,16 @@ def create_app(cfg: ReplicaConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        task = state.get("task")
-        ok = isinstance(task, asyncio.Task) and not task.done()
+        task, engine = state.get("task"), state.get("engine")
+        ok = isinstance(task, asyncio.Task) and not task.done() and not getattr(engine, "handing_off", False)
         return Response(status_code=200 if ok else 503)
+
+    @app.post("/admin/handoff")
+    async def handoff() -> Response:
+        engine = state.get("engine")
+        if not isinstance(engine, Engine):
+            return _error(503, "engine not running", "unavailable")
+        return JSONResponse({"handed_off": engine.handoff()})
 
     @app.get("/metrics")
     async def prom() -> Response:
@@ -98,16 +111,25 @@ def create_app(cfg: ReplicaConfig) -> FastAPI:
         if body.max_tokens > cfg.max_tokens_limit:
             return _error(400, f"max_tokens={body.max_tokens} exceeds this replica's limit {cfg.max_tokens_limit}",
                           "invalid_request_error")
-        req = GenRequest(encode(body.prompt, spec.vocab), body.max_tokens)
+        if isinstance(body.prompt, str):
+            tokens = encode(body.prompt, spec.vocab)
+        elif not body.prompt or any(not 0 <= t < spec.vocab for t in body.prompt):
+            return _error(400, f"prompt: token ids must be a non-empty list of integers in [0, {spec.vocab}) "
+                               f"(this model's vocabulary); send text or valid ids", "invalid_request_error")
+        else:
+            tokens = list(body.prompt)
+        req = GenRequest(tokens, body.max_tokens)
         try:
             engine.submit(req)
         except QueueFull as e:
             return _error(429, str(e), "rate_limit_error")
+        except Draining as e:
+            return _error(503, str(e), "draining")
         created = int(time.time())
         if body.stream:
             return StreamingResponse(_stream(req, cfg.model, created), media_type="text/event-stream")
         text = await _collect(req)
-        return JSONResponse(_completion(req, cfg.model, created, text, "length"))
+        return JSONResponse(_completion(req, cfg.model, created, text, "handoff" if req.handed_off else "length"))
 
     return app
 
@@ -118,7 +140,7 @@ async def _collect(req: GenRequest) -> str:
         while (piece := await req.out.get()) is not None:
             parts.append(piece)
     finally:
-        req.cancelled = req.cancelled or len(req.tokens) < req.max_tokens
+        req.cancelled = req.cancelled or (len(req.tokens) < req.max_tokens and not req.handed_off)
     return "".join(parts)
 
 
@@ -126,19 +148,23 @@ async def _stream(req: GenRequest, model: str, created: int) -> AsyncIterator[st
     try:
         while (piece := await req.out.get()) is not None:
             yield "data: " + json.dumps(_completion(req, model, created, piece, None)) + "\n\n"
-        yield "data: " + json.dumps(_completion(req, model, created, "", "length")) + "\n\n"
+        finish = "handoff" if req.handed_off else "length"
+        yield "data: " + json.dumps(_completion(req, model, created, "", finish)) + "\n\n"
         yield "data: [DONE]\n\n"
     finally:  # client went away mid-stream: free the slot
-        req.cancelled = req.cancelled or len(req.tokens) < req.max_tokens
+        req.cancelled = req.cancelled or (len(req.tokens) < req.max_tokens and not req.handed_off)
 
 
 def _completion(req: GenRequest, model: str, created: int, text: str, finish: str | None) -> dict:
-    return {
+    out = {
         "id": f"cmpl-{req.id}", "object": "text_completion", "created": created, "model": model,
         "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
         "usage": {"prompt_tokens": len(req.prompt), "completion_tokens": len(req.tokens),
                   "total_tokens": len(req.prompt) + len(req.tokens)},
     }
+    if finish == "handoff":  # where another replica picks it up (see POST /admin/handoff)
+        out["resume"] = {"prompt": req.prompt + req.tokens, "max_tokens": req.max_tokens - len(req.tokens)}
+    return out
 
 
 # ---- running the server ---------------------------------------------------------------------------

@@ -358,6 +358,48 @@ def test_a_replica_drained_ahead_leaves_the_balancer_keeps_its_gpu_and_then_leav
         backend.shutdown()
 
 
+def test_a_scale_down_with_handoff_frees_the_gpu_at_once_and_the_balancer_resumes_every_request(ray_local) -> None:
+    """``handoff: true``: the leaving replica gives its running requests back, the balancer (the load
+    generator, following the backend's targets) resumes each on a replica that stays, and the
+    scale-down returns without waiting for them; every request ends complete, with all its tokens."""
+    from elastic.metrics.scrape import scrape_sum
+    from elastic.model import GPU
+    from elastic.serve.loadgen import LoadGenerator
+    from elastic.serve.profiles import ConstantProfile
+    from elastic.serve.server import ReplicaConfig
+    from tests.inference.conftest import BackgroundLoad
+
+    data = {**CONFIG, "services": [{**CONFIG["services"][0], "handoff": True}]}
+    spec = load_config(data=data).services[0]
+    backend = _spy_backend(load_config(data=data).pool)
+    backend.drain_seconds = 30.0  # a scale-down that waited for its requests would take ~5 s
+    backend.replica_config = ReplicaConfig(model="tiny", max_running=4, tokens_per_second=20.0)
+    gpus = tuple(GPU("local", i) for i in range(2))
+    try:
+        backend.set_service_gpus(spec, gpus)
+        leaving = backend.replicas["chat"][1]
+        # four requests of ~6 s (120 tokens at 20 tokens/s), two on each replica
+        load = BackgroundLoad(LoadGenerator(lambda: backend.service_targets("chat"), ConstantProfile(40.0),
+                                            duration=0.5, max_requests=4, max_tokens=120, seed=2))
+        deadline = time.monotonic() + 10
+        while (scrape_sum(leaving.url, ("vllm:num_requests_running",)) or 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        backend.set_service_gpus(spec, gpus[:1])
+        took = time.monotonic() - t0
+        assert took < 2.5, took  # not the ~5 s its requests had left
+        assert backend.service_gpus("chat") == gpus[:1] and backend.draining_targets("chat") == []
+        time.sleep(6.5)
+        report = load.finish()
+        assert len(report.results) == 4
+        assert all(x.complete and x.tokens == 120 for x in report.results), report.results
+        assert sum(x.handoffs for x in report.results) >= 1  # at least the leaving replica's request moved
+        assert all(x.target == backend.service_targets("chat")[0] for x in report.results if x.handoffs)
+    finally:
+        backend.shutdown()
+
+
 def test_a_job_still_starting_can_be_called_off_and_gives_every_gpu_back(ray_local) -> None:
     """A start is a grow from nothing: until its workers have all registered it can be called off
     (inference needs a GPU it was lent), nothing exists to lose, and the job starts again later."""
