@@ -150,7 +150,9 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
     backend = RayBackend(cfg.pool, replica_config=replica_cfg, trainer_config=_trainer_config,
                          # nice: the 8 "GPUs" share this machine's cores; training must not slow the
                          # replicas it would never touch on separate GPUs
-                         train_options=LaunchOptions(heartbeat_timeout_s=60.0, join_timeout_s=90.0, nice=10))
+                         train_options=LaunchOptions(heartbeat_timeout_s=60.0, join_timeout_s=90.0, nice=10),
+                         # a joiner taken from a started spare skips its process start and torch import
+                         spare_workers=1)
     source = build_source(cfg.services[0].metric, targets=lambda s: backend.metric_targets(s))
     ctl = Controller(cfg, backend, store, {SERVICE: source}, owner=f"demo-{os.getpid()}", async_grow=True)
     api = None

@@ -120,7 +120,8 @@ class RayBackend:
 
     def __init__(self, pool: PoolSpec, *, replica_config: Any = None, train_options: Any = None,
                  trainer_config: Callable[[TrainingSpec], Any] | None = None, local: bool = True,
-                 drain_seconds: float = 30.0, detached: bool = False, namespace: str | None = None) -> None:
+                 drain_seconds: float = 30.0, detached: bool = False, namespace: str | None = None,
+                 spare_workers: int = 0) -> None:
         import ray
 
         self.pool = pool
@@ -129,6 +130,9 @@ class RayBackend:
         self.train_options = train_options
         self.trainer_config = trainer_config or default_trainer_config
         self.drain_seconds = drain_seconds
+        # per job, worker actors kept started without a GPU, torch imported, for the next joiner
+        # (see _embedded_handle_class); single-node pools; detached mode does not use them
+        self.spare_workers = spare_workers
         if not ray.is_initialized():
             if not local:
                 raise BackendUnavailable("Ray is not initialised; call ray.init(address=...) first")
@@ -377,7 +381,9 @@ class RayBackend:
         if self.detached:
             return RayJobHandle(spec.name, self.trainer_config(spec), namespace=self.namespace,
                                 spec_doc=spec.model_dump(mode="json"), **kw)
-        return _embedded_handle_class()(spec.name, self.trainer_config(spec), **kw)
+        handle = _embedded_handle_class()(spec.name, self.trainer_config(spec), **kw)
+        handle.spares_wanted = self.spare_workers
+        return handle
 
     def _start_job(self, spec: TrainingSpec, gpus: tuple[GPU, ...], layout: Layout) -> RescaleOutcome:
         try:
@@ -404,6 +410,8 @@ class RayBackend:
         finally:
             with self._lock:
                 self._starting.pop(spec.name, None)
+        if (keep_spares := getattr(handle, "keep_spares", None)) is not None:
+            keep_spares()  # warm up in the background for the job's first grow
         with self._lock:
             self.jobs[spec.name] = j
         out = RescaleOutcome(spec.name, None, str(layout), res.generation, pause_seconds=0.0,
@@ -571,7 +579,7 @@ def _worker_actor(num_gpus: float) -> Any:
 
 
 def _embedded_handle_class() -> type:
-    """The trainer's ``TrainingJobHandle`` with our worker actor and minus a start-up race.
+    """The trainer's ``TrainingJobHandle`` with our worker actor, spare workers, minus a start-up race.
 
     Workers run in :class:`_TrainWorker` (a leaver ends the actor cleanly instead of ``os._exit``).
 
@@ -579,21 +587,85 @@ def _embedded_handle_class() -> type:
     launcher's watcher thread can look in between, get "was never started" from
     ``_exit_reason`` and fail the whole job (seen on a 3 -> 4 grow). A worker that is marked
     but not yet created is starting, not gone.
+
+    Spares (``spares_wanted``, ``RayBackend(spare_workers=...)``): worker actors started ahead
+    with no GPU, torch and the trainer imported. A joiner takes one: a :mod:`elastic.ray_gpu_lease`
+    lease holds its GPUs in Ray's books (pinned to the spare's node) and the spare starts
+    training once the lease is granted, so a grow does not wait for a process to start and
+    import torch. The lease is killed with the worker; a used spare is replaced in the background.
     """
     from elastic.train.ray_handle import TrainingJobHandle
 
     class EmbeddedJobHandle(TrainingJobHandle):
+        spares_wanted = 0
+
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, **kw)
+            self.leases: dict[str, Any] = {}  # worker -> its GPU lease (a worker started from a spare)
+            self.spares: list[tuple[Any, Any]] = []  # (actor, warm() ref -> node id), oldest first
+
+        def keep_spares(self) -> None:
+            """Start spares up to ``spares_wanted`` (asynchronous: they warm up in the background)."""
+            while self.spares_wanted > 0 and self._gpus_per_worker > 0 and len(self.spares) < self.spares_wanted:
+                actor = _worker_actor(0).remote()
+                self.spares.append((actor, actor.warm.remote()))
+
+        def _take_spare(self) -> tuple[Any, str] | None:
+            """A warm spare and its node, or None (none warm yet: a fresh actor is no slower)."""
+            import ray
+
+            for i, (actor, ref) in enumerate(self.spares):
+                ready, _ = ray.wait([ref], timeout=0)
+                if not ready:
+                    continue
+                del self.spares[i]
+                try:
+                    return actor, ray.get(ref)
+                except Exception:  # noqa: BLE001 - a spare that died warming up: drop it
+                    ray.kill(actor, no_restart=True)
+                    return None
+            return None
+
         def _spawn(self, worker: str, env: dict[str, str]) -> None:
             # our worker actor: a leaver ends through exit_actor(), not os._exit (no "SYSTEM_ERROR" noise)
             keeper = env.get("ELASTIC_KEEPER") == "1"  # holds a paused job's state: no GPU
+            spare = None if keeper or self._gpus_per_worker <= 0 else self._take_spare()
+            if spare is not None:
+                from elastic.ray_gpu_lease import lease_actor
+
+                actor, node = spare
+                lease = lease_actor(self._gpus_per_worker, node)
+                self.leases[worker] = lease
+                self.actors[worker] = actor
+                self._runs[worker] = actor.run_leased.remote(lease.gpu_ids.remote(), env)
+                self.keep_spares()
+                return
             actor = _worker_actor(0 if keeper else self._gpus_per_worker).remote()
             self.actors[worker] = actor
             self._runs[worker] = actor.run.remote(env)
+
+        def _kill(self, worker: str) -> None:
+            import ray
+
+            super()._kill(worker)
+            lease = self.leases.pop(worker, None)
+            if lease is not None:
+                ray.kill(lease, no_restart=True)
 
         def _exit_reason(self, worker: str) -> str | None:
             if worker not in self._runs:
                 return None
             return super()._exit_reason(worker)
+
+        def stop(self, timeout: float | None = None) -> Any:
+            import ray
+
+            try:
+                return super().stop(timeout)
+            finally:
+                for actor, _ in self.spares:
+                    ray.kill(actor, no_restart=True)
+                self.spares.clear()
 
     return EmbeddedJobHandle
 
@@ -672,6 +744,21 @@ class _TrainWorker:
 
     def exit_code(self) -> int | None:
         return self.code
+
+    def warm(self) -> str:
+        """A spare's start: import torch and the trainer now, before it has a GPU; returns its node."""
+        import ray
+
+        import elastic.reshard.execute  # noqa: F401
+        import elastic.train.worker  # noqa: F401
+
+        return ray.get_runtime_context().get_node_id()
+
+    def run_leased(self, gpu_ids: list[str], env: dict[str, str]) -> int:
+        """A spare's ``run`` once its GPU lease is granted (``gpu_ids``: what Ray assigned the lease)."""
+        if gpu_ids:
+            env = {**env, "CUDA_VISIBLE_DEVICES": ",".join(gpu_ids)}
+        return self.run(env)
 
 
 class _CoordinatorActor:

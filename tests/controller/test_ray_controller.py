@@ -400,6 +400,64 @@ def test_a_scale_down_with_handoff_frees_the_gpu_at_once_and_the_balancer_resume
         backend.shutdown()
 
 
+def test_a_joiner_taken_from_a_spare_holds_its_gpu_through_a_lease_that_ends_with_it(ray_local) -> None:
+    """``spare_workers=1``: the job keeps one worker actor started without a GPU (torch imported); a
+    grow's joiner is that actor, its GPU held in Ray's books by a lease granted before it trains,
+    and the spare is replaced. When the joiner leaves (shrink) or dies, its lease goes with it:
+    Ray counts exactly the GPUs the job holds, so inference can have them back."""
+    import ray
+
+    from elastic.model import GPU
+
+    cfg = load_config(data=CONFIG)
+    spec = cfg.jobs[0]
+    backend = _spy_backend(cfg.pool)
+    backend.spare_workers = 1
+    gpus = tuple(GPU("local", i) for i in range(4))
+
+    def free() -> float:
+        deadline = time.monotonic() + 5  # Ray frees a dead actor's resources asynchronously
+        while True:
+            n = ray.available_resources().get("GPU", 0.0)
+            if time.monotonic() > deadline:
+                return n
+            time.sleep(0.1)
+            if n == ray.available_resources().get("GPU", 0.0):
+                return n
+
+    try:
+        backend.set_job_gpus(spec, gpus[:2], Layout.parse("tp1.pp1.dp2"))
+        h = backend.jobs[spec.name].handle
+        assert len(h.spares) == 1
+        spare = h.spares[0][0]
+        ray.get(h.spares[0][1], timeout=120)  # warm: torch and the trainer imported, no GPU held
+        assert free() == 6.0
+        step0 = h.status().step
+        out = backend.set_job_gpus(spec, gpus[:3], Layout.parse("tp1.pp1.dp3"))
+        assert out.to_layout == "tp1.pp1.dp3" and out.step >= step0
+        joiner = backend.jobs[spec.name].workers[gpus[2]]
+        assert h.actors[joiner] == spare and joiner in h.leases  # the spare became the joiner
+        assert ray.get(h.leases[joiner].gpu_ids.remote(), timeout=30)  # the lease holds a GPU
+        assert len(h.spares) == 1 and h.spares[0][0] != spare  # replaced
+        assert free() == 5.0  # three workers' GPUs: the joiner's through its lease
+        # a shrink: the joiner leaves, its lease is killed, its GPU is free in Ray's books again
+        backend.set_job_gpus(spec, gpus[:2], Layout.parse("tp1.pp1.dp2"))
+        assert joiner not in h.leases and free() == 6.0
+        # grow again from the new spare, then that joiner dies: recovered on dp2, its lease reaped
+        ray.get(h.spares[0][1], timeout=120)
+        backend.set_job_gpus(spec, gpus[:3], Layout.parse("tp1.pp1.dp3"))
+        joiner = backend.jobs[spec.name].workers[gpus[2]]
+        assert joiner in h.leases and free() == 5.0
+        ray.kill(h.actors[joiner], no_restart=True)
+        deadline = time.monotonic() + 60
+        while joiner in h.leases and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert joiner not in h.leases and free() == 6.0
+    finally:
+        backend.shutdown()
+    assert free() == 8.0  # spares hold no GPU and are gone too
+
+
 def test_a_job_still_starting_can_be_called_off_and_gives_every_gpu_back(ray_local) -> None:
     """A start is a grow from nothing: until its workers have all registered it can be called off
     (inference needs a GPU it was lent), nothing exists to lose, and the job starts again later."""
