@@ -151,8 +151,9 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
                          # nice: the 8 "GPUs" share this machine's cores; training must not slow the
                          # replicas it would never touch on separate GPUs
                          train_options=LaunchOptions(heartbeat_timeout_s=60.0, join_timeout_s=90.0, nice=10),
-                         # a joiner taken from a started spare skips its process start and torch import
-                         spare_workers=1)
+                         # a joiner (a new replica) taken from a started spare skips its process start,
+                         # imports and model load: a GPU lease and it trains (serves)
+                         spare_workers=1, spare_replicas=1)
     source = build_source(cfg.services[0].metric, targets=lambda s: backend.metric_targets(s))
     ctl = Controller(cfg, backend, store, {SERVICE: source}, owner=f"demo-{os.getpid()}", async_grow=True)
     api = None

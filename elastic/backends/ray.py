@@ -61,6 +61,7 @@ class _Replica:
     actor: Any
     url: str
     started_at: float
+    lease: Any = None  # a replica started as a spare holds its GPU through this lease (elastic.ray_gpu_lease)
 
 
 @dataclass
@@ -121,7 +122,7 @@ class RayBackend:
     def __init__(self, pool: PoolSpec, *, replica_config: Any = None, train_options: Any = None,
                  trainer_config: Callable[[TrainingSpec], Any] | None = None, local: bool = True,
                  drain_seconds: float = 30.0, detached: bool = False, namespace: str | None = None,
-                 spare_workers: int = 0) -> None:
+                 spare_workers: int = 0, spare_replicas: int = 0) -> None:
         import ray
 
         self.pool = pool
@@ -133,6 +134,10 @@ class RayBackend:
         # per job, worker actors kept started without a GPU, torch imported, for the next joiner
         # (see _embedded_handle_class); single-node pools; detached mode does not use them
         self.spare_workers = spare_workers
+        # per service, replica actors kept started without a GPU (model loaded, server up, out of the
+        # balancer) for the next scale-up: a GPU lease and it serves (see _take_spare_replica)
+        self.spare_replicas = spare_replicas
+        self._spare_reps: dict[str, list[tuple[Any, Any]]] = {}  # service -> [(actor, start() ref)]
         if not ray.is_initialized():
             if not local:
                 raise BackendUnavailable("Ray is not initialised; call ray.init(address=...) first")
@@ -254,6 +259,8 @@ class RayBackend:
             except Exception:  # noqa: BLE001 - the actor is killed below anyway
                 pass
             ray.kill(r.actor, no_restart=True)
+            if r.lease is not None:
+                ray.kill(r.lease, no_restart=True)
             with self._lock:
                 self.draining[spec.name] = [d for d in self.draining.get(spec.name, []) if d is not r]
         if leave:
@@ -262,6 +269,9 @@ class RayBackend:
         have = {r.gpu for r in keep}
         started: list[_Replica] = []
         for g in sorted(want - have, key=str):
+            if (spared := self._take_spare_replica(spec, g)) is not None:
+                started.append(spared)
+                continue
             opts: dict[str, Any] = {"num_gpus": spec.gpus_per_replica, "num_cpus": 0}
             if self.detached:
                 opts.update(name=replica_name(spec.name, g), lifetime="detached", namespace=self.namespace)
@@ -275,6 +285,51 @@ class RayBackend:
             started.append(_Replica(g, actor, url, time.time()))
         with self._lock:
             self.replicas[spec.name] = keep + started
+        self._keep_spare_replicas(spec)
+
+    def _keep_spare_replicas(self, spec: InferenceSpec) -> None:
+        """Start spares for ``spec`` up to ``spare_replicas`` (asynchronous: each loads its model in
+        the background). Embedded (non-detached) mode only; a detached replica is named by its GPU."""
+        from dataclasses import asdict
+
+        from elastic.serve.ray_replica import ReplicaActor
+        from elastic.serve.server import ReplicaConfig
+
+        if self.detached or self.spare_replicas <= 0:
+            return
+        spares = self._spare_reps.setdefault(spec.name, [])
+        while len(spares) < self.spare_replicas:
+            actor = ReplicaActor.options(num_gpus=0, num_cpus=0).remote(asdict(self.replica_config or ReplicaConfig()))
+            spares.append((actor, actor.start.remote()))
+
+    def _take_spare_replica(self, spec: InferenceSpec, g: GPU) -> _Replica | None:
+        """A started spare for GPU ``g``: its GPUs leased in Ray's books (pinned to its node), then it
+        serves. None when no spare is up yet or the lease is not granted in time (start one as usual).
+
+        A spare is what vLLM's sleep mode is to a real engine: the process, the server and the weights
+        in host memory are ready, only the GPU is missing. The reference replica computes on CPU, so
+        here the lease is all it needs."""
+        import ray
+
+        from elastic.ray_gpu_lease import lease_actor
+
+        for i, (actor, ref) in enumerate(self._spare_reps.get(spec.name, [])):
+            if not ray.wait([ref], timeout=0)[0]:
+                continue
+            del self._spare_reps[spec.name][i]
+            lease = None
+            try:
+                url = ray.get(ref)
+                lease = lease_actor(spec.gpus_per_replica, ray.get(actor.node_id.remote(), timeout=10))
+                ray.get(lease.gpu_ids.remote(), timeout=30)  # Ray has granted the GPUs: they are ours
+            except Exception as e:  # noqa: BLE001 - a spare that died or no lease: start one the usual way
+                log.warning("%s: spare replica not usable for %s (%s); starting a new one", spec.name, g, e)
+                for a in (actor, lease):
+                    if a is not None:
+                        ray.kill(a, no_restart=True)
+                return None
+            return _Replica(g, actor, url, time.time(), lease)
+        return None
 
     def _start_replica(self, start: Callable[..., tuple[Any, str]], opts: dict[str, Any]) -> tuple[Any, str]:
         """Start one replica actor. A detached name is released only once Ray has buried the previous
@@ -476,10 +531,19 @@ class RayBackend:
                 pass
         for reps in self.replicas.values():
             for r in reps:
+                for a in (r.actor, r.lease):
+                    try:
+                        if a is not None:
+                            ray.kill(a, no_restart=True)
+                    except Exception:  # noqa: BLE001
+                        pass
+        for spares in self._spare_reps.values():
+            for actor, _ in spares:
                 try:
-                    ray.kill(r.actor, no_restart=True)
+                    ray.kill(actor, no_restart=True)
                 except Exception:  # noqa: BLE001
                     pass
+        self._spare_reps.clear()
         self.replicas.clear()
         self.jobs.clear()
 

@@ -28,6 +28,10 @@ class _Replica:
             self._replica = ThreadedReplica(self.config, self.host, 0)
         return self._replica.url
 
+    def node_id(self) -> str:
+        """The Ray node this replica runs on (a spare's GPU lease is pinned there)."""
+        return ray.get_runtime_context().get_node_id()
+
     def url(self) -> str | None:
         return None if self._replica is None else self._replica.url
 

@@ -96,6 +96,17 @@ def _controller(tmp_path, *, job: dict | None = None, scale_up: list | None = No
     return ctl, backend, source, clock, store
 
 
+def _gpus_free(expect: float, timeout: float = 10.0) -> float:
+    """Ray's free GPU count once it reads ``expect`` (Ray frees a dead actor's resources
+    asynchronously), or what it reads at the timeout."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while (n := ray.available_resources().get("GPU", 0.0)) != expect and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return n
+
+
 def _tick(ctl, source, clock, load):
     clock.t += 30
     source.set("chat", load, clock.t)
@@ -415,23 +426,13 @@ def test_a_joiner_taken_from_a_spare_holds_its_gpu_through_a_lease_that_ends_wit
     backend.spare_workers = 1
     gpus = tuple(GPU("local", i) for i in range(4))
 
-    def free() -> float:
-        deadline = time.monotonic() + 5  # Ray frees a dead actor's resources asynchronously
-        while True:
-            n = ray.available_resources().get("GPU", 0.0)
-            if time.monotonic() > deadline:
-                return n
-            time.sleep(0.1)
-            if n == ray.available_resources().get("GPU", 0.0):
-                return n
-
     try:
         backend.set_job_gpus(spec, gpus[:2], Layout.parse("tp1.pp1.dp2"))
         h = backend.jobs[spec.name].handle
         assert len(h.spares) == 1
         spare = h.spares[0][0]
         ray.get(h.spares[0][1], timeout=120)  # warm: torch and the trainer imported, no GPU held
-        assert free() == 6.0
+        assert _gpus_free(6.0) == 6.0
         step0 = h.status().step
         out = backend.set_job_gpus(spec, gpus[:3], Layout.parse("tp1.pp1.dp3"))
         assert out.to_layout == "tp1.pp1.dp3" and out.step >= step0
@@ -439,23 +440,58 @@ def test_a_joiner_taken_from_a_spare_holds_its_gpu_through_a_lease_that_ends_wit
         assert h.actors[joiner] == spare and joiner in h.leases  # the spare became the joiner
         assert ray.get(h.leases[joiner].gpu_ids.remote(), timeout=30)  # the lease holds a GPU
         assert len(h.spares) == 1 and h.spares[0][0] != spare  # replaced
-        assert free() == 5.0  # three workers' GPUs: the joiner's through its lease
+        assert _gpus_free(5.0) == 5.0  # three workers' GPUs: the joiner's through its lease
         # a shrink: the joiner leaves, its lease is killed, its GPU is free in Ray's books again
         backend.set_job_gpus(spec, gpus[:2], Layout.parse("tp1.pp1.dp2"))
-        assert joiner not in h.leases and free() == 6.0
+        assert joiner not in h.leases and _gpus_free(6.0) == 6.0
         # grow again from the new spare, then that joiner dies: recovered on dp2, its lease reaped
         ray.get(h.spares[0][1], timeout=120)
         backend.set_job_gpus(spec, gpus[:3], Layout.parse("tp1.pp1.dp3"))
         joiner = backend.jobs[spec.name].workers[gpus[2]]
-        assert joiner in h.leases and free() == 5.0
+        assert joiner in h.leases and _gpus_free(5.0) == 5.0
         ray.kill(h.actors[joiner], no_restart=True)
         deadline = time.monotonic() + 60
         while joiner in h.leases and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert joiner not in h.leases and free() == 6.0
+        assert joiner not in h.leases and _gpus_free(6.0) == 6.0
     finally:
         backend.shutdown()
-    assert free() == 8.0  # spares hold no GPU and are gone too
+    assert _gpus_free(8.0) == 8.0  # spares hold no GPU and are gone too
+
+
+def test_a_scale_up_takes_a_spare_replica_whose_lease_holds_the_gpu_until_it_leaves(ray_local) -> None:
+    """``spare_replicas=1``: a replica started ahead without a GPU (model loaded, server up, out of the
+    balancer) serves on a scale-up once a lease holds its GPU in Ray's books; it is replaced in the
+    background, and its lease ends with it on a scale-down."""
+    import httpx
+    import ray
+
+    from elastic.model import GPU
+
+    cfg = load_config(data=CONFIG)
+    spec = cfg.services[0]
+    backend = _spy_backend(cfg.pool)
+    backend.spare_replicas = 1
+    gpus = tuple(GPU("local", i) for i in range(3))
+
+    try:
+        backend.set_service_gpus(spec, gpus[:2])
+        spares = backend._spare_reps["chat"]
+        assert len(spares) == 1 and _gpus_free(6.0) == 6.0  # a spare holds no GPU
+        spare, spare_url = spares[0][0], ray.get(spares[0][1], timeout=60)
+        assert spare_url not in backend.service_targets("chat")  # not in the balancer yet
+        backend.set_service_gpus(spec, gpus)
+        new = [r for r in backend.replicas["chat"] if r.gpu == gpus[2]][0]
+        assert new.actor == spare and new.url == spare_url and new.lease is not None
+        assert spare_url in backend.service_targets("chat") and _gpus_free(5.0) == 5.0
+        r = httpx.post(f"{spare_url}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=10)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+        assert len(backend._spare_reps["chat"]) == 1 and backend._spare_reps["chat"][0][0] != spare  # replaced
+        backend.set_service_gpus(spec, gpus[:2])  # it leaves, and its lease with it
+        assert spare_url not in backend.service_targets("chat") and _gpus_free(6.0) == 6.0
+    finally:
+        backend.shutdown()
+    assert _gpus_free(8.0) == 8.0
 
 
 def test_a_job_still_starting_can_be_called_off_and_gives_every_gpu_back(ray_local) -> None:
