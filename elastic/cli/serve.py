@@ -69,7 +69,8 @@ def connect_ray(pool: Any, ray_address: str | None) -> tuple[Any, bool]:
 
 def build(cfg: Any, *, db_url: str, ray_address: str | None = None, owner: str | None = None,
           sources: Mapping[str, Any] | None = None, replica_config: Any = None, train_options: Any = None,
-          clock: Callable[[], float] | None = None, throughput: Mapping[str, Any] | None = None) -> Served:
+          clock: Callable[[], float] | None = None, throughput: Mapping[str, Any] | None = None,
+          spare_workers: int = 0, spare_replicas: int = 0) -> Served:
     """Steps 1b-4 of the module docstring. ``sources`` overrides the metric sources (tests);
     ``throughput``: the jobs' planner tables if the caller already computed them."""
     from elastic import store as db
@@ -92,7 +93,8 @@ def build(cfg: Any, *, db_url: str, ray_address: str | None = None, owner: str |
         raise BackendUnavailable(f"cannot connect to Ray at {ray_address or 'a new local instance'}: {e}") from e
     backend = RayBackend(cfg.pool, replica_config=replica_config, train_options=train_options,
                          local=ray_address is None, detached=detached,
-                         namespace=ray.get_runtime_context().namespace if detached else None)
+                         namespace=ray.get_runtime_context().namespace if detached else None,
+                         spare_workers=spare_workers, spare_replicas=spare_replicas)
     # 4. metric sources
     if sources is None:
         sources = {s.name: build_source(s.metric, targets=backend.metric_targets)
@@ -173,19 +175,31 @@ def register(app: typer.Typer) -> None:
         owner: str | None = typer.Option(None, "--owner", help="lease identity (default: $ELASTIC_CONTROLLER_ID "
                                                                "or the host name)"),
         ticks: int | None = typer.Option(None, "--ticks", min=1, help="stop after this many ticks"),
+        spare_workers: int = typer.Option(0, "--spare-workers", min=0,
+                                          help="per job, training workers kept started without a GPU (torch "
+                                               "imported) to join the next grow at once; embedded Ray only"),
+        spare_replicas: int = typer.Option(0, "--spare-replicas", min=0,
+                                           help="per service, reference replicas kept started without a GPU "
+                                                "(model loaded) to serve the next scale-up at once; embedded "
+                                                "Ray only"),
     ) -> None:
         """Run the controller loop: observe -> decide -> apply -> record, every tick_seconds."""
         from elastic.cli import console
         from elastic.config import load_config
         from elastic.controller import check_feasible, job_throughput_tables
 
+        if ray_address is not None and (spare_workers or spare_replicas):
+            raise typer.BadParameter("spares are kept by the embedded Ray only (detached actors on a cluster "
+                                     "cannot take them over); drop --ray-address or the --spare-* options",
+                                     param_hint="--spare-workers/--spare-replicas")
         # 1. the config is validated before anything starts (SpecError -> one line, exit 2)
         cfg = load_config(config)
         tables = job_throughput_tables(cfg)
         check_feasible(cfg, tables)
         logging.basicConfig(level=os.environ.get("ELASTIC_LOG_LEVEL", "INFO"),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        served = build(cfg, db_url=db_url, ray_address=ray_address, owner=owner, throughput=tables)
+        served = build(cfg, db_url=db_url, ray_address=ray_address, owner=owner, throughput=tables,
+                       spare_workers=spare_workers, spare_replicas=spare_replicas)
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())

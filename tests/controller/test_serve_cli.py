@@ -56,6 +56,16 @@ def test_missing_config_file_is_one_line(tmp_path: Path) -> None:
     assert p.returncode == 2 and "cannot read" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
+def test_spares_with_a_ray_cluster_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    cfg = tmp_path / "pool.yaml"
+    cfg.write_text(yaml.safe_dump(BASE))
+    p = subprocess.run([ELASTIC, "serve", "--config", str(cfg), "--db", f"sqlite:///{tmp_path}/x.db",
+                        "--ray-address", "127.0.0.1:9", "--spare-workers", "1"],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "400"})
+    assert p.returncode == 2 and "spares are kept by the embedded Ray only" in p.stderr, p.stderr
+    assert not (tmp_path / "x.db").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_serve_runs_the_loop_with_the_api_and_stops_on_sigterm(tmp_path: Path) -> None:
