@@ -69,7 +69,7 @@ def demo_config(minutes: float, tick_seconds: float) -> dict[str, Any]:
                 # 8 s: longer than a scale-up takes to land (training shrink + replica start,
                 # with ticks that block meanwhile), so a replica started for a ramp is not
                 # drained on the next dip before the ramp arrives (6 s missed the SLO that way)
-                "scaleDown": {"stabilizationWindowSeconds": int(max(7, 3.5 * tick_seconds)),
+                "scaleDown": {"stabilizationWindowSeconds": int(max(8, 4 * tick_seconds)),
                               "policies": [{"type": "Pods", "value": 1, "periodSeconds": 1}]},
             },
         }],

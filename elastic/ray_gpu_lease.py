@@ -10,10 +10,6 @@ node, and the spare starts training once Ray has granted the lease (the lease's
 whoever ends the worker kills its lease, which frees the GPUs in Ray's books.
 
 This module imports nothing but Ray: a lease's process must start in a fraction of a second.
-A new Ray worker process takes ~0.5 s to start on a quiet 2-core machine, an idle one from
-Ray's pool ~0.12 s: :func:`refill_pool` keeps two idle ones there for the next lease or
-spare (Ray itself starts idle workers only at ``ray.init``; the embedded Ray raises
-``num_workers_soft_limit`` so they are not killed as surplus, ``LOCAL_RAY_ENV``).
 """
 
 from __future__ import annotations
@@ -29,18 +25,6 @@ class GpuLease:
         return [str(i) for i in ray.get_gpu_ids()]
 
 
-def _noop() -> None:
-    return None
-
-
-def refill_pool(n: int = 2) -> None:
-    """Fire ``n`` empty tasks (no CPU, nothing awaited): Ray runs them on idle workers or starts new
-    ones, which then stay idle in its pool, where the next actor created starts at once."""
-    task = ray.remote(num_cpus=0, max_retries=0)(_noop)
-    for _ in range(n):
-        task.remote()
-
-
 def lease_actor(num_gpus: float, node_id: str | None) -> Any:
     """Create a lease of ``num_gpus`` on ``node_id`` (hard affinity: the worker runs there)."""
     opts: dict[str, Any] = {"num_gpus": num_gpus, "num_cpus": 0, "max_restarts": 0}
@@ -48,6 +32,4 @@ def lease_actor(num_gpus: float, node_id: str | None) -> Any:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
-    lease = ray.remote(GpuLease).options(**opts).remote()
-    refill_pool()
-    return lease
+    return ray.remote(GpuLease).options(**opts).remote()

@@ -292,7 +292,6 @@ class RayBackend:
         the background). Embedded (non-detached) mode only; a detached replica is named by its GPU."""
         from dataclasses import asdict
 
-        from elastic.ray_gpu_lease import refill_pool
         from elastic.serve.ray_replica import ReplicaActor
         from elastic.serve.server import ReplicaConfig
 
@@ -302,7 +301,6 @@ class RayBackend:
         while len(spares) < self.spare_replicas:
             actor = ReplicaActor.options(num_gpus=0, num_cpus=0).remote(asdict(self.replica_config or ReplicaConfig()))
             spares.append((actor, actor.start.remote()))
-            refill_pool()
 
     def _take_spare_replica(self, spec: InferenceSpec, g: GPU) -> _Replica | None:
         """A started spare for GPU ``g``: its GPUs leased in Ray's books (pinned to its node), then it
@@ -672,12 +670,9 @@ def _embedded_handle_class() -> type:
 
         def keep_spares(self) -> None:
             """Start spares up to ``spares_wanted`` (asynchronous: they warm up in the background)."""
-            from elastic.ray_gpu_lease import refill_pool
-
             while self.spares_wanted > 0 and self._gpus_per_worker > 0 and len(self.spares) < self.spares_wanted:
                 actor = _worker_actor(0).remote()
                 self.spares.append((actor, actor.warm.remote()))
-                refill_pool()
 
         def _take_spare(self) -> tuple[Any, str] | None:
             """A warm spare and its node, or None (none warm yet: a fresh actor is no slower)."""

@@ -29,11 +29,8 @@ from elastic.train.launch import JobHandle, gpu_workers
 
 log = logging.getLogger(__name__)
 
-# RAY_num_workers_soft_limit: Ray kills idle worker processes beyond this many (default: the
-# CPU count, 2 here, which every replica and training worker already exceeds), so the idle
-# workers elastic.ray_gpu_lease.refill_pool keeps for a fast actor start would die within 1 s.
 LOCAL_RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-                 "RAY_USAGE_STATS_ENABLED": "0", "RAY_num_workers_soft_limit": "64"}
+                 "RAY_USAGE_STATS_ENABLED": "0"}
 
 
 def init_local_ray(num_gpus: int = 8, num_cpus: int = 2, object_store_bytes: int = 200 * 2**20) -> Any:
