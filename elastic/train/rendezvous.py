@@ -620,6 +620,7 @@ class Coordinator:
         with self._cv:
             self._left.add(worker)
             self._seen.pop(worker, None)
+            self._building.pop(worker, None)
 
     def registered(self, worker: str) -> bool:
         """``worker``'s process has registered and has not left since. A name given again to a
@@ -1131,6 +1132,7 @@ class Coordinator:
             if w not in p.directive.workers:  # a leaver: it exits now, its silence is expected
                 self._left.add(w)
                 self._seen.pop(w, None)
+                self._building.pop(w, None)
             self._maybe_complete_locked()
         return {}
 
@@ -1191,6 +1193,7 @@ class Coordinator:
         if gen in self._rolled_back and (self._current is None or gen != self._current.generation):
             self._left.add(w)
             self._seen.pop(w, None)
+            self._building.pop(w, None)
             return {"action": "stop", "reason": self._rolled_back[gen]}
         cur = self._current
         if self._phase in ("failed", "stopping", "stopped") or cur is None or gen != cur.generation:
@@ -1298,6 +1301,7 @@ class Coordinator:
                 rec.lost[w] = reason
                 self._left.add(w)
                 self._seen.pop(w, None)
+                self._building.pop(w, None)
                 self._maybe_post_recovery_locked()
                 return
         cur, p = self._current, self._pending
@@ -1307,6 +1311,7 @@ class Coordinator:
                         self.job, reason, p.directive.generation)
             self._left.add(w)
             self._seen.pop(w, None)
+            self._building.pop(w, None)
             p.results.setdefault(w, {})
             self._maybe_complete_locked()
             return
@@ -1319,6 +1324,7 @@ class Coordinator:
                 and not (cur is not None and w in cur.ranks)):
             self._left.add(w)
             self._seen.pop(w, None)
+            self._building.pop(w, None)
             self._abandon_locked(f"joiner lost before the rescale began ({reason}); nothing moved, the job "
                                  "continues on its old layout")
             return
@@ -1329,6 +1335,7 @@ class Coordinator:
                         p.directive.generation)
             self._left.add(w)
             self._seen.pop(w, None)
+            self._building.pop(w, None)
             return
         if self._recovery is None and (cur is None or w not in cur.ranks or not self._can_recover_locked()):
             self._fail_locked(reason)
@@ -1346,6 +1353,7 @@ class Coordinator:
         self.lost.add(w)
         self._left.add(w)
         self._seen.pop(w, None)
+        self._building.pop(w, None)
         self._maybe_post_recovery_locked()
 
     def _recovery_answer_locked(self, w: str, gen: int, wait_s: float) -> dict[str, Any]:
@@ -1384,6 +1392,7 @@ class Coordinator:
             self.lost.add(w)
             self._left.add(w)
             self._seen.pop(w, None)
+            self._building.pop(w, None)
         survivors = sorted((w for w in cur.ranks if w not in rec.lost), key=cur.ranks.__getitem__)
         why = "lost " + ", ".join(sorted(rec.lost)) + " (" + "; ".join(rec.lost[w] for w in sorted(rec.lost)) + ")"
         if rec.rollback:
@@ -1479,6 +1488,7 @@ class Coordinator:
         w = str(b["worker"])
         self._left.add(w)
         self._seen.pop(w, None)
+        self._building.pop(w, None)
         if self._phase == "stopping" and self._current and set(self._current.ranks) <= self._left:
             self._phase = "stopped"
             self._cv.notify_all()
