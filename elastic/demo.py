@@ -138,8 +138,10 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
     day = minutes * 60.0
     # the warm-up covers the cold start: the training job's first workers (7 processes on this
     # machine's cores: ~10 s) and the first scale-up, which waits for them; with 15 s that scale-up
-    # sometimes landed 3-4 s into the day, the one replica saturated meanwhile (2026-12-01)
-    warmup = max(25.0, 5 * tick_seconds)
+    # sometimes landed 3-4 s into the day, the one replica saturated meanwhile (2026-12-01). 40 s:
+    # in a fresh clone (a new .venv, its torch cold on disk) the start was called off twice by the
+    # first scale-ups (7 -> 6 -> 5 workers) and ran 15.6 s into the day with 25 s (2026-12-02)
+    warmup = max(40.0, 5 * tick_seconds)
     kill_t = None if kill_worker_at is None else warmup + day_offset(kill_worker_at) * day
     cfg = load_config(data=demo_config(minutes, tick_seconds))
     replica_cfg = ReplicaConfig(model="tiny", max_running=SLOTS, max_waiting=128, tokens_per_second=TOKENS_PER_SECOND)
