@@ -96,6 +96,17 @@ def _controller(tmp_path, *, job: dict | None = None, scale_up: list | None = No
     return ctl, backend, source, clock, store
 
 
+def _backend_with_spares(n_gpus: int, **spares: int):
+    """CONFIG, the spy backend keeping ``spares`` (``spare_workers=``, ``spare_replicas=``), GPUs 0..n-1."""
+    from elastic.model import GPU
+
+    cfg = load_config(data=CONFIG)
+    backend = _spy_backend(cfg.pool)
+    for k, v in spares.items():
+        setattr(backend, k, v)
+    return cfg, backend, tuple(GPU("local", i) for i in range(n_gpus))
+
+
 def _gpus_free(expect: float, timeout: float = 10.0) -> float:
     """Ray's free GPU count once it reads ``expect`` (Ray frees a dead actor's resources
     asynchronously), or what it reads at the timeout."""
@@ -418,13 +429,8 @@ def test_a_joiner_taken_from_a_spare_holds_its_gpu_through_a_lease_that_ends_wit
     Ray counts exactly the GPUs the job holds, so inference can have them back."""
     import ray
 
-    from elastic.model import GPU
-
-    cfg = load_config(data=CONFIG)
+    cfg, backend, gpus = _backend_with_spares(4, spare_workers=1)
     spec = cfg.jobs[0]
-    backend = _spy_backend(cfg.pool)
-    backend.spare_workers = 1
-    gpus = tuple(GPU("local", i) for i in range(4))
 
     try:
         backend.set_job_gpus(spec, gpus[:2], Layout.parse("tp1.pp1.dp2"))
@@ -466,13 +472,8 @@ def test_a_scale_up_takes_a_spare_replica_whose_lease_holds_the_gpu_until_it_lea
     import httpx
     import ray
 
-    from elastic.model import GPU
-
-    cfg = load_config(data=CONFIG)
+    cfg, backend, gpus = _backend_with_spares(3, spare_replicas=1)
     spec = cfg.services[0]
-    backend = _spy_backend(cfg.pool)
-    backend.spare_replicas = 1
-    gpus = tuple(GPU("local", i) for i in range(3))
 
     try:
         backend.set_service_gpus(spec, gpus[:2])
