@@ -383,6 +383,8 @@ def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup:
         held_trn = sum(x.training_gpus * d for x, d in zip(s, dt, strict=True)) / total
     else:
         busy, total, inf, trn, held_inf, held_trn = 0.0, 1.0, 0.0, 0.0, 0.0, 0.0
+    from elastic.serve.loadgen import quantile
+
     pauses = [r["pause_seconds"] for r in done]
     requests = sum(1 for r in report.results if r.sent_at >= warmup)
     e2e = [r.e2e for r in report.results if r.sent_at >= warmup and r.complete and r.e2e is not None]
@@ -409,8 +411,8 @@ def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup:
         # resumed on another replica by the balancer (handed off by a leaving replica, or refused by one)
         "handed_off_requests": sum(1 for r in report.results if r.sent_at >= warmup and r.handoffs),
         # a request is 6.4 s of tokens: what a hand-off (or a queue) adds shows here
-        "e2e_p50_seconds": _r(_quantile(e2e, 0.5)),
-        "e2e_p99_seconds": _r(_quantile(e2e, 0.99)),
+        "e2e_p50_seconds": _r(quantile(e2e, 0.5)),
+        "e2e_p99_seconds": _r(quantile(e2e, 0.99)),
         "requests": requests,
         "reshards": len(done),
         "reshards_failed": sum(1 for r in run.reshards if r["status"] == "failed"),
@@ -465,11 +467,6 @@ def _write_timeline(run: DemoRun, path: str) -> None:
             row = list(astuple(x))
             row[0] = round(x.t - run.warmup, 3)
             w.writerow(row)
-
-
-def _quantile(vals: list[float], q: float) -> float | None:
-    vals = sorted(vals)
-    return vals[min(len(vals) - 1, int(q * len(vals)))] if vals else None
 
 
 def _r(x: float | None) -> float | None:

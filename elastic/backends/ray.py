@@ -313,23 +313,19 @@ class RayBackend:
 
         from elastic.ray_gpu_lease import lease_actor
 
-        for i, (actor, ref) in enumerate(self._spare_reps.get(spec.name, [])):
-            if not ray.wait([ref], timeout=0)[0]:
-                continue
-            del self._spare_reps[spec.name][i]
-            lease = None
-            try:
-                url = ray.get(ref)
-                lease = lease_actor(spec.gpus_per_replica, ray.get(actor.node_id.remote(), timeout=10))
-                ray.get(lease.gpu_ids.remote(), timeout=30)  # Ray has granted the GPUs: they are ours
-            except Exception as e:  # noqa: BLE001 - a spare that died or no lease: start one the usual way
-                log.warning("%s: spare replica not usable for %s (%s); starting a new one", spec.name, g, e)
-                for a in (actor, lease):
-                    if a is not None:
-                        ray.kill(a, no_restart=True)
-                return None
-            return _Replica(g, actor, url, time.time(), lease)
-        return None
+        if (spare := _pop_warm(self._spare_reps.get(spec.name, []))) is None:
+            return None
+        (actor, url), lease = spare, None
+        try:
+            lease = lease_actor(spec.gpus_per_replica, ray.get(actor.node_id.remote(), timeout=10))
+            ray.get(lease.gpu_ids.remote(), timeout=30)  # Ray has granted the GPUs: they are ours
+        except Exception as e:  # noqa: BLE001 - a spare that died or no lease: start one the usual way
+            log.warning("%s: spare replica not usable for %s (%s); starting a new one", spec.name, g, e)
+            for a in (actor, lease):
+                if a is not None:
+                    ray.kill(a, no_restart=True)
+            return None
+        return _Replica(g, actor, url, time.time(), lease)
 
     def _start_replica(self, start: Callable[..., tuple[Any, str]], opts: dict[str, Any]) -> tuple[Any, str]:
         """Start one replica actor. A detached name is released only once Ray has buried the previous
@@ -635,6 +631,26 @@ class RayBackend:
         return f"adopted job {job}: {st.layout} generation {st.generation} at step {st.step}"
 
 
+def _pop_warm(spares: list[tuple[Any, Any]]) -> tuple[Any, Any] | None:
+    """Take the first spare whose warm-up call (``ref``) has returned from ``spares`` ([(actor, ref)]):
+    ``(actor, what the call returned)``, or None when none is warm yet. A spare that died warming
+    up is dropped (killed) on the way."""
+    import ray
+
+    i = 0
+    while i < len(spares):
+        actor, ref = spares[i]
+        if not ray.wait([ref], timeout=0)[0]:
+            i += 1
+            continue
+        del spares[i]
+        try:
+            return actor, ray.get(ref)
+        except Exception:  # noqa: BLE001 - it died warming up
+            ray.kill(actor, no_restart=True)
+    return None
+
+
 @functools.cache
 def _worker_actor(num_gpus: float) -> Any:
     import ray
@@ -674,26 +690,11 @@ def _embedded_handle_class() -> type:
                 actor = _worker_actor(0).remote()
                 self.spares.append((actor, actor.warm.remote()))
 
-        def _take_spare(self) -> tuple[Any, str] | None:
-            """A warm spare and its node, or None (none warm yet: a fresh actor is no slower)."""
-            import ray
-
-            for i, (actor, ref) in enumerate(self.spares):
-                ready, _ = ray.wait([ref], timeout=0)
-                if not ready:
-                    continue
-                del self.spares[i]
-                try:
-                    return actor, ray.get(ref)
-                except Exception:  # noqa: BLE001 - a spare that died warming up: drop it
-                    ray.kill(actor, no_restart=True)
-                    return None
-            return None
-
         def _spawn(self, worker: str, env: dict[str, str]) -> None:
             # our worker actor: a leaver ends through exit_actor(), not os._exit (no "SYSTEM_ERROR" noise)
             keeper = env.get("ELASTIC_KEEPER") == "1"  # holds a paused job's state: no GPU
-            spare = None if keeper or self._gpus_per_worker <= 0 else self._take_spare()
+            # a warm spare and its node, else a fresh actor (one still warming up is no faster)
+            spare = None if keeper or self._gpus_per_worker <= 0 else _pop_warm(self.spares)
             if spare is not None:
                 from elastic.ray_gpu_lease import lease_actor
 

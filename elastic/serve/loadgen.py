@@ -91,13 +91,14 @@ class Report:
             "truncated": sum(1 for r in self.results if r.truncated),
             "handed_off": sum(1 for r in self.results if r.handoffs),
             "ttft_p50": self.ttft_quantile(0.5), "ttft_p90": self.ttft_quantile(0.9),
-            "e2e_p50": _q([r.e2e for r in ok if r.e2e is not None], 0.5),
+            "e2e_p50": quantile([r.e2e for r in ok if r.e2e is not None], 0.5),
             "slo_ttft_seconds": ttft_target, "slo_attainment": self.slo_attainment(ttft_target),
             "duration_seconds": self.duration,
         }
 
 
-def _q(vals: list[float], q: float) -> float | None:
+def quantile(vals: list[float], q: float) -> float | None:
+    """The ``q`` quantile of ``vals`` (nearest rank, no interpolation); None when empty."""
     vals = sorted(vals)
     return vals[min(len(vals) - 1, int(q * len(vals)))] if vals else None
 
