@@ -23,12 +23,16 @@ $(STAMP): pyproject.toml
 # run apart from the thread-heavy rest: a segfault in the parent's garbage collector during
 # tests/reshard/test_execute.py has been seen twice in full runs (never in a run of that file
 # with its neighbours alone; cause unknown), and a process of their own at least keeps other
-# tests' objects out of that process. A pytest process that crashes (exit >= 128) has its fault
-# dump printed again at the end.
+# tests' objects out of that process. The first two run side by side: the suite waits on
+# servers, subprocesses and timeouts far more than it computes (a serial run used 36% of two
+# cores), so the rest's output is kept in .pytest-1.out and printed when the trainer's run ends.
+# A pytest process that crashes (exit >= 128) has its fault dump printed again at the end.
 MP_TESTS = tests/reshard tests/train
 test: venv
-	@ELASTIC_FAULT_LOG=$(CURDIR)/.pytest-fault-1.log $(BIN)/python -m pytest -m "not ray" $(addprefix --ignore=,$(MP_TESTS)) $(PYTEST_ARGS); a=$$?; \
+	@ELASTIC_FAULT_LOG=$(CURDIR)/.pytest-fault-1.log $(BIN)/python -m pytest -m "not ray" $(addprefix --ignore=,$(MP_TESTS)) $(PYTEST_ARGS) >.pytest-1.out 2>&1 & p1=$$!; \
+	echo "== pytest run 1 (everything but the trainer, reshard and Ray tests) runs alongside; its output follows run 2's"; \
 	ELASTIC_FAULT_LOG=$(CURDIR)/.pytest-fault-2.log $(BIN)/python -m pytest -m "not ray" $(MP_TESTS) $(PYTEST_ARGS); b=$$?; \
+	wait $$p1; a=$$?; echo "== pytest run 1 (exit $$a)"; cat .pytest-1.out; \
 	ELASTIC_FAULT_LOG=$(CURDIR)/.pytest-fault-3.log $(BIN)/python -m pytest -m ray $(PYTEST_ARGS); c=$$?; \
 	for r in "1 $$a" "2 $$b" "3 $$c"; do set -- $$r; if [ $$2 -ge 128 ]; then \
 	  echo "== pytest run $$1 crashed (exit $$2): the test and the top of every thread's stack"; \

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -89,16 +90,19 @@ def ray_cluster():
             assert proc.poll() is None and time.monotonic() < deadline, "ray start --head did not come up"
             time.sleep(0.5)
     yield f"127.0.0.1:{port}"
+    # the test is over: no grace for the job's workers (SIGTERM alone waited 30 s on them)
     os.killpg(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(30)
+        proc.wait(5)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
     for pid in _pids_under(temp):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    shutil.rmtree(temp, ignore_errors=True)
 
 
 class Driver:
