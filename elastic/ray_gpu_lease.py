@@ -20,9 +20,14 @@ import ray
 
 
 class GpuLease:
+    """Holds its GPUs in Ray's books while it lives; does nothing else."""
+
     def gpu_ids(self) -> list[str]:
         """The GPUs Ray assigned (what ``CUDA_VISIBLE_DEVICES`` is for the worker holding this lease)."""
         return [str(i) for i in ray.get_gpu_ids()]
+
+
+_Remote: Any = None  # ray.remote(GpuLease): wrapped once, on the first lease, not for every lease
 
 
 def lease_actor(num_gpus: float, node_id: str | None) -> Any:
@@ -32,4 +37,7 @@ def lease_actor(num_gpus: float, node_id: str | None) -> Any:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
-    return ray.remote(GpuLease).options(**opts).remote()
+    global _Remote
+    if _Remote is None:
+        _Remote = ray.remote(GpuLease)
+    return _Remote.options(**opts).remote()

@@ -182,12 +182,17 @@ class RayBackend:
     def inventory(self) -> dict[str, int]:
         return {name: gpus for name, (_, gpus) in self._nodes.items()}
 
-    def _strategy(self, node: str) -> Any:
-        if len(self._nodes) == 1:
-            return None
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    def _ray_node(self, node: str) -> str | None:
+        """The Ray node id of pool node ``node``; None in a single-node pool (Ray places freely)."""
+        return None if len(self._nodes) == 1 else self._nodes[node][0]
 
-        return NodeAffinitySchedulingStrategy(node_id=self._nodes[node][0], soft=False)
+    def _place(self, handle: Any, workers: dict[GPU, str]) -> None:
+        """Pin each worker the handle starts to its GPU's node (a pool of several nodes). The
+        co-scheduler keeps TP groups within a node and the controller books GPUs by node: a worker
+        Ray put elsewhere would split its TP group and take the GPU a replica pinned to that node
+        is later given."""
+        if len(self._nodes) > 1:
+            handle.placement = {w: self._nodes[g.node][0] for g, w in workers.items()}
 
     # ---- inference ------------------------------------------------------------------------------
     def service_gpus(self, service: str) -> tuple[GPU, ...]:
@@ -275,9 +280,7 @@ class RayBackend:
             opts: dict[str, Any] = {"num_gpus": spec.gpus_per_replica, "num_cpus": 0}
             if self.detached:
                 opts.update(name=replica_name(spec.name, g), lifetime="detached", namespace=self.namespace)
-            strat = self._strategy(g.node)
-            if strat is not None:
-                opts["scheduling_strategy"] = strat
+            opts.update(_on_node(self._ray_node(g.node)))
             try:
                 actor, url = self._start_replica(start_replica, opts)
             except Exception as e:  # noqa: BLE001 - surfaced as a failed step with the reason
@@ -313,7 +316,9 @@ class RayBackend:
 
         from elastic.ray_gpu_lease import lease_actor
 
-        if (spare := _pop_warm(self._spare_reps.get(spec.name, []))) is None:
+        node = self._ray_node(g.node)
+        fits = None if node is None else (lambda a, _url: ray.get(a.node_id.remote(), timeout=10) == node)
+        if (spare := _pop_warm(self._spare_reps.get(spec.name, []), fits)) is None:
             return None
         (actor, url), lease = spare, None
         try:
@@ -446,6 +451,7 @@ class RayBackend:
             j.workers[g] = f"{spec.name}-w{j.next_id}"
             j.next_id += 1
         _remember_gpus(handle, j)
+        self._place(handle, j.workers)
         with self._lock:
             self._starting[spec.name] = handle  # cancel_grow can call the start off until its directive
         try:
@@ -483,6 +489,7 @@ class RayBackend:
         # Before the directive: a controller that dies mid-rescale leaves this map behind, so its
         # successor knows which GPU each worker of either generation holds.
         _remember_gpus(j.handle, _Job(j.handle, {**j.workers, **new_workers}, nxt))
+        self._place(j.handle, new_workers)
         try:
             res = j.handle.rescale(layout, [new_workers[g] for g in gpus])
         except RescaleCancelled as e:
@@ -631,10 +638,12 @@ class RayBackend:
         return f"adopted job {job}: {st.layout} generation {st.generation} at step {st.step}"
 
 
-def _pop_warm(spares: list[tuple[Any, Any]]) -> tuple[Any, Any] | None:
-    """Take the first spare whose warm-up call (``ref``) has returned from ``spares`` ([(actor, ref)]):
-    ``(actor, what the call returned)``, or None when none is warm yet. A spare that died warming
-    up is dropped (killed) on the way."""
+def _pop_warm(spares: list[tuple[Any, Any]],
+              fits: Callable[[Any, Any], bool] | None = None) -> tuple[Any, Any] | None:
+    """Take the first spare whose warm-up call (``ref``) has returned from ``spares`` ([(actor, ref)])
+    and that ``fits(actor, what the call returned)`` (e.g. it is on the node wanted; None: any):
+    ``(actor, what the call returned)``, or None when none is. A spare that died warming up is
+    dropped (killed) on the way; one that does not fit stays for a later taker."""
     import ray
 
     i = 0
@@ -643,12 +652,28 @@ def _pop_warm(spares: list[tuple[Any, Any]]) -> tuple[Any, Any] | None:
         if not ray.wait([ref], timeout=0)[0]:
             i += 1
             continue
-        del spares[i]
         try:
-            return actor, ray.get(ref)
-        except Exception:  # noqa: BLE001 - it died warming up
+            got = ray.get(ref)
+            ok = fits is None or fits(actor, got)
+        except Exception:  # noqa: BLE001 - it died warming up (or since)
+            del spares[i]
             ray.kill(actor, no_restart=True)
+            continue
+        if not ok:
+            i += 1
+            continue
+        del spares[i]
+        return actor, got
     return None
+
+
+def _on_node(node_id: str | None) -> dict[str, Any]:
+    """Actor options pinning it to Ray node ``node_id`` (hard affinity); none for None."""
+    if node_id is None:
+        return {}
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)}
 
 
 @functools.cache
@@ -683,6 +708,7 @@ def _embedded_handle_class() -> type:
             super().__init__(*a, **kw)
             self.leases: dict[str, Any] = {}  # worker -> its GPU lease (a worker started from a spare)
             self.spares: list[tuple[Any, Any]] = []  # (actor, warm() ref -> node id), oldest first
+            self.placement: dict[str, str] = {}  # worker -> the Ray node it must run on (RayBackend._place)
 
         def keep_spares(self) -> None:
             """Start spares up to ``spares_wanted`` (asynchronous: they warm up in the background)."""
@@ -693,8 +719,11 @@ def _embedded_handle_class() -> type:
         def _spawn(self, worker: str, env: dict[str, str]) -> None:
             # our worker actor: a leaver ends through exit_actor(), not os._exit (no "SYSTEM_ERROR" noise)
             keeper = env.get("ELASTIC_KEEPER") == "1"  # holds a paused job's state: no GPU
-            # a warm spare and its node, else a fresh actor (one still warming up is no faster)
-            spare = None if keeper or self._gpus_per_worker <= 0 else _pop_warm(self.spares)
+            # a warm spare (on the worker's node, if it has one), else a fresh actor (one still warming
+            # up is no faster); a keeper goes anywhere
+            node = None if keeper else self.placement.get(worker)
+            fits = None if node is None else (lambda _a, at: at == node)
+            spare = None if keeper or self._gpus_per_worker <= 0 else _pop_warm(self.spares, fits)
             if spare is not None:
                 from elastic.ray_gpu_lease import lease_actor
 
@@ -705,7 +734,7 @@ def _embedded_handle_class() -> type:
                 self._runs[worker] = actor.run_leased.remote(lease.gpu_ids.remote(), env)
                 self.keep_spares()
                 return
-            actor = _worker_actor(0 if keeper else self._gpus_per_worker).remote()
+            actor = _worker_actor(0 if keeper else self._gpus_per_worker).options(**_on_node(node)).remote()
             self.actors[worker] = actor
             self._runs[worker] = actor.run.remote(env)
 
@@ -950,6 +979,7 @@ class RayJobHandle(JobHandle):
         self.coordinator = _RemoteCoordinator(actor, job)  # type: ignore[assignment]
         self._actor = actor
         self._wcls = _worker_actor(1)
+        self.placement: dict[str, str] = {}  # worker -> the Ray node it must run on (RayBackend._place)
         self.actors: dict[str, Any] = {}
         self._runs: dict[str, Any] = {}
         self._gpus_free_before = 0.0
@@ -1012,9 +1042,10 @@ class RayJobHandle(JobHandle):
 
     # ---- JobHandle launcher hooks -------------------------------------------------------------
     def _spawn(self, worker: str, env: dict[str, str]) -> None:
-        cls = _worker_actor(0) if env.get("ELASTIC_KEEPER") == "1" else self._wcls  # a keeper holds no GPU
-        actor = cls.options(name=f"worker:{self.job}:{worker}", namespace=self.namespace,
-                            lifetime="detached").remote()
+        keeper = env.get("ELASTIC_KEEPER") == "1"
+        cls = _worker_actor(0) if keeper else self._wcls  # a keeper holds no GPU, anywhere
+        actor = cls.options(name=f"worker:{self.job}:{worker}", namespace=self.namespace, lifetime="detached",
+                            **_on_node(None if keeper else self.placement.get(worker))).remote()
         self.actors[worker] = actor
         self._runs[worker] = actor.run.remote(env)
 
