@@ -437,7 +437,12 @@ class RayBackend:
         if self.detached:
             return RayJobHandle(spec.name, self.trainer_config(spec), namespace=self.namespace,
                                 spec_doc=spec.model_dump(mode="json"), **kw)
-        handle = _embedded_handle_class()(spec.name, self.trainer_config(spec), **kw)
+        # the coordinator runs in this process: workers on other nodes reach it at this node's address
+        # (127.0.0.1 for the embedded local Ray, which binds loopback)
+        import ray
+
+        handle = _embedded_handle_class()(spec.name, self.trainer_config(spec),
+                                          host=ray.util.get_node_ip_address(), **kw)
         handle.spares_wanted = self.spare_workers
         return handle
 

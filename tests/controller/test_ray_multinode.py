@@ -22,7 +22,7 @@ CONFIG = {
     "pool": {"name": "two-nodes", "nodes": 2, "gpus_per_node": 4, "hardware": "h100-80g"},
     "services": [{"name": "chat", "gpus_per_replica": 1, "min_replicas": 1, "max_replicas": 4,
                   "metric": {"preset": "vllm-running", "target": 10}}],
-    "jobs": [{"name": "tp-job", "model": "tiny", "min_gpus": 2, "max_gpus": 4, "global_batch": 840,
+    "jobs": [{"name": "tp-job", "model": "tiny", "min_gpus": 2, "max_gpus": 4, "global_batch": 8,
               "micro_batch": 1}],
 }
 
