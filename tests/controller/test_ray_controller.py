@@ -23,8 +23,9 @@ CONFIG = {
                   "metric": {"preset": "vllm-running", "target": 10}, "startup_seconds": 0,
                   "behavior": {"scaleUp": {"stabilizationWindowSeconds": 0},
                                "scaleDown": {"stabilizationWindowSeconds": 0}}}],
-    # global batch 840 = 2^3*3*5*7: every dp from 1 to 8 divides it, so every GPU count has a layout
-    "jobs": [{"name": "tiny-job", "model": "tiny", "min_gpus": 1, "max_gpus": 4, "global_batch": 840,
+    # global batch 240: every dp up to the job's 4 GPUs divides it, so every GPU count has a layout, and
+    # the planner picks pure DP as at 840 (at 12 it picked pp4); 840 made a dp2 step ~3 s long
+    "jobs": [{"name": "tiny-job", "model": "tiny", "min_gpus": 1, "max_gpus": 4, "global_batch": 240,
               "micro_batch": 1}],
     "controller": {"tick_seconds": 1, "metrics_max_age_seconds": 3600},
 }
