@@ -53,7 +53,9 @@ def _node_of_worker(handle, worker: str) -> str:
     return ray.get(handle.actors[worker].warm.remote(), timeout=60)  # the actor's node id (imports: done)
 
 
-def test_workers_and_replicas_run_on_their_gpus_nodes_and_the_pool_fills_up(two_nodes) -> None:
+
+@pytest.mark.parametrize("detached", [False, True], ids=["embedded", "detached"])
+def test_workers_and_replicas_run_on_their_gpus_nodes_and_the_pool_fills_up(two_nodes, detached: bool) -> None:
     import ray
 
     from elastic.backends.ray import RayBackend
@@ -63,7 +65,8 @@ def test_workers_and_replicas_run_on_their_gpus_nodes_and_the_pool_fills_up(two_
     cfg = load_config(data=CONFIG)
     backend = RayBackend(cfg.pool, local=False, replica_config=ReplicaConfig(model="tiny", max_running=4),
                          train_options=LaunchOptions(pg_timeout_s=90, heartbeat_timeout_s=60, join_timeout_s=120),
-                         drain_seconds=0.5, spare_workers=1)
+                         drain_seconds=0.5, detached=detached, namespace="two-nodes" if detached else None,
+                         spare_workers=0 if detached else 1)  # detached mode (a cluster you run) keeps no spares
     assert backend.inventory() == {"node-0": 4, "node-1": 4}
     node_id = {name: backend._nodes[name][0] for name in ("node-0", "node-1")}
     job, svc = cfg.jobs[0], cfg.services[0]
