@@ -120,7 +120,8 @@ class AuthGate:
                 hint = ("no API tokens are configured on the server; start it with --token-file or "
                         "ELASTIC_API_TOKENS" if len(self.tokens) == 0 else
                         "send 'Authorization: Bearer <token>'")
-                return _unauthorized(f"{'writes' if write else 'reads'} need a bearer token; {hint}")
+                need = "writes need an 'admin' bearer token" if write else "reads need a bearer token"
+                return _unauthorized(f"{need}; {hint}")
             return _unauthorized("unknown bearer token", error="invalid_token")
         if write and not principal.can_write:
             return Problem(403, "forbidden", f"token '{principal.name}' has role 'read'; writes need an "
@@ -143,7 +144,7 @@ def principal(request: Request, _: HTTPAuthorizationCredentials | None = Depends
     """The authenticated writer (the gate already refused anyone else)."""
     p = getattr(request.state, "principal", None)
     if p is None:  # only reachable if the gate is bypassed: refuse rather than write anonymously
-        raise _unauthorized("writes need a bearer token")
+        raise _unauthorized("writes need an 'admin' bearer token")
     return p
 
 

@@ -221,7 +221,7 @@ WRITES = [
 
 
 UNAUTHORISED = [
-    (None, 401, "need a bearer token"),
+    (None, 401, "writes need an 'admin' bearer token"),
     ("not-a-known-token-at-all", 401, "unknown bearer token"),
     (READER, 403, "role 'read'"),
 ]
