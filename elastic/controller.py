@@ -272,6 +272,9 @@ class Controller:
         backend cannot; SpecError (no checkpoint settings), CheckpointFailed, TimeoutError."""
         if job not in self._throughput:
             raise KeyError(job)
+        spec = next((j for j in self.cfg.jobs if j.name == job), None)
+        if spec is not None and spec.checkpoint is None:  # the spec says it all, running or not
+            raise SpecError(f"job {job} has no checkpoint settings; give it checkpoint.dir to save one")
         act = getattr(self.backend, "checkpoint_job", None)
         if act is None:
             raise BackendError(f"the {getattr(self.backend, 'name', type(self.backend).__name__)} backend cannot save "

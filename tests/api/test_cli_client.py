@@ -207,7 +207,7 @@ def test_checkpoint_asks_or_waits_and_names_what_stands_in_the_way(env: Env) -> 
     assert env.backend.jobs["pretrain"].checkpoint_step == 1
     assert ("checkpoint", "pretrain", 0) in env.backend.calls
     line = one_error_line(cli(env, "checkpoint", "big", token=ADMIN), 2)
-    assert "HTTP 409" in line and "not running" in line
+    assert "HTTP 409" in line and "no checkpoint settings" in line and "checkpoint.dir" in line
     assert "'nope' not found" in one_error_line(cli(env, "checkpoint", "nope", token=ADMIN), 2)
     line = one_error_line(cli(env, "checkpoint", "pretrain", "--wait", "-1", token=ADMIN), 2)
     assert "HTTP 422" in line and "wait_seconds" in line

@@ -169,9 +169,11 @@ def test_checkpoint_on_demand_asks_or_waits_and_names_what_stands_in_the_way(env
                                                  "in flight)")
     r = env.send("POST", "/api/v1/jobs/pretrain/checkpoint", json={"wait_seconds": 30})
     assert r.status_code == 504 and "rescale is in flight" in r.json()["detail"] and "checkpointStep" in r.json()["detail"]
-    # 'big' has no checkpoint settings (and does not run at this load), an unknown job is not found
+    # 'big' has no checkpoint settings (said first, though it does not run at this load either), an
+    # unknown job is not found
     r = env.send("POST", "/api/v1/jobs/big/checkpoint", json={})
-    assert r.status_code == 409 and r.json()["type"].endswith("not-running"), r.text
+    assert r.status_code == 409 and r.json()["type"].endswith("no-checkpoint"), r.text
+    assert "checkpoint.dir" in r.json()["detail"] and ("checkpoint", "big", 0) not in env.backend.calls
     assert env.send("POST", "/api/v1/jobs/nope/checkpoint", json={}).status_code == 404
     r = env.send("POST", "/api/v1/jobs/pretrain/checkpoint", json={"wait_seconds": -1})
     assert r.status_code == 422 and r.json()["field"] == "wait_seconds", r.text
