@@ -14,6 +14,7 @@ This module imports nothing but Ray: a lease's process must start in a fraction 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import ray
@@ -27,17 +28,20 @@ class GpuLease:
         return [str(i) for i in ray.get_gpu_ids()]
 
 
-_Remote: Any = None  # ray.remote(GpuLease): wrapped once, on the first lease, not for every lease
+def on_node(node_id: str | None) -> dict[str, Any]:
+    """Actor options pinning it to Ray node ``node_id`` (hard affinity); none for None (Ray places it)."""
+    if node_id is None:
+        return {}
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)}
+
+
+@functools.cache
+def _lease_class() -> Any:
+    return ray.remote(GpuLease)  # wrapped once, not for every lease
 
 
 def lease_actor(num_gpus: float, node_id: str | None) -> Any:
     """Create a lease of ``num_gpus`` on ``node_id`` (hard affinity: the worker runs there)."""
-    opts: dict[str, Any] = {"num_gpus": num_gpus, "num_cpus": 0, "max_restarts": 0}
-    if node_id is not None:
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
-    global _Remote
-    if _Remote is None:
-        _Remote = ray.remote(GpuLease)
-    return _Remote.options(**opts).remote()
+    return _lease_class().options(num_gpus=num_gpus, num_cpus=0, max_restarts=0, **on_node(node_id)).remote()

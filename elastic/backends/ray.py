@@ -280,7 +280,9 @@ class RayBackend:
             opts: dict[str, Any] = {"num_gpus": spec.gpus_per_replica, "num_cpus": 0}
             if self.detached:
                 opts.update(name=replica_name(spec.name, g), lifetime="detached", namespace=self.namespace)
-            opts.update(_on_node(self._ray_node(g.node)))
+            from elastic.ray_gpu_lease import on_node
+
+            opts.update(on_node(self._ray_node(g.node)))
             try:
                 actor, url = self._start_replica(start_replica, opts)
             except Exception as e:  # noqa: BLE001 - surfaced as a failed step with the reason
@@ -672,15 +674,6 @@ def _pop_warm(spares: list[tuple[Any, Any]],
     return None
 
 
-def _on_node(node_id: str | None) -> dict[str, Any]:
-    """Actor options pinning it to Ray node ``node_id`` (hard affinity); none for None."""
-    if node_id is None:
-        return {}
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)}
-
-
 @functools.cache
 def _worker_actor(num_gpus: float) -> Any:
     import ray
@@ -739,7 +732,9 @@ def _embedded_handle_class() -> type:
                 self._runs[worker] = actor.run_leased.remote(lease.gpu_ids.remote(), env)
                 self.keep_spares()
                 return
-            actor = _worker_actor(0 if keeper else self._gpus_per_worker).options(**_on_node(node)).remote()
+            from elastic.ray_gpu_lease import on_node
+
+            actor = _worker_actor(0 if keeper else self._gpus_per_worker).options(**on_node(node)).remote()
             self.actors[worker] = actor
             self._runs[worker] = actor.run.remote(env)
 
@@ -1047,10 +1042,12 @@ class RayJobHandle(JobHandle):
 
     # ---- JobHandle launcher hooks -------------------------------------------------------------
     def _spawn(self, worker: str, env: dict[str, str]) -> None:
+        from elastic.ray_gpu_lease import on_node
+
         keeper = env.get("ELASTIC_KEEPER") == "1"
         cls = _worker_actor(0) if keeper else self._wcls  # a keeper holds no GPU, anywhere
         actor = cls.options(name=f"worker:{self.job}:{worker}", namespace=self.namespace, lifetime="detached",
-                            **_on_node(None if keeper else self.placement.get(worker))).remote()
+                            **on_node(None if keeper else self.placement.get(worker))).remote()
         self.actors[worker] = actor
         self._runs[worker] = actor.run.remote(env)
 
