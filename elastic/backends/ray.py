@@ -324,7 +324,9 @@ class RayBackend:
             return None
         (actor, url), lease = spare, None
         try:
-            lease = lease_actor(spec.gpus_per_replica, ray.get(actor.node_id.remote(), timeout=10))
+            # several nodes: `fits` has just checked the spare is on `node`; one node: ask where it is
+            where = node if node is not None else ray.get(actor.node_id.remote(), timeout=10)
+            lease = lease_actor(spec.gpus_per_replica, where)
             ray.get(lease.gpu_ids.remote(), timeout=30)  # Ray has granted the GPUs: they are ours
         except Exception as e:  # noqa: BLE001 - a spare that died or no lease: start one the usual way
             log.warning("%s: spare replica not usable for %s (%s); starting a new one", spec.name, g, e)
