@@ -891,7 +891,10 @@ class WorkerAgent:
 
     # ---- coordinator I/O ------------------------------------------------------------------
     def _report_result(self, d: Directive, stats: dict[str, Any]) -> None:
-        self.client.call("result", generation=d.generation, ok=True, stats=stats)
+        # with its last complete checkpoint write: a leaver's last word on the checkpoint in flight
+        # (it does not wait for a write still running: its GPU is not held back for it)
+        extra = {"checkpoint": list(self._written)} if self._ckpt is not None and self._written[0] >= 0 else {}
+        self.client.call("result", generation=d.generation, ok=True, stats=stats, **extra)
 
     def _report_fail(self, reason: str) -> None:
         try:

@@ -54,7 +54,10 @@ see identically:
    (:meth:`Coordinator.request_checkpoint`). Never while a rescale is in flight (a leaver
    would not finish its write) nor while the previous checkpoint is incomplete (a rank still
    writing: the disk sets the pace, not the step); a postponed one is taken at the first step
-   that allows it. A rank whose write fails reports it: that checkpoint is given up (the
+   that allows it. One begun before a rescale or a recovery is complete once each of its
+   ranks has reported its write (survivors with their next steps, a leaver with its rescale
+   result); a rank gone without reporting it leaves it incomplete, and one is taken on the new
+   layout at its first step (a caller waiting for one gets that one). A rank whose write fails reports it: that checkpoint is given up (the
    previous complete one stands), the next is due by the usual rules, and a caller waiting
    for one (:meth:`Coordinator.wait_checkpoint`) hears why.
 
@@ -354,6 +357,12 @@ class Coordinator:
         self._save_last_step: int | None = None
         self._save_last_at: float | None = None
         self._save_requested = False
+        # the ranks that write the save in flight (its generation's members), each worker's last
+        # complete write as it reported it (step, generation), and a save cut short by a rescale or a
+        # recovery (a rank left before its write was reported): one is due at once on the new layout
+        self._save_writers: frozenset[str] = frozenset()
+        self._written_by: dict[str, tuple[int, int]] = {}
+        self._save_redo = False
         self._save_failures: list[str] = []  # why decided saves did not complete (ranks' write errors)
         self.metrics = TrainingMetrics(job, registry)
         self._clock = clock
@@ -726,7 +735,7 @@ class Coordinator:
                             f"{rec.pause_seconds or 0.0:.3f} s)")
         else:
             self._reason = (f"generation {d.generation} on {d.layout} running since step {d.switch_step}"
-                            + (f" (pause {rec.pause_seconds:.3f} s, {rec.bytes_moved} bytes moved)"
+                            + (f" (pause {rec.pause_seconds or 0.0:.3f} s, {rec.bytes_moved} bytes moved)"
                                if d.old_ranks else ""))
             if rec.recovery:
                 self._reason = f"recovered ({rec.recovery}): {self._reason}"
@@ -747,6 +756,7 @@ class Coordinator:
 
     def _record_report_locked(self, worker: str, gen: int, rep: dict[str, Any]) -> None:
         step = int(rep["step"])
+        self._note_written_locked(worker, rep.get("checkpoint"))
         key = (gen, step)
         if key[0] not in self._gen_sizes:
             return
@@ -786,6 +796,12 @@ class Coordinator:
             return latest_checkpoint(self.checkpoint.dir)
         seen = [r for m in members if (r := self._reported_checkpoints.get(m)) is not None]
         return max(seen, key=lambda r: r.step) if seen else None
+
+    def _note_written_locked(self, w: str, written: Any) -> None:
+        """A worker's last complete checkpoint write, (step, generation), from a step report or its
+        rescale result (a leaver's last word)."""
+        if written:
+            self._written_by[w] = (int(written[0]), int(written[1]))
 
     def _note_checkpoint_locked(self, step: int) -> None:
         if step > self._checkpoint_step:
@@ -944,11 +960,25 @@ class Coordinator:
             self._save_last_step, self._save_last_at = step, now
         if self._save_inflight is not None:
             g, at = self._save_inflight
-            if self._checkpoint_step >= at or g != gen:
-                # complete, or whatever of it was written stands (a new generation's members are done
-                # with the old one's writes before they switch)
+            if self._checkpoint_step >= at:
                 self._save_inflight = None
-        due = (self._save_requested
+            elif g != gen:
+                # begun on an older generation, then a rescale or a recovery: complete once each of its
+                # ranks has reported its write (survivors report theirs with their next steps); a rank
+                # gone without reporting it (a leaver exits at once, its GPU is not held back for a
+                # write; a lost one) leaves it incomplete, and one is taken on the new layout at once
+                members = set(self._current.ranks) if self._current is not None else set()
+                gone = sorted(w for w in self._save_writers - members if self._written_by.get(w) != (at, g))
+                if all(self._written_by.get(w) == (at, g) for w in self._save_writers):
+                    self._note_checkpoint_locked(at)
+                    self._save_inflight = None
+                elif gone:
+                    log.warning("job %s: the checkpoint at step %d is incomplete (%s left generation %d before "
+                                "reporting its write); taking one on %s now", self.job, at, ", ".join(gone), g,
+                                self._current.layout if self._current is not None else "the new layout")
+                    self._save_inflight = None
+                    self._save_redo = True
+        due = (self._save_redo or self._save_requested
                or (c.every_steps is not None and (step + 1) // c.every_steps > self._save_last_step // c.every_steps)
                or (c.every_seconds is not None and self._save_last_at is not None
                    and now - self._save_last_at >= c.every_seconds))
@@ -956,7 +986,8 @@ class Coordinator:
         save = due and self._save_inflight is None and not in_flight
         if save:
             self._save_inflight, self._save_last_step, self._save_last_at = (gen, step + 1), step + 1, now
-            self._save_requested = False
+            self._save_writers = frozenset(self._current.ranks) if self._current is not None else frozenset()
+            self._save_requested = self._save_redo = False
         self._save_answers[key] = save
         if len(self._save_answers) > 64:  # members are at most a step or two apart
             for k in sorted(self._save_answers)[:-32]:
@@ -1127,6 +1158,7 @@ class Coordinator:
             self._fail_locked(f"worker {w} failed during the rescale to generation {gen}: {b.get('error')}")
             return {}
         p = self._pending
+        self._note_written_locked(w, b.get("checkpoint"))
         if p is not None and p.directive.generation == gen:
             p.results[w] = dict(b.get("stats") or {})
             if w not in p.directive.workers:  # a leaver: it exits now, its silence is expected

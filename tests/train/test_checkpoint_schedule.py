@@ -19,14 +19,15 @@ from tests.train.test_agent_rendezvous import call, started
 W = ["w0", "w1"]
 
 
-def steps(c, gen: int, step: int, workers=W, written=None, error: dict | None = None) -> list[bool]:
-    """Every worker asks to begin ``step`` (reporting ``step - 1``); returns whether each was told to save."""
+def steps(c, gen: int, step: int, workers=W, written=None, error: dict | None = None, first=False) -> list[bool]:
+    """Every worker asks to begin ``step`` (reporting ``step - 1``, unless it is its generation's
+    ``first``); returns whether each was told to save."""
     out = []
     for w in workers:
         res = {"step": step - 1, "loss": 2.0, "tokens": 256, "seconds": 0.5, "checkpoint": written}
         if error and w in error:
             res["checkpoint_error"] = error[w]
-        r = call(c, "step", w, generation=gen, step=step, result=res)
+        r = call(c, "step", w, generation=gen, step=step, **({} if first else {"result": res}))
         assert r["action"] == "go", r
         out.append(bool(r.get("save")))
     return out
@@ -115,6 +116,66 @@ def test_a_write_that_fails_is_reported_to_whoever_waits_and_the_job_goes_on(tmp
     assert any(steps(c, 1, 5))
 
 
+def _rescale_to(c, layout: str, workers: list[str], results: dict[str, dict]) -> int:
+    """Generation 1 (``W``) rescales to generation 2 on ``workers``; each member's rescale result
+    carries ``results[w]`` (e.g. its last checkpoint write). Returns the switch step."""
+    for w in workers:
+        if w not in W:
+            call(c, "register", w)
+    d = c.directive(2, layout, workers)
+    for w in d.joiners:
+        assert call(c, "poll", w)["action"] == "join"
+    for s in range(3, d.switch_step):
+        steps(c, 1, s)
+    for w in W:
+        assert call(c, "step", w, generation=1, step=d.switch_step)["action"] == "switch"
+    plan = {"new_ranks": {w: i for i, w in enumerate(workers)}}
+    members = sorted(set(W) | set(workers))
+    assert [call(c, "arrive", w, generation=2, digest="x", plan=plan)["decision"] for w in members][-1] == "go"
+    for w in members:
+        call(c, "result", w, generation=2, ok=True, stats={}, **results.get(w, {}))
+    return d.switch_step
+
+
+@pytest.mark.parametrize("leaver_reports", [False, True])
+def test_a_checkpoint_a_leaver_did_not_finish_is_taken_again_on_the_new_layout(tmp_path, leaver_reports) -> None:
+    """A save begun just before a shrink: the leaver exits at once (its GPU is not held back for its
+    write). Unless its result says the write was done, the checkpoint is incomplete: one is taken at
+    the new layout's first step, and whoever waits for the one asked for gets that one."""
+    c, _, _ = job(tmp_path, every_steps=1000)
+    ticket = c.request_checkpoint()
+    assert steps(c, 1, 2) == [True, True]  # the checkpoint at step 3, on tp1.pp1.dp2
+    results = {"w1": {"checkpoint": [3, 1]}} if leaver_reports else {}
+    switch = _rescale_to(c, "tp1.pp1.dp1", ["w0"], results)
+    first = steps(c, 2, switch, workers=["w0"], first=True)
+    if leaver_reports:  # complete once the survivor reports its write too; nothing taken again
+        assert first == [False]
+        assert steps(c, 2, switch + 1, workers=["w0"], written=[3, 1]) == [False]
+        assert c.status().checkpoint_step == 3
+        assert c.wait_checkpoint(ticket, timeout=1) == 3
+        return
+    assert first == [True]  # the state after the switch step, on tp1.pp1.dp1
+    assert c.status().checkpoint_step == -1
+    steps(c, 2, switch + 1, workers=["w0"], written=[switch + 1, 2])
+    assert c.wait_checkpoint(ticket, timeout=1) == switch + 1
+    assert not any(steps(c, 2, switch + 2, workers=["w0"], written=[switch + 1, 2]))  # once
+
+
+def test_a_checkpoint_in_flight_across_a_grow_completes_when_its_ranks_report_it(tmp_path) -> None:
+    """Every rank that writes it survives a grow: their writes end after the switch and are reported
+    with the new generation's steps; the checkpoint is complete then, and none is taken again."""
+    c, _, _ = job(tmp_path, every_steps=1000)
+    ticket = c.request_checkpoint()
+    assert steps(c, 1, 2) == [True, True]
+    switch = _rescale_to(c, "tp1.pp1.dp3", ["w0", "w1", "w2"], {})
+    new = ["w0", "w1", "w2"]
+    assert steps(c, 2, switch, workers=new, first=True) == [False] * 3  # not reported yet, not given up
+    assert steps(c, 2, switch + 1, workers=new, written=[3, 1]) == [False] * 3
+    assert not any(steps(c, 2, switch + 2, workers=new, written=[3, 1]))
+    assert c.status().checkpoint_step == 3
+    assert c.wait_checkpoint(ticket, timeout=1) == 3
+
+
 def test_asking_a_job_without_settings_a_paused_or_an_ended_one_is_refused(tmp_path) -> None:
     from tests.train.test_agent_rendezvous import _pause
 
@@ -164,6 +225,13 @@ def test_a_running_job_saves_on_demand_and_the_files_are_complete(tmp_path) -> N
         assert ref is not None and (ref.step, ref.layout) == (step, "tp1.pp1.dp2")
         assert h.status().checkpoint_step == step and h.status().phase == "running"
         h.wait_step(step + 2, timeout=60)  # training went on
+        # one asked for just before a shrink: whichever layout it lands on, it completes and is waited for
+        ticket = h.coordinator.request_checkpoint()
+        h.rescale("tp1.pp1.dp1", ["w0"], timeout=120)
+        again = h.coordinator.wait_checkpoint(ticket, timeout=120)
+        ref = ck.latest(settings.dir)
+        assert again > step and ref is not None and ref.step == again, (again, ref)
+        assert h.status().phase == "running" and h.status().layout == "tp1.pp1.dp1"
     finally:
         final = h.stop()
     assert final.error is None, final.error
