@@ -5,7 +5,7 @@ each, min 1, max 6) under the load generator's diurnal day compressed to ``--min
 one training job of a small GPT that starts on whatever is free and is rescaled in place
 as traffic moves; the controller ticking in between, SQLite state in ``./elastic.db``.
 
-GPU utilisation is measured as DESIGN.md defines it, sampled every second: each ready
+GPU utilisation is measured as docs/DESIGN.md defines it, sampled every second: each ready
 replica counts ``min(1, running / capacity)``, where the capacity is the load a replica is
 sized for at its SLO (the service's target: 13 concurrent requests of its 16 batch slots;
 above it the queue makes time-to-first-token miss 1 s); each training GPU counts 1 while
@@ -303,7 +303,7 @@ def _sample_loop(backend: Any, ctl: Any, profile: Any, t0: float, run: DemoRun, 
     while not stop.wait(every):
         t = time.monotonic() - t0
         urls = backend.service_targets(SERVICE)
-        # DESIGN.md: a draining replica is not busy (it holds its GPU until its requests are done)
+        # docs/DESIGN.md: a draining replica is not busy (it holds its GPU until its requests are done)
         draining = backend.draining_targets(SERVICE)
         running = [_replica_running(u) for u in urls]
         busy = sum(min(1.0, r / capacity) for r in running)

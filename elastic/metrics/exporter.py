@@ -10,7 +10,7 @@ What it is for: one ``Exporter`` per process holds a ``CollectorRegistry`` with 
   controller recorded: allocations, service and job status, reshard events, the lease) and
   the controller's flags. Works without a controller (an API-only process) too.
 
-Names follow shared/DESIGN.md and Prometheus conventions: ``elastic_`` prefix, base units
+Names follow docs/DESIGN.md and Prometheus conventions: ``elastic_`` prefix, base units
 (seconds, bytes, ratios 0..1), ``_total`` on counters; labels are bounded (pool, service,
 job, state, reason codes, the controller's own owner id), never a GPU, worker, rank or
 request. Training-job gauges seen by the controller are ``elastic_job_*``: the trainer's
@@ -18,7 +18,7 @@ own per-job metrics (``elastic/train/telemetry.py``) own ``elastic_training_*`` 
 be scraped side by side; ``elastic_training_layout_info`` is the one name the two share in
 spirit and only this module exports it.
 
-GPU utilisation (DESIGN.md): (inference GPUs weighted by each service's load per replica /
+GPU utilisation (docs/DESIGN.md): (inference GPUs weighted by each service's load per replica /
 target, capped at 1, + training GPUs of running jobs) / total GPUs, over the last tick.
 E.g. 8 GPUs, 2 replicas at 50 % of target, 4 training GPUs running: (2*0.5 + 4) / 8 = 0.625.
 

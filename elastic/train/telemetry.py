@@ -4,7 +4,7 @@ What it is for: the rendezvous coordinator records every finished training step 
 rescale here, so the controller's exporter (or the coordinator's own ``/metrics``) shows
 loss, speed and the cost of each rescale per job.
 
-Naming follows shared/DESIGN.md: ``elastic_`` prefix, base units, ``_total`` on counters,
+Naming follows docs/DESIGN.md: ``elastic_`` prefix, base units, ``_total`` on counters,
 ``_seconds`` / ``_bytes`` suffixes. The only label is ``job`` (a worker or layout label
 would create a new series at every rescale).
 
