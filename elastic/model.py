@@ -4,7 +4,7 @@ Pure value objects: they validate themselves (with messages that show the
 arithmetic) and do no I/O beyond parsing a file a caller hands them. Runtimes
 (process groups, device meshes, DB rows) are built elsewhere from these.
 
-Conventions (see shared/DESIGN.md):
+Conventions (see docs/DESIGN.md):
 
 * ``Layout(tp, pp, dp, ep=1, vpp=1, zero=0)`` prints as ``tp2.pp2.dp4``; extra
   axes only when not default (``tp1.pp4.dp8.ep8.vpp2.z1``).
@@ -209,9 +209,19 @@ def _one_line(e: ValidationError) -> str:
             parts.append(f"field '{loc}' is missing")
         elif err["type"] == "extra_forbidden":
             parts.append(f"unknown field '{loc}' (check the spelling)")
+        elif not err["loc"]:  # a check across fields: its message names them
+            parts.append(msg)
         else:
-            parts.append(f"field '{loc}': {msg} (got {err.get('input')!r})")
+            parts.append(f"field '{loc}': {msg}{_got(err.get('input'))}")
     return "; ".join(parts)
+
+
+def _got(value: Any) -> str:
+    """`` (got X)`` for an error message: the value a user wrote, not a whole section of the file."""
+    if isinstance(value, dict | list):
+        return ""
+    text = repr(value)
+    return f" (got {text if len(text) <= 80 else text[:77] + '...'})"
 
 
 def _m(name: str, layers: int, hidden: int, ffn: int, heads: int, kv: int, vocab: int, seq: int, **kw: Any) -> ModelSpec:
