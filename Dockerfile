@@ -1,6 +1,7 @@
 # Image for the operator, the admin API and the reference trainer's worker pods.
-# TORCH selects the PyTorch build: the default is the CPU wheel; on GPU nodes build with e.g.
-#   docker build --build-arg TORCH="torch==2.13.0 --index-url <your CUDA wheel index>" -t elastic:0.1.0 .
+# TORCH selects the PyTorch build: the default takes torch==2.13.0 from pip's index (on Linux,
+# plain PyPI serves the CUDA build). Name the index for the build you want, e.g.
+#   docker build --build-arg TORCH="torch==2.13.0 --index-url <PyTorch's CPU or CUDA wheel index>" -t elastic:0.1.0 .
 FROM python:3.11-slim
 ARG TORCH="torch==2.13.0"
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1

@@ -8,11 +8,16 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
-# torch first (CPU wheel on local disk; a plain `torch` requirement would fetch a CUDA build), then the project.
+# torch first, pinned, then the project (which does not list torch). pip takes torch==2.13.0 from
+# its configured index: a CPU wheel where that index has one (this project's CI VMs keep it on
+# local disk); on Linux, plain PyPI serves the multi-GB CUDA build. For the CPU build from
+# elsewhere, name PyTorch's CPU wheel index: make test TORCH_INDEX_URL=<that index>.
+TORCH_INDEX_URL ?=
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0 \
+		$(if $(TORCH_INDEX_URL),--extra-index-url $(TORCH_INDEX_URL))
 	$(BIN)/pip install -q -e '.[dev]'
 	@touch $(STAMP)
 
