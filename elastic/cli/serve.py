@@ -111,19 +111,19 @@ def build(cfg: Any, *, db_url: str, ray_address: str | None = None, owner: str |
     return Served(cfg, store, backend, ctl, exporter)
 
 
-def start_api(served: Served, port: int, token_file: str | None) -> int | None:
-    """Step 5a: the admin API on 127.0.0.1:``port`` (0 = any free port). Returns the port, None if absent."""
+def start_api(served: Served, port: int, tokens: Any, *, host: str = "127.0.0.1",
+              auth_reads: bool = False) -> int | None:
+    """Step 5a: the admin API on ``host``:``port`` (0 = any free port) with ``tokens`` (a TokenSet,
+    loaded and checked in step 1); ``auth_reads``: reads need a token too. Returns the port, None if absent."""
     try:
         from elastic.api.app import create_app
-        from elastic.api.auth import TokenSet
         from elastic.api.server import serve_api
     except ImportError:  # pragma: no cover
         log.warning("elastic.api is not installed: no admin API")
         return None
-    tokens = TokenSet.load(token_file)
-    app = create_app(served.store, served.controller, tokens=tokens,
+    app = create_app(served.store, served.controller, tokens=tokens, require_auth_for_reads=auth_reads,
                      registry=served.exporter.registry if served.exporter is not None else None)
-    server, _ = serve_api(app, "127.0.0.1", port)
+    server, _ = serve_api(app, host, port)
     return int(getattr(server, "port", port))
 
 
@@ -168,8 +168,14 @@ def register(app: typer.Typer) -> None:
         config: Path = typer.Option(..., "--config", "-c", help="pool/services/jobs YAML (see examples/pool.yaml)"),
         db_url: str = typer.Option("sqlite:///./elastic.db", "--db", envvar="ELASTIC_DB_URL",
                                    help="state database URL (SQLite file or postgresql+psycopg://...)"),
-        api_port: int = typer.Option(8080, "--api-port", help="admin API and /metrics port on 127.0.0.1; -1 = none"),
+        api_port: int = typer.Option(8080, "--api-port", help="admin API and /metrics port; -1 = none"),
+        api_host: str = typer.Option("127.0.0.1", "--api-host", envvar="ELASTIC_API_HOST",
+                                     help="address the admin API listens on (0.0.0.0: every interface; "
+                                          "writes need an admin token from --token-file)"),
         token_file: str | None = typer.Option(None, "--token-file", help="admin API bearer tokens file"),
+        auth_reads: bool = typer.Option(False, "--auth-reads", envvar="ELASTIC_API_AUTH_READS",
+                                        help="reads of /api/v1 need a token too (read or admin); /healthz, "
+                                             "/readyz and /metrics stay open"),
         ray_address: str | None = typer.Option(None, "--ray-address", envvar="ELASTIC_RAY_ADDRESS",
                                                help="join this Ray cluster (detached actors); none = embedded"),
         owner: str | None = typer.Option(None, "--owner", help="lease identity (default: $ELASTIC_CONTROLLER_ID "
@@ -192,7 +198,14 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter("spares are kept by the embedded Ray only (detached actors on a cluster "
                                      "cannot take them over); drop --ray-address or the --spare-* options",
                                      param_hint="--spare-workers/--spare-replicas")
-        # 1. the config is validated before anything starts (SpecError -> one line, exit 2)
+        from elastic.api.auth import TokenSet
+
+        # 1. the config and the API tokens are validated before anything starts (SpecError -> one line, exit 2)
+        tokens = TokenSet.load(token_file)
+        if auth_reads and len(tokens) == 0:
+            raise typer.BadParameter("with reads behind a token and no tokens nobody could read the API; "
+                                     "give --token-file (or ELASTIC_API_TOKENS), or drop --auth-reads",
+                                     param_hint="--auth-reads")
         cfg = load_config(config)
         tables = job_throughput_tables(cfg)
         check_feasible(cfg, tables)
@@ -204,10 +217,11 @@ def register(app: typer.Typer) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
         try:
-            port = start_api(served, api_port, token_file) if api_port >= 0 else None
+            port = (start_api(served, api_port, tokens, host=api_host, auth_reads=auth_reads)
+                    if api_port >= 0 else None)
             console.print(f"elastic serve: pool {cfg.pool.name} ({cfg.pool.total_gpus} GPUs), "
                           f"{len(cfg.services)} service(s), {len(cfg.jobs)} job(s), owner {served.controller.owner}"
-                          + (f", API on http://127.0.0.1:{port}" if port else ""))
+                          + (f", API on http://{api_host}:{port}" if port else ""))
             run(served, ticks=ticks, stop=stop)
         finally:
             close(served)

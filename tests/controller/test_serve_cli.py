@@ -66,6 +66,28 @@ def test_spares_with_a_ray_cluster_are_refused_before_anything_starts(tmp_path: 
     assert not (tmp_path / "x.db").exists()
 
 
+def test_reads_behind_a_token_without_tokens_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    cfg = tmp_path / "pool.yaml"
+    cfg.write_text(yaml.safe_dump(BASE))
+    env = {k: v for k, v in os.environ.items() if k != "ELASTIC_API_TOKENS"}
+    p = subprocess.run([ELASTIC, "serve", "--config", str(cfg), "--db", f"sqlite:///{tmp_path}/x.db", "--auth-reads"],
+                       capture_output=True, text=True, timeout=60, env={**env, "COLUMNS": "400"})
+    assert p.returncode == 2 and "nobody could read the API; give --token-file" in p.stderr, p.stderr
+    assert not (tmp_path / "x.db").exists()
+
+
+def test_a_bad_token_file_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    cfg, tokens = tmp_path / "pool.yaml", tmp_path / "tokens"
+    cfg.write_text(yaml.safe_dump(BASE))
+    tokens.write_text("short admin\n")
+    p = subprocess.run([ELASTIC, "serve", "--config", str(cfg), "--db", f"sqlite:///{tmp_path}/x.db",
+                        "--token-file", str(tokens)], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "COLUMNS": "400"})
+    assert p.returncode == 2 and "a token must be at least 16 characters" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert not (tmp_path / "x.db").exists(), "nothing may start before the tokens are valid"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_serve_runs_the_loop_with_the_api_and_stops_on_sigterm(tmp_path: Path) -> None:
@@ -75,7 +97,11 @@ def test_serve_runs_the_loop_with_the_api_and_stops_on_sigterm(tmp_path: Path) -
     url = f"sqlite:///{tmp_path}/state.db"
     out = tmp_path / "out.log"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "COLUMNS": "400"}
+    tokens = tmp_path / "tokens"
+    tokens.write_text("read-token-0123456789 read grafana\n")
+    # reads behind a token, on the address given (still loopback here)
     proc = subprocess.Popen([ELASTIC, "serve", "--config", str(cfg), "--db", url, "--api-port", "0",
+                             "--api-host", "127.0.0.1", "--token-file", str(tokens), "--auth-reads",
                              "--owner", "serve-test"], stdout=open(out, "w"), stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
     try:
@@ -95,6 +121,11 @@ def test_serve_runs_the_loop_with_the_api_and_stops_on_sigterm(tmp_path: Path) -
         assert ready is not None and ready.status_code == 200, ready.text if ready else None
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
         assert 'elastic_controller_ready{pool="local"} 1.0' in metrics
+        anon = httpx.get(f"http://127.0.0.1:{port}/api/v1/pools", timeout=5)
+        assert anon.status_code == 401 and "reads need a bearer token" in anon.text, anon.text
+        read = httpx.get(f"http://127.0.0.1:{port}/api/v1/pools", timeout=5,
+                         headers={"Authorization": "Bearer read-token-0123456789"})
+        assert read.status_code == 200 and read.json()["items"][0]["name"] == "local", read.text
         store = db.Store.from_url(url)
         assert db.list_decisions(store, limit=5, pool="local")
         assert db.lease_holder(store, "local").owner == "serve-test"
