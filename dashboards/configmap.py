@@ -54,8 +54,14 @@ def render(dashboards_dir: Path = HERE) -> str:
 
 
 def main(argv: list[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Render dashboards/*.json as the Grafana sidecar's ConfigMap "
+                                                 f"({OUTPUT.relative_to(HERE.parent)}).")
+    parser.add_argument("--check", action="store_true", help="only report drift; exit 1 if the file is out of date")
+    args = parser.parse_args(argv)
     text = render()
-    if "--check" in argv:
+    if args.check:
         if not OUTPUT.exists() or OUTPUT.read_text() != text:
             print(f"{OUTPUT} is out of date; run: python dashboards/configmap.py", file=sys.stderr)
             return 1
