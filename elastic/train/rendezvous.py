@@ -57,9 +57,10 @@ see identically:
    that allows it. One begun before a rescale or a recovery is complete once each of its
    ranks has reported its write (survivors with their next steps, a leaver with its rescale
    result); a rank gone without reporting it leaves it incomplete, and one is taken on the new
-   layout at its first step (a caller waiting for one gets that one). A rank whose write fails reports it: that checkpoint is given up (the
-   previous complete one stands), the next is due by the usual rules, and a caller waiting
-   for one (:meth:`Coordinator.wait_checkpoint`) hears why.
+   layout at its first step (a caller waiting for one gets that one). A rank whose write
+   fails reports it: that checkpoint is given up (the previous complete one stands), the next
+   is due by the usual rules, and a caller waiting for one (:meth:`Coordinator.wait_checkpoint`)
+   hears why.
 
 It also aggregates per-step reports into the loss history and the Prometheus metrics
 (:mod:`elastic.train.telemetry`), and records each rescale (pause, bytes moved, planned
