@@ -225,10 +225,11 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
         ctl.release_lease()  # the next run need not wait for it to expire
     # 4. summary
     svc = cfg.services[0]
-    bound = utilization_bound(lambda t: rate_at(profile, t), warmup, warmup + day,
-                              request_seconds=MAX_TOKENS / TOKENS_PER_SECOND, capacity=svc.metric.target,
-                              min_replicas=svc.min_replicas, max_replicas=svc.max_replicas, gpus=GPUS)
-    summary = _summary(run, lg.report, slo_ttft_seconds, rt, day, warmup, bound)
+    sizing = dict(request_seconds=MAX_TOKENS / TOKENS_PER_SECOND, capacity=svc.metric.target,
+                  min_replicas=svc.min_replicas, max_replicas=svc.max_replicas, gpus=GPUS)
+    bound = utilization_bound(lambda t: rate_at(profile, t), warmup, warmup + day, **sizing)
+    on_arrivals = clairvoyant_on_arrivals(run.samples, lambda t: rate_at(profile, t), warmup, **sizing)
+    summary = _summary(run, lg.report, slo_ttft_seconds, rt, day, warmup, bound, on_arrivals)
     console.print_json(json.dumps(summary))
     if summary_json:
         Path(summary_json).parent.mkdir(parents=True, exist_ok=True)
@@ -369,7 +370,7 @@ def _collect_reshards(ctl: Any, run: DemoRun) -> None:
 
 
 def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup: float,
-             bound: float | None = None) -> dict[str, Any]:
+             bound: float | None = None, on_arrivals: float | None = None) -> dict[str, Any]:
     s = [x for x in run.samples if x.t >= warmup]
     # a recovery's seconds are not a rescale's pause, and the samples already count the job idle
     # while it recovers: kept apart
@@ -399,6 +400,10 @@ def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup:
         # the same measure for a clairvoyant controller on this day's expected load (whole
         # replicas only, nothing else lost): how much of the gap no controller could close
         "gpu_utilization_bound": round(bound, 4) if bound is not None else None,
+        # the same clairvoyant controller on the requests this run really got: the arrivals' jitter
+        # leaves its replicas below capacity (and, in a burst, would queue): what is left above it is
+        # what reacting to the load, starting replicas and rescaling cost
+        "gpu_utilization_clairvoyant_on_arrivals": round(on_arrivals, 4) if on_arrivals is not None else None,
         "inference_busy_fraction": round(inf, 4),
         "training_busy_fraction": round(trn, 4),
         # where the rest went: GPUs held by ready or draining replicas / running training workers, and
@@ -450,14 +455,40 @@ def utilization_bound(rate: Callable[[float], float], start: float, end: float, 
     replicas: rounding up to whole replicas is all it loses.
     """
     n = max(1, int((end - start) / step))
-    k = max(1, round(request_seconds / step))
     acc = 0.0
     for i in range(n):
-        t = start + i * step
-        load = sum(rate(t - j * step) for j in range(k)) / k * request_seconds
+        load = _expected_load(rate, start + i * step, request_seconds, step)
         replicas = min(max_replicas, max(min_replicas, math.ceil(load / capacity - 1e-9)))
         acc += (min(float(replicas), load / capacity) + (gpus - replicas)) / gpus
     return acc / n
+
+
+def clairvoyant_on_arrivals(samples: list[Sample], rate: Callable[[float], float], start: float, *,
+                            request_seconds: float, capacity: float, min_replicas: int, max_replicas: int,
+                            gpus: int) -> float | None:
+    """:func:`utilization_bound`'s controller on the load a run really had: at each sample from
+    ``start`` on it holds ``ceil(L / capacity)`` replicas for the expected concurrency ``L`` (it
+    knows the day, not the next arrival), and they are busy with the requests the run's replicas
+    were serving, ``min(replicas, running / capacity)``; training runs on every other GPU without
+    a pause. Poisson arrivals scatter ``running`` by about ``sqrt(L)`` around ``L``: below it the
+    replicas are under capacity, above it they are full (and would queue). None without samples."""
+    s = [x for x in samples if x.t >= start]
+    if len(s) < 2:
+        return None
+    dt = [s[i + 1].t - s[i].t for i in range(len(s) - 1)] + [s[-1].t - s[-2].t]
+    acc = 0.0
+    for x, d in zip(s, dt, strict=True):
+        load = _expected_load(rate, x.t, request_seconds)
+        replicas = min(max_replicas, max(min_replicas, math.ceil(load / capacity - 1e-9)))
+        acc += d * (min(float(replicas), x.running / capacity) + (gpus - replicas)) / gpus
+    return acc / sum(dt)
+
+
+def _expected_load(rate: Callable[[float], float], t: float, request_seconds: float, step: float = 0.5) -> float:
+    """Expected concurrency at ``t`` (Little's law): the mean rate over the last ``request_seconds``
+    times ``request_seconds``."""
+    k = max(1, round(request_seconds / step))
+    return sum(rate(t - j * step) for j in range(k)) / k * request_seconds
 
 
 def _write_timeline(run: DemoRun, path: str) -> None:

@@ -7,7 +7,17 @@ import math
 import pytest
 
 from elastic.config import load_config
-from elastic.demo import GPUS, MAX_TOKENS, SLOTS, TARGET, TOKENS_PER_SECOND, demo_config, utilization_bound
+from elastic.demo import (
+    GPUS,
+    MAX_TOKENS,
+    SLOTS,
+    TARGET,
+    TOKENS_PER_SECOND,
+    Sample,
+    clairvoyant_on_arrivals,
+    demo_config,
+    utilization_bound,
+)
 from elastic.serve.profiles import diurnal_rate
 
 
@@ -46,6 +56,24 @@ def test_clairvoyant_bound_loses_only_the_rounding_to_whole_replicas() -> None:
     # Little's law with history: a step from 0 to 5 req/s at t=10 fills up over 4 s
     step = _bound(lambda t: 5.0 if t >= 10.0 else 0.0, start=10.0, end=14.0)
     assert 7 / 8 < step < 1.0
+
+
+def test_the_clairvoyant_controller_on_real_arrivals_loses_what_their_jitter_leaves_idle() -> None:
+    args = dict(request_seconds=4.0, capacity=10.0, min_replicas=1, max_replicas=6, gpus=8)
+
+    def samples(running: list[float]) -> list[Sample]:
+        return [Sample(10.0 + i, 5.0, 2, 0.0, 6, 6, None, 0, None, 0.0, running=r) for i, r in enumerate(running)]
+
+    # 5 req/s x 4 s = 20 expected in flight: two replicas of capacity 10, whatever the arrivals
+    assert clairvoyant_on_arrivals(samples([20.0] * 4), lambda t: 5.0, 10.0, **args) == pytest.approx(1.0)
+    # the same mean, scattered: below 20 the two replicas are under capacity, above it full
+    jitter = clairvoyant_on_arrivals(samples([15.0, 25.0] * 4), lambda t: 5.0, 10.0, **args)
+    assert jitter == pytest.approx((1.5 + 6 + 2 + 6) / 16)
+    assert jitter < _bound(lambda t: 5.0)  # the bound on the expected load does not see the jitter
+    # samples before the start (the warm-up) do not count; too few samples: nothing to say
+    warm = samples([0.0] * 5 + [20.0] * 5)
+    assert clairvoyant_on_arrivals(warm, lambda t: 5.0, 15.0, **args) == pytest.approx(1.0)
+    assert clairvoyant_on_arrivals(samples([20.0]), lambda t: 5.0, 10.0, **args) is None
 
 
 def test_the_demo_day_bound_is_what_the_readme_quotes() -> None:
