@@ -83,7 +83,7 @@ class Workload(BaseModel):
 
 class ListMeta(BaseModel):
     continue_: str | None = Field(default=None, alias="continue",
-                                  description="opaque token for the next page; absent on the last page")
+                                  description="opaque token for the next page; null on the last page")
 
     model_config = ConfigDict(populate_by_name=True)
 

@@ -94,6 +94,7 @@ def test_pagination_walks_every_row_once_across_pages(env: Env, path: str, key: 
         pages += 1
         token = body["metadata"].get("continue")
         if not token:
+            assert body["metadata"] == {"continue": None}, body["metadata"]  # as the schema says
             break
         assert len(body["items"]) == 2
     assert seen == expected and pages == (len(expected) + 1) // 2
