@@ -267,6 +267,9 @@ class WorkerAgent:
         # before it joins the new default group, "engine" once its new engine is built (its peers are
         # then in the first step)
         self._fault = os.environ.get("ELASTIC_FAULT_EXCHANGE", "")
+        # "<worker>:<seconds>": that worker's checkpoint writes take that much longer (a slow disk)
+        slow = os.environ.get("ELASTIC_FAULT_SLOW_CHECKPOINT", "")
+        self._slow_write = float(slow.split(":", 1)[1]) if slow.startswith(f"{worker}:") else 0.0
 
     # ---- entry ----------------------------------------------------------------------------
     def run(self) -> int:
@@ -626,6 +629,8 @@ class WorkerAgent:
 
         def write() -> None:
             try:
+                if self._slow_write:
+                    time.sleep(self._slow_write)
                 checkpoint.write_rank(root, step, spec, rank, pieces, job=job)
                 self._written = (step, gen)
                 if rank == 0:

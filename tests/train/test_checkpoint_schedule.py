@@ -235,3 +235,36 @@ def test_a_running_job_saves_on_demand_and_the_files_are_complete(tmp_path) -> N
     finally:
         final = h.stop()
     assert final.error is None, final.error
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_leaver_gone_before_its_write_is_done_costs_that_checkpoint_and_one_is_taken_on_the_new_layout(
+        tmp_path, monkeypatch) -> None:
+    """The race itself, with real processes: w1's writes take 4 s (a slow disk), a checkpoint is
+    asked for, and the job shrinks onto w0 while w1 still writes. w1 exits at once with its part
+    unwritten: that checkpoint stays incomplete on disk, and the one taken on the new layout is what
+    the caller waiting gets."""
+    from elastic.train.launch import LaunchOptions, ProcessJobHandle
+    from tests.train.test_checkpoint import _cfg
+
+    monkeypatch.setenv("ELASTIC_FAULT_SLOW_CHECKPOINT", "w1:4")
+    settings = CheckpointSettings(str(tmp_path / "ck"), every_steps=10_000)
+    h = ProcessJobHandle("race", _cfg(), options=LaunchOptions(checkpoint=settings), log_dir=str(tmp_path))
+    try:
+        h.start("tp1.pp1.dp2", ["w0", "w1"], timeout=180)
+        begun = h.wait_step(2, timeout=60).step
+        ticket = h.coordinator.request_checkpoint()
+        h.wait_step(begun + 2, timeout=60)  # the save was answered at a boundary since: both ranks write now
+        h.rescale("tp1.pp1.dp1", ["w0"], timeout=120)
+        got = h.coordinator.wait_checkpoint(ticket, timeout=120)
+        ref = ck.latest(settings.dir)
+        assert ref is not None and (ref.step, ref.layout) == (got, "tp1.pp1.dp1"), (got, ref)
+        # w1 left before its part was written: no checkpoint of the old layout is complete (the
+        # incomplete one is pruned once a newer one is complete)
+        old = [p for p in (tmp_path / "ck").iterdir() if p.name.endswith("tp1.pp1.dp2")]
+        assert not any((p / "rank-00001.pt").exists() for p in old), old
+        assert h.status().phase == "running"
+    finally:
+        final = h.stop()
+    assert final.error is None, final.error
