@@ -380,7 +380,7 @@ def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup:
     if len(s) >= 2:
         from elastic.model import Layout
 
-        dt = [(s[i + 1].t - s[i].t) for i in range(len(s) - 1)] + [s[-1].t - s[-2].t]
+        dt = _intervals(s)
         total = GPUS * sum(dt)
         inf_s = sum(x.inference_busy * d for x, d in zip(s, dt, strict=True))
         paused = sum(r["pause_seconds"] * Layout.parse(r["from"]).world_size for r in done if r["from"])
@@ -455,12 +455,9 @@ def utilization_bound(rate: Callable[[float], float], start: float, end: float, 
     replicas: rounding up to whole replicas is all it loses.
     """
     n = max(1, int((end - start) / step))
-    acc = 0.0
-    for i in range(n):
-        load = _expected_load(rate, start + i * step, request_seconds, step)
-        replicas = min(max_replicas, max(min_replicas, math.ceil(load / capacity - 1e-9)))
-        acc += (min(float(replicas), load / capacity) + (gpus - replicas)) / gpus
-    return acc / n
+    sizing = dict(capacity=capacity, min_replicas=min_replicas, max_replicas=max_replicas, gpus=gpus)
+    loads = (_expected_load(rate, start + i * step, request_seconds, step) for i in range(n))
+    return sum(_clairvoyant_busy(load, load, **sizing) for load in loads) / n
 
 
 def clairvoyant_on_arrivals(samples: list[Sample], rate: Callable[[float], float], start: float, *,
@@ -475,13 +472,24 @@ def clairvoyant_on_arrivals(samples: list[Sample], rate: Callable[[float], float
     s = [x for x in samples if x.t >= start]
     if len(s) < 2:
         return None
-    dt = [s[i + 1].t - s[i].t for i in range(len(s) - 1)] + [s[-1].t - s[-2].t]
-    acc = 0.0
-    for x, d in zip(s, dt, strict=True):
-        load = _expected_load(rate, x.t, request_seconds)
-        replicas = min(max_replicas, max(min_replicas, math.ceil(load / capacity - 1e-9)))
-        acc += d * (min(float(replicas), x.running / capacity) + (gpus - replicas)) / gpus
-    return acc / sum(dt)
+    dt = _intervals(s)
+    sizing = dict(capacity=capacity, min_replicas=min_replicas, max_replicas=max_replicas, gpus=gpus)
+    return sum(d * _clairvoyant_busy(_expected_load(rate, x.t, request_seconds), x.running, **sizing)
+               for x, d in zip(s, dt, strict=True)) / sum(dt)
+
+
+def _clairvoyant_busy(load: float, served: float, *, capacity: float, min_replicas: int, max_replicas: int,
+                      gpus: int) -> float:
+    """Busy share of the pool at one instant for the clairvoyant controller: ``ceil(load / capacity)``
+    replicas (within the bounds) for the expected concurrency ``load``, busy with ``served``
+    requests (capped at capacity each), training on every other GPU."""
+    replicas = min(max_replicas, max(min_replicas, math.ceil(load / capacity - 1e-9)))
+    return (min(float(replicas), served / capacity) + (gpus - replicas)) / gpus
+
+
+def _intervals(s: list[Sample]) -> list[float]:
+    """Seconds each sample stands for: up to the next one (the last as long as the one before)."""
+    return [s[i + 1].t - s[i].t for i in range(len(s) - 1)] + [s[-1].t - s[-2].t]
 
 
 def _expected_load(rate: Callable[[float], float], t: float, request_seconds: float, step: float = 0.5) -> float:
