@@ -44,6 +44,8 @@ GPUS = 8
 # replica's SLO capacity) for 13 concurrent requests: above it the queue makes
 # time-to-first-token miss 1 s when few replicas run.
 SLOTS, TOKENS_PER_SECOND, MAX_TOKENS, TARGET = 16, 5.0, 32, 13.0
+# the training job's first start, before the day's load begins (seven processes importing torch)
+JOB_START_TIMEOUT_S = 180.0
 
 
 def demo_config(minutes: float, tick_seconds: float) -> dict[str, Any]:
@@ -142,11 +144,10 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
 
     console = Console()
     day = minutes * 60.0
-    # the warm-up covers the cold start: the training job's first workers (7 processes on this
-    # machine's cores: ~10 s) and the first scale-up, which waits for them; with 15 s that scale-up
-    # sometimes landed 3-4 s into the day, the one replica saturated meanwhile (2026-12-01). 40 s:
-    # in a fresh clone (a new .venv, its torch cold on disk) the start was called off twice by the
-    # first scale-ups (7 -> 6 -> 5 workers) and ran 15.6 s into the day with 25 s (2026-12-02)
+    # the warm-up (at the night's load, not counted) comes after the job's cold start (below): the
+    # first scale-up (1 -> 2 replicas, training shrunk 7 -> 6 in place), the metric and forecast
+    # windows filled. Before the cold start waited for its own end, 15-25 s let it run into the day
+    # (called off by the first scale-ups); 40 s kept it out on a fast machine only (2026-12-02)
     warmup = max(40.0, 5 * tick_seconds)
     kill_t = None if kill_worker_at is None else warmup + day_offset(kill_worker_at) * day
     cfg = load_config(data=demo_config(minutes, tick_seconds))
@@ -160,8 +161,13 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
                          # replicas it would never touch on separate GPUs
                          train_options=LaunchOptions(heartbeat_timeout_s=60.0, join_timeout_s=90.0, nice=10),
                          # a joiner (a new replica) taken from a started spare skips its process start,
-                         # imports and model load: a GPU lease and it trains (serves)
-                         spare_workers=1, spare_replicas=1)
+                         # imports and model load: a GPU lease and it trains (serves). The morning ramp
+                         # scales up four times in ~40 s and the evening grows training every ~10 s,
+                         # while a used spare takes 15-25 s to replace on a slow machine (Ray starts two
+                         # processes at a time, each importing torch on cores shared with the rest):
+                         # with one replica spare, the ramp's last replicas started cold, 13-16 s each,
+                         # and queued requests meanwhile (2026-12-02)
+                         spare_workers=2, spare_replicas=3)
     source = build_source(cfg.services[0].metric, targets=lambda s: backend.metric_targets(s))
     ctl = Controller(cfg, backend, store, {SERVICE: source}, owner=f"demo-{os.getpid()}", async_grow=True)
     api = None
@@ -180,6 +186,11 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
             api[0].should_exit = True
         raise SystemExit(f"elastic demo: {first.message}; another controller is acting on {db_url} "
                          "(use --db with another database, or stop it)")
+    # 3. the cold start (the training job's first workers: torch in each process, on this
+    # machine's cores) runs before any load: started under load it is called off by the first
+    # scale-ups (7 -> 6 -> 5 workers, each restart as slow), and on a slow machine it ran into the
+    # measured day (2026-12-02: 44 s after the first tick, 4 s into the day, with a 40 s warm-up)
+    _wait_job_started(ctl, backend, console, JOB_START_TIMEOUT_S, tick_seconds)
     # The day starts at 03:00: night trough, morning ramp, plateau, evening descent in steps.
     # A warm-up at the night load comes first (as the simulator starts every policy warm):
     # the controller sizes the service from real metrics before the measured day begins.
@@ -194,7 +205,7 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
                                                            cfg.services[0].metric.target), daemon=True)
     lg_thread.start()
     sampler.start()
-    # 3. the loop: tick, show
+    # 4. the loop: tick, show
     try:
         with Live(_table(run, ctl, minutes), console=console, refresh_per_second=2,
                   transient=False) if live else _Null() as view:
@@ -223,7 +234,7 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
         if api:
             api[0].should_exit = True
         ctl.release_lease()  # the next run need not wait for it to expire
-    # 4. summary
+    # 5. summary
     svc = cfg.services[0]
     sizing = dict(request_seconds=MAX_TOKENS / TOKENS_PER_SECOND, capacity=svc.metric.target,
                   min_replicas=svc.min_replicas, max_replicas=svc.max_replicas, gpus=GPUS)
@@ -324,6 +335,30 @@ def _sample_loop(backend: Any, ctl: Any, profile: Any, t0: float, run: DemoRun, 
         run.samples.append(Sample(t, rate_at(profile, t), len(urls), busy, tg, tbusy, rt.layout if rt else None,
                                   rt.step if rt else 0, rt.loss if rt else None,
                                   rt.tokens_per_second if rt else 0.0, sum(running), len(draining)))
+
+
+def _wait_job_started(ctl: Any, backend: Any, console: Any, wait_s: float, tick_seconds: float) -> bool:
+    """Tick until the demo's job runs (its first workers stepping), at most ``wait_s`` seconds.
+    False (and a line on the console) when it did not: the day starts anyway, and the summary
+    shows what the late start cost."""
+    t0 = time.monotonic()
+    said = False
+    while True:
+        rt = backend.job_runtime(JOB)
+        if rt is not None and rt.phase == "Running" and rt.step > 0:
+            log.info("training job running on %d GPUs after %.1f s", len(rt.gpus), time.monotonic() - t0)
+            return True
+        if time.monotonic() - t0 > wait_s:
+            console.print(f"[yellow]the training job is not running after {wait_s:.0f} s "
+                          f"({rt.phase if rt else 'not started'}); the day starts anyway[/]")
+            return False
+        if not said:
+            console.print(f"starting training job {JOB} on the GPUs inference leaves free, before the day's load")
+            said = True
+        time.sleep(tick_seconds)
+        res = ctl.tick()
+        if res.error:
+            log.warning("tick: %s", res.error)
 
 
 def _first_tick(ctl: Any, console: Any, wait_s: float, tick_seconds: float) -> Any:

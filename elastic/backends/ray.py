@@ -54,6 +54,9 @@ from elastic.train.rendezvous import RescaleCancelled
 
 log = logging.getLogger("elastic.backends.ray")
 
+# a replica process loads its model before it serves; one not up by then has failed to start
+REPLICA_START_TIMEOUT_S = 120.0
+
 
 @dataclass
 class _Replica:
@@ -242,8 +245,6 @@ class RayBackend:
     def set_service_gpus(self, spec: InferenceSpec, gpus: tuple[GPU, ...]) -> None:
         import ray
 
-        from elastic.serve.ray_replica import start_replica
-
         want = set(gpus[:: spec.gpus_per_replica]) if spec.gpus_per_replica > 1 else set(gpus)
         with self._lock:
             current = list(self.replicas.get(spec.name, []))
@@ -270,12 +271,14 @@ class RayBackend:
                 self.draining[spec.name] = [d for d in self.draining.get(spec.name, []) if d is not r]
         if leave:
             self._wait_gpus_free(len(leave) * spec.gpus_per_replica)
-        # 2. start the missing replicas (in parallel: each loads its model)
+        # 2. start the missing replicas: a warm spare serves at once; the others start in parallel
+        #    (each loads its model) and each joins the balancer's targets as soon as it is up, so a
+        #    scale-up by two with one spare serves on the spare while the second one still starts
         have = {r.gpu for r in keep}
-        started: list[_Replica] = []
+        starting: list[tuple[GPU, Any, Any]] = []  # (gpu, actor, start() ref -> url)
         for g in sorted(want - have, key=str):
             if (spared := self._take_spare_replica(spec, g)) is not None:
-                started.append(spared)
+                self._serve(spec.name, spared)
                 continue
             opts: dict[str, Any] = {"num_gpus": spec.gpus_per_replica, "num_cpus": 0}
             if self.detached:
@@ -284,13 +287,54 @@ class RayBackend:
 
             opts.update(on_node(self._ray_node(g.node)))
             try:
-                actor, url = self._start_replica(start_replica, opts)
+                actor = self._create_replica(opts)
             except Exception as e:  # noqa: BLE001 - surfaced as a failed step with the reason
+                self._abandon(starting)
                 raise BackendError(f"{spec.name}: replica on {g} failed to start: {e}") from e
-            started.append(_Replica(g, actor, url, time.time()))
-        with self._lock:
-            self.replicas[spec.name] = keep + started
+            starting.append((g, actor, actor.start.remote()))
+        failed = self._await_replicas(spec.name, starting, REPLICA_START_TIMEOUT_S)
         self._keep_spare_replicas(spec)
+        if failed:
+            raise BackendError(f"{spec.name}: " + "; ".join(f"replica on {g} failed to start: {e}" for g, e in failed))
+
+    def _serve(self, service: str, replica: _Replica) -> None:
+        with self._lock:
+            self.replicas[service] = [*self.replicas.get(service, []), replica]
+
+    def _await_replicas(self, service: str, starting: list[tuple[GPU, Any, Any]],
+                        timeout: float) -> list[tuple[GPU, str]]:
+        """Wait for replicas being started (``(gpu, actor, start() ref)``); each one serves as soon as
+        its ``start()`` returns its URL. Returns ``(gpu, why)`` for those that failed or did not start
+        within ``timeout`` seconds (their actors are killed: their GPUs stay free)."""
+        import ray
+
+        pending = {ref: (g, actor) for g, actor, ref in starting}
+        failed: list[tuple[GPU, str]] = []
+        deadline = time.monotonic() + timeout
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                for g, actor in pending.values():
+                    failed.append((g, f"not up within {timeout:g} s"))
+                    ray.kill(actor, no_restart=True)
+                break
+            for ref in ready:
+                g, actor = pending.pop(ref)
+                try:
+                    url = ray.get(ref)
+                except Exception as e:  # noqa: BLE001 - reported with the GPU
+                    failed.append((g, str(e)))
+                    ray.kill(actor, no_restart=True)
+                    continue
+                self._serve(service, _Replica(g, actor, url, time.time()))
+        return failed
+
+    @staticmethod
+    def _abandon(starting: list[tuple[GPU, Any, Any]]) -> None:
+        import ray
+
+        for _, actor, _ in starting:
+            ray.kill(actor, no_restart=True)
 
     def _keep_spare_replicas(self, spec: InferenceSpec) -> None:
         """Start spares for ``spec`` up to ``spare_replicas`` (asynchronous: each loads its model in
@@ -336,13 +380,19 @@ class RayBackend:
             return None
         return _Replica(g, actor, url, time.time(), lease)
 
-    def _start_replica(self, start: Callable[..., tuple[Any, str]], opts: dict[str, Any]) -> tuple[Any, str]:
-        """Start one replica actor. A detached name is released only once Ray has buried the previous
-        actor of that GPU (``ray.kill`` is asynchronous): retry a taken name for a few seconds."""
+    def _create_replica(self, opts: dict[str, Any]) -> Any:
+        """Create one replica actor (its ``start()`` not called yet). A detached name is released only
+        once Ray has buried the previous actor of that GPU (``ray.kill`` is asynchronous): retry a
+        taken name for a few seconds."""
+        from dataclasses import asdict
+
+        from elastic.serve.ray_replica import ReplicaActor
+        from elastic.serve.server import ReplicaConfig
+
         deadline = time.monotonic() + 15.0
         while True:
             try:
-                return start(self.replica_config, **opts)
+                return ReplicaActor.options(**opts).remote(asdict(self.replica_config or ReplicaConfig()))
             except ValueError as e:
                 if "name" not in opts or "already" not in str(e) or time.monotonic() > deadline:
                     raise
@@ -952,6 +1002,7 @@ class _RemoteCoordinator:
 def _coordinator_settings(opts: Any) -> dict[str, Any]:
     return {"heartbeat_interval_s": opts.heartbeat_interval_s, "heartbeat_timeout_s": opts.heartbeat_timeout_s,
             "join_timeout_s": opts.join_timeout_s, "max_steps": opts.max_steps, "recover": opts.recover,
+            "lookahead_steps": opts.lookahead_steps, "shrink_lookahead_steps": opts.shrink_lookahead_steps,
             "transactional": opts.transactional_rescale, "checkpoint": opts.checkpoint,
             "rendezvous_timeout_s": opts.pg_timeout_s}
 

@@ -79,6 +79,12 @@ class LaunchOptions:
     max_steps: int | None = None
     engine_factory: str | None = None  # "module:function" (see elastic.train.worker); None = TrainEngine
     verify_reshard: bool = False
+    # A rescale switches at the step boundary after the one in progress plus this many steps, during
+    # which every member prepares its receive buffers while it trains (the pause is shorter); a shrink
+    # (members only leave) frees GPUs someone waits for -- inference, under load -- and switches at the
+    # next boundary, preparing in its pause: a step is seconds on a large model, a preparation less.
+    lookahead_steps: int = 1
+    shrink_lookahead_steps: int = 0
     # Raise the workers' nice value by this much. Where logical GPUs share a few CPU cores
     # (``elastic demo``), training then yields the cores to the inference replicas, as work
     # on separate GPUs would not compete; 0 = leave the priority alone.
@@ -149,6 +155,7 @@ class JobHandle(ABC):
         self.coordinator = Coordinator(
             job, config_json(cfg), host=host, registry=registry, heartbeat_interval_s=o.heartbeat_interval_s,
             heartbeat_timeout_s=o.heartbeat_timeout_s, join_timeout_s=o.join_timeout_s, max_steps=o.max_steps,
+            lookahead_steps=o.lookahead_steps, shrink_lookahead_steps=o.shrink_lookahead_steps,
             validator=self.validate, recover=o.recover, transactional=o.transactional_rescale,
             checkpoint=o.checkpoint, rendezvous_timeout_s=o.pg_timeout_s,
         )

@@ -11,7 +11,10 @@ see identically:
    any member has begun) + 1 + lookahead``: a member may already be inside that step and
    its peers must join it, so the earliest safe boundary is the next one; the lookahead
    step lets every member see the directive one step early and prepare its receive buffers
-   while it still trains.
+   while it still trains. A shrink (members only leave) has its own lookahead
+   (``shrink_lookahead_steps``; ``LaunchOptions`` makes it 0): someone waits for the GPUs it
+   frees -- inference, under load -- and a step of latency costs more than preparing during
+   the pause.
 2. **Whether the rescale goes ahead.** Members of old and new layout arrive at ``/v1/arrive``
    with a digest of the reshard plan they computed, or the error that kept them from
    planning or preparing it. ``go`` once all have arrived with equal digests; ``abandoned``
@@ -312,6 +315,7 @@ class Coordinator:
         heartbeat_timeout_s: float = 15.0,
         join_timeout_s: float = 60.0,
         lookahead_steps: int = 1,
+        shrink_lookahead_steps: int | None = None,
         max_steps: int | None = None,
         validator: Validator | None = None,
         recover: bool = False,
@@ -334,6 +338,11 @@ class Coordinator:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.join_timeout_s = join_timeout_s
         self.lookahead_steps = lookahead_steps
+        # None: as any rescale
+        self.shrink_lookahead_steps = lookahead_steps if shrink_lookahead_steps is None else shrink_lookahead_steps
+        if min(self.lookahead_steps, self.shrink_lookahead_steps) < 0:
+            raise SpecError(f"lookahead_steps={lookahead_steps}, shrink_lookahead_steps={shrink_lookahead_steps}: "
+                            "a lookahead counts steps, >= 0")
         self.max_steps = max_steps
         self.validator = validator
         self.recover = recover
@@ -463,7 +472,8 @@ class Coordinator:
                                                        if cur is None else "is paused already; resume it first"))
             old_ranks = dict(cur.ranks) if cur else {}
             resume = self._resume_from_locked(members) if self.checkpoint and cur is None else None
-            switch = self._switch_step_locked() if cur else resume.step if resume else 0
+            shrink = cur is not None and not hold and not cur.hold and set(members) < set(cur.ranks)
+            switch = self._switch_step_locked(shrink) if cur else resume.step if resume else 0
             self._check_before_max_steps(generation, switch)
             d = Directive(
                 job=self.job, generation=generation, layout=str(lay), workers=tuple(members), remap=remap,
@@ -489,16 +499,17 @@ class Coordinator:
             self._cv.notify_all()
             return d
 
-    def _switch_step_locked(self) -> int:
+    def _switch_step_locked(self, shrink: bool = False) -> int:
         """The earliest step boundary every member of the current generation can still stop at.
 
-        Training: after the highest step any member has begun, plus the lookahead. Held: the
-        step the keepers sit at (they begin no step)."""
+        Training: after the highest step any member has begun, plus the lookahead (a shrink's
+        own). Held: the step the keepers sit at (they begin no step)."""
         cur = self._current
         assert cur is not None
         if cur.hold:
             return cur.start_step
-        return max(self._max_begun + 1 + self.lookahead_steps, cur.start_step)
+        ahead = self.shrink_lookahead_steps if shrink else self.lookahead_steps
+        return max(self._max_begun + 1 + ahead, cur.start_step)
 
     def _check_can_post(self, generation: int) -> None:
         if self._phase in ("failed", "stopped", "stopping", "finished"):
@@ -532,7 +543,7 @@ class Coordinator:
             return
         raise SpecError(
             f"job {self.job}: generation {generation} would switch at step {switch} (after the step in progress "
-            f"and {self.lookahead_steps} lookahead step(s)), but the job ends at max_steps={self.max_steps} "
+            f"and the lookahead), but the job ends at max_steps={self.max_steps} "
             f"(last step {self.max_steps - 1}); nothing changed: the job finishes on its current layout"
         )
 

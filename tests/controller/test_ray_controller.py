@@ -496,6 +496,66 @@ def test_a_scale_up_takes_a_spare_replica_whose_lease_holds_the_gpu_until_it_lea
     assert _gpus_free(8.0) == 8.0
 
 
+def test_a_scale_up_by_two_with_one_spare_serves_on_the_spare_while_the_other_replica_starts(ray_local) -> None:
+    """Each new replica joins the balancer as soon as it is up: the spare at once, the replica started
+    cold (a process importing torch and loading its model: seconds) when it is ready; the call returns
+    once both serve."""
+    import threading
+
+    import ray
+
+    cfg, backend, gpus = _backend_with_spares(4, spare_replicas=1)
+    spec = cfg.services[0]
+    try:
+        backend.set_service_gpus(spec, gpus[:1])
+        spare_url = ray.get(backend._spare_reps["chat"][0][1], timeout=60)
+        seen: list[tuple[str, ...]] = []
+        call = threading.Thread(target=backend.set_service_gpus, args=(spec, gpus[:3]))
+        call.start()
+        while call.is_alive():
+            now = tuple(backend.service_targets("chat"))
+            if not seen or seen[-1] != now:
+                seen.append(now)
+            time.sleep(0.02)
+        call.join()
+        assert [len(t) for t in seen] == [1, 2, 3], seen  # one at a time, the spare first
+        assert seen[1][1] == spare_url
+        assert len(backend.service_targets("chat")) == 3 and _gpus_free(5.0) == 5.0
+    finally:
+        backend.shutdown()
+    assert _gpus_free(8.0) == 8.0
+
+
+def test_replicas_that_fail_to_start_are_reported_by_gpu_and_the_others_serve(ray_local) -> None:
+    """``_await_replicas``: of replicas started together, each one up serves; one whose start fails and
+    one not up in time are named with their GPU and why, and their actors are gone."""
+    import ray
+
+    from elastic.model import GPU
+
+    @ray.remote(num_cpus=0)
+    class Fake:
+        def __init__(self, how: str) -> None:
+            self.how = how
+
+        def start(self) -> str:
+            if self.how == "fail":
+                raise RuntimeError("model weights not found")
+            if self.how == "slow":
+                time.sleep(30)
+            return f"http://127.0.0.1:1/{self.how}"
+
+    cfg, backend, _ = _backend_with_spares(0)
+    actors = {h: Fake.remote(h) for h in ("ok", "fail", "slow")}
+    starting = [(GPU("local", i), a, a.start.remote()) for i, a in enumerate(actors.values())]
+    failed = backend._await_replicas("chat", starting, timeout=5.0)
+    assert backend.service_targets("chat") == ["http://127.0.0.1:1/ok"]
+    assert [(str(g), "model weights not found" in why or why) for g, why in failed] == [
+        (str(GPU("local", 1)), True), (str(GPU("local", 2)), "not up within 5 s")]
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actors["slow"].start.remote(), timeout=10)
+
+
 def test_a_job_still_starting_can_be_called_off_and_gives_every_gpu_back(ray_local) -> None:
     """A start is a grow from nothing: until its workers have all registered it can be called off
     (inference needs a GPU it was lent), nothing exists to lose, and the job starts again later."""

@@ -344,6 +344,33 @@ def test_long_poll_hands_a_waiting_joiner_its_directive_when_it_is_posted() -> N
 
 
 @pytest.mark.parametrize(
+    "layout, members, expected_switch",
+    [
+        ("tp1.pp1.dp1", ["w0"], 2),  # a shrink: the boundary after the step in progress (1), no lookahead
+        ("tp1.pp1.dp2", ["w1", "w0"], 3),  # the same workers in another rank order: the lookahead step too
+        ("tp1.pp1.dp3", ["w0", "w1", "w2"], 3),  # a grow: its joiners' lookahead step
+    ],
+)
+def test_a_shrink_switches_at_the_next_boundary_and_other_rescales_after_their_lookahead(
+        layout, members, expected_switch) -> None:
+    """``shrink_lookahead_steps=0`` (what LaunchOptions sets): a shrink frees GPUs someone waits for;
+    its survivors prepare in the pause. Members still go through every step before the switch."""
+    c, _, _ = started(lookahead_steps=1, shrink_lookahead_steps=0)
+    if "w2" in members:
+        call(c, "register", "w2")
+    d = c.directive(2, layout, members, remap=False)
+    assert d.switch_step == expected_switch
+    for s in range(2, expected_switch):
+        assert run_step(c, ["w0", "w1"], 1, s) == ["go", "go"]
+    assert run_step(c, ["w0", "w1"], 1, expected_switch) == ["switch", "switch"]
+
+
+def test_a_negative_lookahead_is_refused() -> None:
+    with pytest.raises(SpecError, match="shrink_lookahead_steps=-1.*>= 0"):
+        make(shrink_lookahead_steps=-1)
+
+
+@pytest.mark.parametrize(
     "max_steps, outcome",
     [
         # started() leaves both members at step 1 (begun); lookahead 1 -> switch at step 3
