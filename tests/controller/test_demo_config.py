@@ -151,3 +151,41 @@ def test_a_recovery_is_counted_apart_from_the_rescales_and_not_subtracted_twice(
 def test_the_demo_job_keeps_a_full_optimizer_copy_per_replica() -> None:
     job = load_config(data=demo_config(5.0, 2.0)).jobs[0]
     assert job.replicate_optimizer and not job.zero  # a killed worker is recovered from its replica
+
+
+class _Job:
+    """The backend's view of the demo job at one tick (our boundary: the real backend is Ray)."""
+
+    def __init__(self, phase: str, step: int) -> None:
+        self.phase, self.step, self.gpus = phase, step, ("g",) * 7
+
+
+@pytest.mark.parametrize("runs_after, expected, ticks", [(3, True, 3), (None, False, None)])
+def test_the_day_waits_for_the_training_jobs_cold_start(runs_after, expected, ticks) -> None:
+    """``_wait_job_started`` ticks the controller until the job steps (a job Running at step 0 has not
+    stepped yet), or gives up after its timeout with a line on the console: the day starts anyway."""
+    from rich.console import Console
+
+    from elastic.demo import _wait_job_started
+
+    class Ctl:
+        n = 0
+
+        def tick(self):
+            self.n += 1
+            return type("R", (), {"error": None})()
+
+    class Backend:
+        def job_runtime(self, job):
+            if runs_after is not None and ctl.n >= runs_after:
+                return _Job("Running", 1)
+            return _Job("Pending", 0) if ctl.n < 2 else _Job("Running", 0)
+
+    ctl, console = Ctl(), Console(record=True, width=200)
+    assert _wait_job_started(ctl, Backend(), console, wait_s=0.3, tick_seconds=0.01) is expected
+    out = console.export_text()
+    assert "starting training job" in out
+    if ticks is not None:
+        assert ctl.n == ticks and "not running" not in out
+    else:
+        assert ctl.n > 3 and "not running after 0 s (Running); the day starts anyway" in out
