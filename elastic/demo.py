@@ -190,7 +190,8 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
     # machine's cores) runs before any load: started under load it is called off by the first
     # scale-ups (7 -> 6 -> 5 workers, each restart as slow), and on a slow machine it ran into the
     # measured day (2026-12-02: 44 s after the first tick, 4 s into the day, with a 40 s warm-up)
-    _wait_job_started(ctl, backend, console, JOB_START_TIMEOUT_S, tick_seconds)
+    run = DemoRun(warmup=warmup, reshards_after_id=start_id)
+    _wait_job_started(ctl, backend, console, JOB_START_TIMEOUT_S, tick_seconds, run.losses)
     # The day starts at 03:00: night trough, morning ramp, plateau, evening descent in steps.
     # A warm-up at the night load comes first (as the simulator starts every policy warm):
     # the controller sizes the service from real metrics before the measured day begins.
@@ -198,7 +199,6 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
     lg = LoadGenerator(lambda: backend.service_targets(SERVICE), profile, duration=warmup + day,
                        max_requests=int(peak_rps * day * 1.2) + 100, max_tokens=MAX_TOKENS, seed=seed, timeout=20.0)
     lg_thread = threading.Thread(target=lambda: asyncio.run(lg.run()), name="loadgen", daemon=True)
-    run = DemoRun(warmup=warmup, reshards_after_id=start_id)
     stop = threading.Event()
     t0 = time.monotonic()
     sampler = threading.Thread(target=_sample_loop, args=(backend, ctl, profile, t0, run, stop, rate_at,
@@ -337,14 +337,18 @@ def _sample_loop(backend: Any, ctl: Any, profile: Any, t0: float, run: DemoRun, 
                                   rt.tokens_per_second if rt else 0.0, sum(running), len(draining)))
 
 
-def _wait_job_started(ctl: Any, backend: Any, console: Any, wait_s: float, tick_seconds: float) -> bool:
+def _wait_job_started(ctl: Any, backend: Any, console: Any, wait_s: float, tick_seconds: float,
+                      losses: list[tuple[int, float]] | None = None) -> bool:
     """Tick until the demo's job runs (its first workers stepping), at most ``wait_s`` seconds.
     False (and a line on the console) when it did not: the day starts anyway, and the summary
-    shows what the late start cost."""
+    shows what the late start cost. The losses it sees go to ``losses`` as ``(step, loss)`` (the
+    summary's ``loss_first`` is the job's, not the first one after the wait)."""
     t0 = time.monotonic()
     said = False
     while True:
         rt = backend.job_runtime(JOB)
+        if losses is not None and rt is not None and rt.loss is not None and (not losses or losses[-1][0] != rt.step):
+            losses.append((rt.step, rt.loss))
         if rt is not None and rt.phase == "Running" and rt.step > 0:
             log.info("training job running on %d GPUs after %.1f s", len(rt.gpus), time.monotonic() - t0)
             return True

@@ -158,6 +158,7 @@ class _Job:
 
     def __init__(self, phase: str, step: int) -> None:
         self.phase, self.step, self.gpus = phase, step, ("g",) * 7
+        self.loss = 5.5 if step else None
 
 
 @pytest.mark.parametrize("runs_after, expected, ticks", [(3, True, 3), (None, False, None)])
@@ -181,8 +182,9 @@ def test_the_day_waits_for_the_training_jobs_cold_start(runs_after, expected, ti
                 return _Job("Running", 1)
             return _Job("Pending", 0) if ctl.n < 2 else _Job("Running", 0)
 
-    ctl, console = Ctl(), Console(record=True, width=200)
-    assert _wait_job_started(ctl, Backend(), console, wait_s=0.3, tick_seconds=0.01) is expected
+    ctl, console, losses = Ctl(), Console(record=True, width=200), []
+    assert _wait_job_started(ctl, Backend(), console, wait_s=0.3, tick_seconds=0.01, losses=losses) is expected
+    assert losses == ([(1, 5.5)] if expected else [])  # the job's first loss, once: the summary's loss_first
     out = console.export_text()
     assert "starting training job" in out
     if ticks is not None:
