@@ -455,8 +455,10 @@ def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup:
         "ttft_p50_seconds": _r(report.ttft_quantile(0.5, since=warmup)),
         "ttft_p99_seconds": _r(report.ttft_quantile(0.99, since=warmup)),
         # not answered in full: refused, errors, no first token, and streams cut short
-        "failed_requests": sum(1 for r in report.results if r.sent_at >= warmup and not
-                               (r.status == 200 and r.ttft is not None and r.complete)),
+        "failed_requests": sum(_failed_by_status(report.results, warmup).values()),
+        # why: the HTTP status of each failed request ("0": no answer - a connection error, or no
+        # response within the load generator's 20 s; "200": answered but cut short or tokenless)
+        "failed_by_status": _failed_by_status(report.results, warmup),
         "truncated_requests": sum(1 for r in report.results if r.sent_at >= warmup and r.truncated),
         # resumed on another replica by the balancer (handed off by a leaving replica, or refused by one)
         "handed_off_requests": sum(1 for r in report.results if r.sent_at >= warmup and r.handoffs),
@@ -479,6 +481,15 @@ def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup:
         "day_seconds": day,
         "warmup_seconds": warmup,
     }
+
+
+def _failed_by_status(results: list[Any], since: float) -> dict[str, int]:
+    """Failed requests sent from ``since`` on (not answered in full with a first token), by HTTP status."""
+    out: dict[str, int] = {}
+    for r in results:
+        if r.sent_at >= since and not (r.status == 200 and r.ttft is not None and r.complete):
+            out[str(r.status)] = out.get(str(r.status), 0) + 1
+    return dict(sorted(out.items()))
 
 
 def utilization_bound(rate: Callable[[float], float], start: float, end: float, *, request_seconds: float,

@@ -191,3 +191,23 @@ def test_the_day_waits_for_the_training_jobs_cold_start(runs_after, expected, ti
         assert ctl.n == ticks and "not running" not in out
     else:
         assert ctl.n > 3 and "not running after 0 s (Running); the day starts anyway" in out
+
+
+def test_the_summary_says_why_requests_failed() -> None:
+    """``failed_by_status``: the failed requests of the measured day by HTTP status (0 = no answer),
+    summing to ``failed_requests``; an answered-but-cut request counts under 200, warm-up ones not at all."""
+    from elastic.demo import DemoRun, _summary
+    from elastic.serve.loadgen import Report, Result
+
+    ok = dict(status=200, ttft=0.1, e2e=6.4, tokens=32, complete=True)
+    report = Report(results=[
+        Result(sent_at=1.0, target="a", **ok),
+        Result(sent_at=2.0, target="a", status=0),  # timed out
+        Result(sent_at=3.0, target="a", status=503),
+        Result(sent_at=4.0, target="a", status=200, ttft=0.2, tokens=5, complete=False),  # cut short
+        Result(sent_at=5.0, target="a", status=0),
+        Result(sent_at=-1.0, target="a", status=0),  # warm-up: not counted
+    ])
+    s = _summary(DemoRun(), report, 1.0, None, 10.0, 0.0)
+    assert s["failed_by_status"] == {"0": 2, "200": 1, "503": 1}
+    assert s["failed_requests"] == 4 and s["truncated_requests"] == 1
