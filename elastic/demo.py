@@ -330,11 +330,16 @@ def _sample_loop(backend: Any, ctl: Any, profile: Any, t0: float, run: DemoRun, 
         # Rescaling: the old workers keep stepping until the switch step; the pause itself is
         # subtracted from the reshard records in the summary (pause x old world size).
         tbusy = tg if rt and rt.phase in ("Running", "Rescaling") else 0
-        if rt and rt.loss is not None and (not run.losses or run.losses[-1][0] != rt.step):
-            run.losses.append((rt.step, rt.loss))
+        _note_loss(run.losses, rt)
         run.samples.append(Sample(t, rate_at(profile, t), len(urls), busy, tg, tbusy, rt.layout if rt else None,
                                   rt.step if rt else 0, rt.loss if rt else None,
                                   rt.tokens_per_second if rt else 0.0, sum(running), len(draining)))
+
+
+def _note_loss(losses: list[tuple[int, float]], rt: Any) -> None:
+    """Append the job's ``(step, loss)`` when it has one for a step not noted yet."""
+    if rt is not None and rt.loss is not None and (not losses or losses[-1][0] != rt.step):
+        losses.append((rt.step, rt.loss))
 
 
 def _wait_job_started(ctl: Any, backend: Any, console: Any, wait_s: float, tick_seconds: float,
@@ -347,8 +352,8 @@ def _wait_job_started(ctl: Any, backend: Any, console: Any, wait_s: float, tick_
     said = False
     while True:
         rt = backend.job_runtime(JOB)
-        if losses is not None and rt is not None and rt.loss is not None and (not losses or losses[-1][0] != rt.step):
-            losses.append((rt.step, rt.loss))
+        if losses is not None:
+            _note_loss(losses, rt)
         if rt is not None and rt.phase == "Running" and rt.step > 0:
             log.info("training job running on %d GPUs after %.1f s", len(rt.gpus), time.monotonic() - t0)
             return True
@@ -434,6 +439,7 @@ def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup:
     pauses = [r["pause_seconds"] for r in done]
     requests = sum(1 for r in report.results if r.sent_at >= warmup)
     e2e = [r.e2e for r in report.results if r.sent_at >= warmup and r.complete and r.e2e is not None]
+    failed = _failed_by_status(report.results, warmup)
     return {
         "gpu_utilization": round(busy / total, 4),
         # the same measure for a clairvoyant controller on this day's expected load (whole
@@ -455,10 +461,10 @@ def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup:
         "ttft_p50_seconds": _r(report.ttft_quantile(0.5, since=warmup)),
         "ttft_p99_seconds": _r(report.ttft_quantile(0.99, since=warmup)),
         # not answered in full: refused, errors, no first token, and streams cut short
-        "failed_requests": sum(_failed_by_status(report.results, warmup).values()),
+        "failed_requests": sum(failed.values()),
         # why: the HTTP status of each failed request ("0": no answer - a connection error, or no
         # response within the load generator's 20 s; "200": answered but cut short or tokenless)
-        "failed_by_status": _failed_by_status(report.results, warmup),
+        "failed_by_status": failed,
         "truncated_requests": sum(1 for r in report.results if r.sent_at >= warmup and r.truncated),
         # resumed on another replica by the balancer (handed off by a leaving replica, or refused by one)
         "handed_off_requests": sum(1 for r in report.results if r.sent_at >= warmup and r.handoffs),
