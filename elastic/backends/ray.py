@@ -86,19 +86,30 @@ def wait_drained(urls: Sequence[str], timeout: float, poll: float = 0.1) -> list
     ``terminationGracePeriodSeconds``). A replica counts as drained once it read idle twice
     in a row: a request routed to it just before it left the targets is not cut. An
     unreachable replica has nothing left to drain."""
+    deadline = time.monotonic() + timeout
+    idle = {u: 0 for u in urls}  # idle readings in a row; 2 = drained
+    while True:
+        _read_idle(idle)
+        if all(n == 2 for n in idle.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(poll)
+    if any(n == 1 for n in idle.values()):
+        # one that read idle once at the deadline gets its second reading: on a slow machine the
+        # first round of reads can take the whole timeout, and only a replica still busy is reported
+        time.sleep(poll)
+        _read_idle(idle, only=1)
+    return [u for u, n in idle.items() if n < 2]
+
+
+def _read_idle(idle: dict[str, int], only: int | None = None) -> None:
+    """One round of ``wait_drained``'s reads: ``idle[url]`` counts idle readings in a row, 2 when
+    drained (an unreachable replica has nothing left). ``only``: read just those at that count."""
     from elastic.metrics.scrape import scrape_sum
 
-    deadline = time.monotonic() + timeout
-    idle = {u: 0 for u in urls}
-    while True:
-        for u, n in idle.items():
-            if n < 2:
-                busy = scrape_sum(u, ("vllm:num_requests_running", "vllm:num_requests_waiting"))
-                idle[u] = 2 if busy is None else (n + 1 if not busy else 0)
-        left = [u for u, n in idle.items() if n < 2]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(poll)
+    for u, n in idle.items():
+        if n < 2 and only in (None, n):
+            busy = scrape_sum(u, ("vllm:num_requests_running", "vllm:num_requests_waiting"))
+            idle[u] = 2 if busy is None else (n + 1 if not busy else 0)
 
 
 def hand_off(urls: Sequence[str], timeout: float = 2.0) -> dict[str, int | None]:
@@ -298,8 +309,11 @@ class RayBackend:
             raise BackendError(f"{spec.name}: " + "; ".join(f"replica on {g} failed to start: {e}" for g, e in failed))
 
     def _serve(self, service: str, replica: _Replica) -> None:
+        """``replica`` joins the balancer's targets; a service's replicas stay in GPU order whatever
+        order they came up in (targets, metrics and listings read the same from run to run)."""
         with self._lock:
-            self.replicas[service] = [*self.replicas.get(service, []), replica]
+            both = [*self.replicas.get(service, []), replica]
+            self.replicas[service] = sorted(both, key=lambda r: (r.gpu.node, r.gpu.index))
 
     def _await_replicas(self, service: str, starting: list[tuple[GPU, Any, Any]],
                         timeout: float) -> list[tuple[GPU, str]]:
@@ -659,8 +673,7 @@ class RayBackend:
         if url is None:
             _kill_named(name, self.namespace)
             return f"replica {name} had no server; killed"
-        with self._lock:
-            self.replicas.setdefault(service, []).append(_Replica(GPU(node, int(index)), actor, url, time.time()))
+        self._serve(service, _Replica(GPU(node, int(index)), actor, url, time.time()))
         return f"adopted replica {service} on {node}:{index}"
 
     def _adopt_job(self, job: str, worker_names: list[str]) -> str:

@@ -346,6 +346,8 @@ def test_a_replica_drained_ahead_leaves_the_balancer_keeps_its_gpu_and_then_leav
         backend.set_service_gpus(spec, gpus)
         urls = backend.service_targets("chat")
         assert len(urls) == 3
+        # in GPU order, whatever order they came up in (they start in parallel)
+        assert [r.gpu for r in backend.replicas["chat"]] == list(gpus)
         leaving = backend.replicas["chat"][2]
         # one request of ~2 s (100 tokens at 50 tokens/s) running on the replica about to leave
         load = BackgroundLoad(LoadGenerator([leaving.url], ConstantProfile(20.0), duration=1.0, max_requests=1,

@@ -46,3 +46,20 @@ def test_wait_drained_gives_up_at_its_timeout_and_names_the_busy_replica(replica
 
 def test_an_unreachable_replica_has_nothing_to_drain() -> None:
     assert wait_drained(["http://127.0.0.1:9"], timeout=5.0) == []
+
+
+def test_a_replica_read_idle_once_at_the_deadline_is_read_again_not_reported_busy(monkeypatch) -> None:
+    """On a slow machine the first round of reads can outlast the timeout: a replica that read idle
+    then gets its second reading instead of being named busy; one still busy is named."""
+    import elastic.metrics.scrape as scrape
+
+    reads: list[str] = []
+
+    def slow_read(url: str, names, timeout: float = 1.0) -> float:
+        reads.append(url)
+        time.sleep(0.3)
+        return 1.0 if url.endswith("busy") else 0.0
+
+    monkeypatch.setattr(scrape, "scrape_sum", slow_read)
+    assert wait_drained(["http://a/busy", "http://b/idle"], timeout=0.1, poll=0.01) == ["http://a/busy"]
+    assert reads == ["http://a/busy", "http://b/idle", "http://b/idle"]  # one round, then idle once more
