@@ -38,7 +38,7 @@ def test_wait_drained_gives_up_at_its_timeout_and_names_the_busy_replica(replica
     time.sleep(0.3)
     t0 = time.monotonic()
     assert wait_drained([busy.url, idle.url], timeout=0.5) == [busy.url]
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 3.0  # not the ~6 s its request runs
     busy.stop()  # cut: the load generator must see a failed, truncated request
     report = load.finish()
     assert [x.truncated for x in report.results] == [True]
