@@ -9,8 +9,9 @@ GPU utilisation is measured as docs/DESIGN.md defines it, sampled every second: 
 replica counts ``min(1, running / capacity)``, where the capacity is the load a replica is
 sized for at its SLO (the service's target: 13 concurrent requests of its 16 batch slots;
 above it the queue makes time-to-first-token miss 1 s); each training GPU counts 1 while
-its worker is stepping (a rescale's pause, pause x old world size, is subtracted; GPUs
-whose joiners are still starting count 0); idle, starting and draining GPUs (a replica out
+its worker is stepping: the GPUs of the coordinator's current layout (a rescale's pause,
+pause x the larger of the two world sizes, is subtracted; GPUs whose joiners are still
+starting count 0, a shrink's leavers count 0 from the switch step on); idle, starting and draining GPUs (a replica out
 of the balancer, finishing its requests) count 0. The sum over
 time is divided by 8 x elapsed time. A request counts as served only when its stream ends
 as the replica meant it to: one cut short (a replica stopped under it) is a failed request.
@@ -327,13 +328,20 @@ def _sample_loop(backend: Any, ctl: Any, profile: Any, t0: float, run: DemoRun, 
         busy = sum(min(1.0, r / capacity) for r in running)
         rt = backend.job_runtime(JOB)
         tg = len(rt.gpus) if rt else 0
-        # Rescaling: the old workers keep stepping until the switch step; the pause itself is
-        # subtracted from the reshard records in the summary (pause x old world size).
-        tbusy = tg if rt and rt.phase in ("Running", "Rescaling") else 0
+        # GPUs stepping: the coordinator's current layout (the old one until the switch step, the new
+        # one from there: a grow's joiners train, a shrink's leavers do not, before the backend's books
+        # say so); the pause itself is subtracted from the reshard records in the summary
+        tbusy = _world_size(rt.layout) if rt and rt.phase in ("Running", "Rescaling") else 0
         _note_loss(run.losses, rt)
         run.samples.append(Sample(t, rate_at(profile, t), len(urls), busy, tg, tbusy, rt.layout if rt else None,
                                   rt.step if rt else 0, rt.loss if rt else None,
                                   rt.tokens_per_second if rt else 0.0, sum(running), len(draining)))
+
+
+def _world_size(layout: str | None) -> int:
+    from elastic.model import Layout
+
+    return Layout.parse(layout).world_size if layout else 0
 
 
 def _note_loss(losses: list[tuple[int, float]], rt: Any) -> None:
@@ -422,12 +430,12 @@ def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup:
     done = [r for r in run.reshards if r["status"] == "done" and r["pause_seconds"] is not None
             and r not in recoveries]
     if len(s) >= 2:
-        from elastic.model import Layout
-
         dt = _intervals(s)
         total = GPUS * sum(dt)
         inf_s = sum(x.inference_busy * d for x, d in zip(s, dt, strict=True))
-        paused = sum(r["pause_seconds"] * Layout.parse(r["from"]).world_size for r in done if r["from"])
+        # during a pause the samples show the old layout, then the new one: the larger one is subtracted
+        paused = sum(r["pause_seconds"] * max(_world_size(r["from"]), _world_size(r["to"]))
+                     for r in done if r["from"])
         trn_s = max(0.0, sum(x.training_busy * d for x, d in zip(s, dt, strict=True)) - paused)
         busy, inf, trn = inf_s + trn_s, inf_s / total, trn_s / total
         held_inf = sum((x.replicas + x.draining) * d for x, d in zip(s, dt, strict=True)) / total

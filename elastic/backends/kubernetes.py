@@ -421,7 +421,8 @@ class KubernetesBackend:
             if starting:
                 res = j.handle.start(layout, [new_workers[g] for g in gpus])
             else:
-                res = j.handle.rescale(layout, [new_workers[g] for g in gpus])
+                # a shrink returns once the new layout trains and its leavers are gone (see JobHandle.rescale)
+                res = j.handle.rescale(layout, [new_workers[g] for g in gpus], wait_first_step=False)
         except RescaleCancelled as e:
             if starting:  # nothing was trained: drop the half-started job (its pods, its handle)
                 self._stop_coordinated(spec, j)

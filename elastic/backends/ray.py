@@ -564,7 +564,9 @@ class RayBackend:
         _remember_gpus(j.handle, _Job(j.handle, {**j.workers, **new_workers}, nxt))
         self._place(j.handle, new_workers)
         try:
-            res = j.handle.rescale(layout, [new_workers[g] for g in gpus])
+            # a shrink returns once the new layout trains and its leavers are gone: inference waits for
+            # those GPUs, not for the new layout's first step
+            res = j.handle.rescale(layout, [new_workers[g] for g in gpus], wait_first_step=False)
         except RescaleCancelled as e:
             _remember_gpus(j.handle, j)  # the job keeps the workers and GPUs it had
             raise GrowCancelled(f"{spec.name}: rescale {before.layout} -> {layout} called off: {e}") from e
@@ -976,6 +978,9 @@ class _RemoteCoordinator:
 
     def wait_generation(self, generation: int, timeout: float) -> Any:
         return self._call("wait_generation", generation, timeout, timeout=timeout + 30)
+
+    def wait_resumed(self, generation: int, timeout: float) -> Any:
+        return self._call("wait_resumed", generation, timeout, timeout=timeout + 30)
 
     def wait_step(self, step: int, timeout: float) -> Any:
         return self._call("wait_step", step, timeout, timeout=timeout + 30)

@@ -39,6 +39,7 @@ from elastic.train.checkpoint import CheckpointSettings
 from elastic.train.procenv import worker_memory_env
 from elastic.train.rendezvous import (
     Coordinator,
+    JobFailed,
     JobStatus,
     RescaleCancelled,
     RescaleFailed,
@@ -171,6 +172,9 @@ class JobHandle(ABC):
         self._cancellable = False
         self._cancel_lock = threading.Lock()
         self.keepers: set[str] = set()  # workers launched to hold a paused job's state (no GPU)
+        # a rescale that returned before its new layout's first step ended (wait_first_step=False):
+        # the next rescale waits for that step first (see _settle)
+        self._unsettled: int | None = None
 
     # ---- launcher specifics -------------------------------------------------------------------
     @abstractmethod
@@ -206,14 +210,21 @@ class JobHandle(ABC):
         return self._apply(1, lay, list(workers), remap=False, timeout=timeout)
 
     def rescale(self, layout: Layout | str, workers: Sequence[str], *, remap: bool = True,
-                timeout: float | None = None) -> RescaleResult:
+                timeout: float | None = None, wait_first_step: bool = True) -> RescaleResult:
         """Move the job to ``layout`` on ``workers`` in place. Raises SpecError (refused, nothing changed),
         RescaleFailed (abandoned: the job continues on its old layout) or JobFailed.
+
+        Returns once the new layout has run its first step and the leavers are gone. With
+        ``wait_first_step=False`` a rescale that has leavers (a shrink: someone waits for the GPUs
+        it frees) returns as soon as the new layout has *begun* its first step and the leavers are
+        gone: the step adds nothing to the freed GPUs and takes a whole step. Its record's ``ok``
+        is then None (the step runs on); the next rescale or pause waits for that step first.
 
         A paused job resumes this way: its keepers send the state to ``workers`` and leave, and
         training continues at the step it paused at."""
         lay = _layout(layout)
         self.validate(lay, list(workers))
+        self._settle()
         st = self.coordinator.status()
         if st.phase not in ("running", "paused"):
             raise SpecError(f"job {self.job} is {st.phase}" + (f" ({st.error})" if st.error else "")
@@ -221,7 +232,8 @@ class JobHandle(ABC):
         if st.phase == "paused" and set(workers) & set(st.workers):
             raise SpecError(f"job {self.job} is paused: its keepers {', '.join(st.workers)} hold no GPU and "
                             "cannot train; resume it on new workers")
-        return self._apply(st.generation + 1, lay, list(workers), remap=remap, timeout=timeout)
+        return self._apply(st.generation + 1, lay, list(workers), remap=remap, timeout=timeout,
+                           wait_first_step=wait_first_step)
 
     resume = rescale
 
@@ -237,6 +249,7 @@ class JobHandle(ABC):
         Raises SpecError when the job is not running (nothing changed), RescaleFailed when
         the move was abandoned before any byte moved (the job trains on), JobFailed.
         """
+        self._settle()
         st = self.coordinator.status()
         if st.phase != "running" or not st.layout:
             raise SpecError(f"job {self.job} is {st.phase}" + (f" ({st.error})" if st.error else "")
@@ -296,7 +309,7 @@ class JobHandle(ABC):
 
     # ---- orchestration ------------------------------------------------------------------------
     def _apply(self, generation: int, layout: Layout, workers: list[str], *, remap: bool,
-               timeout: float | None, hold: bool = False) -> RescaleResult:
+               timeout: float | None, hold: bool = False, wait_first_step: bool = True) -> RescaleResult:
         t0 = time.perf_counter()
         old = set(self.coordinator.status().workers)
         joiners = [w for w in workers if w not in old]
@@ -330,14 +343,19 @@ class JobHandle(ABC):
         except SpecError:
             self._dismiss(joiners)  # refused meanwhile (e.g. the job neared max_steps while they started)
             raise
-        # 4. wait for the new generation's first step
+        # 4. wait for the new generation's first step (wait_first_step=False with leavers: only until
+        #    the new layout has begun it; the next rescale waits for the rest, see _settle)
+        leavers = sorted(old - set(workers))
+        early = bool(leavers) and not hold and not wait_first_step
         try:
-            rec = self.coordinator.wait_generation(generation, timeout or self.opts.rescale_timeout_s)
+            wait = self.coordinator.wait_resumed if early else self.coordinator.wait_generation
+            rec = wait(generation, timeout or self.opts.rescale_timeout_s)
         except RescaleFailed:
             self._wait_gone(joiners, self.opts.exit_timeout_s, kill=True)  # they exit on their own; make sure
             raise
+        if rec.ok is None:
+            self._unsettled = generation
         # 5. leavers are gone and their resources free again
-        leavers = sorted(old - set(workers))
         t_run = time.perf_counter()
         self._wait_gone(leavers, self.opts.exit_timeout_s, kill=True)
         self._after_gone(leavers, self.opts.exit_timeout_s)
@@ -345,6 +363,18 @@ class JobHandle(ABC):
         return RescaleResult(generation, rec.from_layout, rec.to_layout, rec.switch_step, rec.pause_seconds,
                              rec.bytes_moved, rec.planned_bytes, rec.lower_bound_bytes, t_end - t0, rec,
                              leave_seconds=t_end - t_run)
+
+    def _settle(self) -> None:
+        """Wait for the first step of a generation that ``_apply`` returned from early (a shrink), so
+        the next directive is not posted while it is in flight. Its failure is no error here: the
+        caller then sees the job's phase (recovering, failed) and says so."""
+        gen, self._unsettled = self._unsettled, None
+        if gen is None:
+            return
+        try:
+            self.coordinator.wait_generation(gen, self.opts.rescale_timeout_s)
+        except (RescaleFailed, JobFailed, TimeoutError) as e:
+            log.warning("job %s: generation %d's first step: %s", self.job, gen, e)
 
     def _launch(self, worker: str, *, keeper: bool = False) -> None:
         env = {

@@ -577,12 +577,8 @@ class Coordinator:
     def wait_generation(self, generation: int, timeout: float) -> RescaleRecord:
         """Block until ``generation`` ran its first step. Raises RescaleFailed / JobFailed / TimeoutError."""
 
-        def done() -> bool:
-            rec = self._rescales.get(generation)
-            return self._phase in ("failed", "stopped", "finished") or (rec is not None and rec.ok is not None)
-
         with self._cv:
-            if not self._cv.wait_for(done, timeout):
+            if not self._cv.wait_for(lambda: self._generation_over_locked(generation), timeout):
                 raise TimeoutError(f"job {self.job}: generation {generation} did not run a step within {timeout:.0f} s "
                                    f"(phase {self._phase}, {self._reason or 'no reason recorded'})")
             rec = self._rescales.get(generation)
@@ -591,6 +587,34 @@ class Coordinator:
             if rec is not None and rec.ok is False:
                 raise RescaleFailed(rec.reason, RescaleRecord(**asdict(rec)))
             raise JobFailed(self._error or f"job {self.job} is {self._phase}")
+
+    def wait_resumed(self, generation: int, timeout: float) -> RescaleRecord:
+        """Block until ``generation`` trains again: every new member has begun its first step (the
+        pause is over) and every member has reported its part of the reshard, so its leavers are
+        leaving. The record is returned as known then (``ok`` stays None until the first step has
+        finished: see :meth:`wait_generation`). For a caller that waits for the GPUs a shrink frees:
+        the new layout's first step adds nothing to them and takes a whole step. A generation that
+        completed, failed or was abandoned meanwhile answers as :meth:`wait_generation` does.
+        Raises RescaleFailed / JobFailed / TimeoutError."""
+
+        def resumed() -> bool:
+            p = self._pending
+            return (p is not None and p.directive.generation == generation and p.decision == "go"
+                    and p.record.pause_seconds is not None and set(p.directive.members) <= set(p.results))
+
+        with self._cv:
+            if not self._cv.wait_for(lambda: resumed() or self._generation_over_locked(generation), timeout):
+                raise TimeoutError(f"job {self.job}: generation {generation} did not begin a step within "
+                                   f"{timeout:.0f} s (phase {self._phase}, {self._reason or 'no reason recorded'})")
+            if resumed():
+                p = self._pending
+                assert p is not None
+                return self._fill_record(RescaleRecord(**asdict(p.record)), p.results)
+        return self.wait_generation(generation, 0.0)
+
+    def _generation_over_locked(self, generation: int) -> bool:
+        rec = self._rescales.get(generation)
+        return self._phase in ("failed", "stopped", "finished") or (rec is not None and rec.ok is not None)
 
     def wait_step(self, step: int, timeout: float) -> StepRecord:
         """Block until step ``step`` has finished on every worker. Raises JobFailed / TimeoutError."""
@@ -759,11 +783,15 @@ class Coordinator:
     @staticmethod
     def _close_record_locked(p: _Pending) -> RescaleRecord:
         """Mark ``p``'s rescale done, with the bytes and seconds its members reported."""
-        rec = p.record
-        rec.ok = True
-        rec.bytes_moved = sum(int(r.get("bytes_sent", 0)) for r in p.results.values())
-        rec.execute_seconds = max((float(r.get("execute_seconds", 0.0)) for r in p.results.values()), default=0.0)
-        rec.worker_stats = {w: dict(r) for w, r in p.results.items()}
+        p.record.ok = True
+        return Coordinator._fill_record(p.record, p.results)
+
+    @staticmethod
+    def _fill_record(rec: RescaleRecord, results: dict[str, dict[str, Any]]) -> RescaleRecord:
+        """``rec`` with the bytes and seconds the members reported (``results``: worker -> stats)."""
+        rec.bytes_moved = sum(int(r.get("bytes_sent", 0)) for r in results.values())
+        rec.execute_seconds = max((float(r.get("execute_seconds", 0.0)) for r in results.values()), default=0.0)
+        rec.worker_stats = {w: dict(r) for w, r in results.items()}
         return rec
 
     def _record_report_locked(self, worker: str, gen: int, rep: dict[str, Any]) -> None:
@@ -1109,6 +1137,7 @@ class Coordinator:
                 p.record.pause_seconds = self._clock() - self._recovery.started_at
             elif p.stopped_at is not None:
                 p.record.pause_seconds = self._clock() - p.stopped_at
+            self._cv.notify_all()  # wait_resumed
 
     def _h_arrive(self, b: dict[str, Any]) -> dict[str, Any]:
         """A member is at the meeting point of ``generation`` with its plan digest; returns the decision.
@@ -1178,6 +1207,7 @@ class Coordinator:
                 self._seen.pop(w, None)
                 self._building.pop(w, None)
             self._maybe_complete_locked()
+            self._cv.notify_all()  # wait_resumed
         return {}
 
     def _h_exchanged(self, b: dict[str, Any]) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -141,11 +142,36 @@ def test_a_recovery_is_counted_apart_from_the_rescales_and_not_subtracted_twice(
     s = _summary(run, report, 1.0, None, 10.0, 0.0)
     assert (s["reshards"], s["mean_reshard_pause_seconds"], s["recoveries"], s["recovery_seconds"],
             s["workers_killed"]) == (1, 0.5, 1, [3.0], 1)
-    # 11 samples of 1 s: 2 training GPUs busy each, minus the one rescale's 0.5 s x 1 GPU
-    assert s["training_busy_fraction"] == pytest.approx((22 - 0.5) / (8 * 11), abs=1e-4)
+    # 11 samples of 1 s: 2 training GPUs busy each, minus the one rescale's 0.5 s x 2 GPUs (the
+    # larger of its layouts: the samples show either during the pause)
+    assert s["training_busy_fraction"] == pytest.approx((22 - 1.0) / (8 * 11), abs=1e-4)
     assert day_offset("03:00") == 0.0 and day_offset("15:00") == pytest.approx(0.5)
     with pytest.raises(ValueError, match="HH:MM"):
         day_offset("noon")
+
+
+@pytest.mark.parametrize("phase, layout, busy", [("Rescaling", "tp1.pp1.dp3", 3), ("Rescaling", "tp1.pp1.dp1", 1),
+                                                 ("Running", "tp1.pp1.dp2", 2), ("Paused", "tp1.pp1.dp1", 0)])
+def test_training_counts_the_gpus_of_the_layout_that_steps_not_the_backends_books(phase, layout, busy) -> None:
+    """The backend books a rescale's GPUs when its call returns; the coordinator's layout says who steps:
+    a grow's joiner from the switch step on (dp3 on 2 booked GPUs), not a shrink's leaver (dp1 on 2)."""
+    import threading
+    from types import SimpleNamespace
+
+    from elastic.demo import DemoRun, _sample_loop
+
+    rt = SimpleNamespace(gpus=("g0", "g1"), layout=layout, phase=phase, step=5, loss=1.0, tokens_per_second=9.0)
+    backend = SimpleNamespace(service_targets=lambda s: [], draining_targets=lambda s: [], job_runtime=lambda j: rt)
+    run, stop = DemoRun(), threading.Event()
+    t = threading.Thread(target=_sample_loop, args=(backend, None, None, 0.0, run, stop, lambda p, t: 1.0, 13.0),
+                         kwargs={"every": 0.01})
+    t.start()
+    while not run.samples:
+        time.sleep(0.01)
+    stop.set()
+    t.join(5)
+    x = run.samples[0]
+    assert (x.training_gpus, x.training_busy, x.layout) == (2, busy, layout)
 
 
 def test_the_demo_job_keeps_a_full_optimizer_copy_per_replica() -> None:

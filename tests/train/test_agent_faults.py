@@ -152,6 +152,36 @@ def test_rescale_near_max_steps_completes_or_is_refused_and_never_hangs(tmp_path
     assert [r.generation for r in hist] == [1] * shrink.switch_step + [2] * (14 - shrink.switch_step)
 
 
+def test_a_shrink_that_need_not_wait_its_first_step_returns_with_its_leavers_gone_and_the_next_rescale_waits(
+        tmp_path, monkeypatch) -> None:
+    """``wait_first_step=False`` (what the backends ask for): every step takes 3 s; the shrink returns
+    once the new layout has begun its first step and the leaver exited, before that step ends; the
+    next rescale waits for it, and the step counter and loss curve go on as if nothing happened."""
+    monkeypatch.setenv("ELASTIC_TEST_STEP_SECONDS", "3.0")
+    opts = replace(OPTS, engine_factory="tests.train._agent_engines:slow_steps")
+    h = ProcessJobHandle("early", CFG, options=opts, log_dir=str(tmp_path))
+    try:
+        h.start("tp1.pp1.dp2", ["w0", "w1"], timeout=180)
+        h.wait_step(0, timeout=120)
+        shrink = h.rescale("tp1.pp1.dp1", ["w0"], timeout=120, wait_first_step=False)
+        assert shrink.record.ok is None and shrink.pause_seconds is not None and shrink.record.leavers == ["w1"]
+        assert h.procs["w1"].poll() == 0  # the leaver is gone: its GPU is free
+        assert h.status().step < shrink.switch_step  # the new layout's first step is still running
+        grow = h.rescale("tp1.pp1.dp2", ["w0", "w2"], timeout=120)  # waits for that step, then goes
+        assert grow.record.ok and grow.switch_step > shrink.switch_step
+        assert h.coordinator.rescale_record(shrink.generation).ok is True
+        h.wait_step(grow.switch_step, timeout=120)
+    finally:
+        final = h.stop()
+    assert final.error is None
+    hist = h.history()
+    assert [r.step for r in hist] == list(range(len(hist)))
+    assert [r.generation for r in hist] == ([1] * shrink.switch_step + [2] * (grow.switch_step - shrink.switch_step)
+                                           + [3] * (len(hist) - grow.switch_step))
+    for r, want in zip(hist, reference_losses(len(hist)), strict=True):
+        assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step}"
+
+
 def test_frozen_worker_fails_the_job_by_heartbeat_loss(tmp_path) -> None:
     job = ProcessJobHandle("frozen", CFG, options=NO_RECOVER, log_dir=str(tmp_path))
     job.start("tp1.pp1.dp2", ["w0", "w1"], timeout=180)

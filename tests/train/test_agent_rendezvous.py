@@ -365,6 +365,36 @@ def test_a_shrink_switches_at_the_next_boundary_and_other_rescales_after_their_l
     assert run_step(c, ["w0", "w1"], 1, expected_switch) == ["switch", "switch"]
 
 
+def test_wait_resumed_answers_once_the_new_layout_has_begun_its_first_step_before_that_step_ends() -> None:
+    """What a shrink's caller waits for: the pause is over and every member reported its part (the
+    leaver is leaving); the first step of the new layout is not waited for. wait_generation still is."""
+    c, clock, _ = started(shrink_lookahead_steps=0)
+    d = c.directive(2, "tp1.pp1.dp1", ["w0"], remap=False)
+    assert run_step(c, ["w0", "w1"], 1, d.switch_step) == ["switch", "switch"]
+    clock.t += 1.0
+    for w in ("w0", "w1"):
+        call(c, "arrive", w, generation=2, digest="d", plan={"new_ranks": {"w0": 0}})
+    with pytest.raises(TimeoutError, match="did not begin a step"):
+        c.wait_resumed(2, timeout=0.05)  # reshard reported by nobody yet
+    for w, sent in (("w0", 0), ("w1", 70)):
+        call(c, "result", w, generation=2, ok=True, stats={"bytes_sent": sent})
+    clock.t += 0.25
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(c.wait_resumed, 2, 5.0)
+        time.sleep(0.2)
+        assert not fut.done()  # every part moved, the new layout not training yet
+        assert call(c, "step", "w0", generation=2, step=d.switch_step)["action"] == "go"
+        rec = fut.result(timeout=2)  # woken by the first step's begin, not by its timeout
+    assert (rec.ok, rec.bytes_moved, rec.leavers) == (None, 70, ["w1"])
+    assert rec.pause_seconds == pytest.approx(1.25)
+    with pytest.raises(TimeoutError):
+        c.wait_generation(2, timeout=0.05)  # its first step has not finished
+    call(c, "step", "w0", generation=2, step=d.switch_step + 1,
+         result={"step": d.switch_step, "loss": 1.5, "tokens": 256, "seconds": 0.2})
+    assert c.wait_generation(2, timeout=1).ok is True
+    assert c.wait_resumed(2, timeout=1).ok is True  # a completed generation answers as wait_generation
+
+
 def test_a_negative_lookahead_is_refused() -> None:
     with pytest.raises(SpecError, match="shrink_lookahead_steps=-1.*>= 0"):
         make(shrink_lookahead_steps=-1)
