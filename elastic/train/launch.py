@@ -81,10 +81,11 @@ class LaunchOptions:
     engine_factory: str | None = None  # "module:function" (see elastic.train.worker); None = TrainEngine
     verify_reshard: bool = False
     # A rescale switches at the step boundary after the one in progress plus this many steps, during
-    # which every member prepares its receive buffers while it trains (the pause is shorter); a shrink
-    # (members only leave) frees GPUs someone waits for -- inference, under load -- and switches at the
-    # next boundary, preparing in its pause: a step is seconds on a large model, a preparation less.
-    lookahead_steps: int = 1
+    # which every member prepares its receive buffers while it trains (the pause is shorter). 0 for
+    # both: a grow's joiners have registered before the directive (they prepare while the members
+    # finish the step in progress) and their GPUs idle until the switch; a shrink frees GPUs someone
+    # waits for -- inference, under load. A step is seconds on a large model, a preparation less.
+    lookahead_steps: int = 0
     shrink_lookahead_steps: int = 0
     # Raise the workers' nice value by this much. Where logical GPUs share a few CPU cores
     # (``elastic demo``), training then yields the cores to the inference replicas, as work
@@ -217,7 +218,8 @@ class JobHandle(ABC):
         Returns once the new layout has run its first step and the leavers are gone. With
         ``wait_first_step=False`` a rescale that has leavers (a shrink: someone waits for the GPUs
         it frees) returns as soon as the new layout has *begun* its first step and the leavers are
-        gone: the step adds nothing to the freed GPUs and takes a whole step. Its record's ``ok``
+        gone (a resume's leavers, keepers without a GPU, do not count): the step adds nothing to the
+        freed GPUs and takes a whole step. Its record's ``ok``
         is then None (the step runs on); the next rescale or pause waits for that step first.
 
         A paused job resumes this way: its keepers send the state to ``workers`` and leave, and
@@ -346,7 +348,8 @@ class JobHandle(ABC):
         # 4. wait for the new generation's first step (wait_first_step=False with leavers: only until
         #    the new layout has begun it; the next rescale waits for the rest, see _settle)
         leavers = sorted(old - set(workers))
-        early = bool(leavers) and not hold and not wait_first_step
+        # (a resume's leavers are keepers: they hold no GPU, nobody waits for them)
+        early = not (hold or wait_first_step) and any(w not in self.keepers for w in leavers)
         try:
             wait = self.coordinator.wait_resumed if early else self.coordinator.wait_generation
             rec = wait(generation, timeout or self.opts.rescale_timeout_s)

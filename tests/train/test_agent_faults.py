@@ -128,9 +128,9 @@ def test_member_that_cannot_prepare_abandons_the_rescale_and_the_job_keeps_its_s
 
 
 def test_rescale_near_max_steps_completes_or_is_refused_and_never_hangs(tmp_path, monkeypatch) -> None:
-    """Every step takes 0.3 s. A shrink posted right after step 1 switches at step 4 or 5 (the step in
-    progress, one lookahead step) and completes before max_steps=14; a grow asked for after step 11
-    would switch at step 14 or later: refused, before any joiner is launched. The job then finishes."""
+    """Every step takes 0.3 s. A shrink posted right after step 1 switches at step 3 or 4 (after the
+    step in progress) and completes before max_steps=14; a grow asked for after step 12 would switch
+    at step 14 or later: refused, before any joiner is launched. The job then finishes."""
     monkeypatch.setenv("ELASTIC_TEST_STEP_SECONDS", "0.3")
     opts = replace(OPTS, max_steps=14, engine_factory="tests.train._agent_engines:slow_steps")
     h = ProcessJobHandle("near-end", CFG, options=opts, log_dir=str(tmp_path))
@@ -139,7 +139,7 @@ def test_rescale_near_max_steps_completes_or_is_refused_and_never_hangs(tmp_path
         h.wait_step(1, timeout=120)
         shrink = h.rescale("tp1.pp1.dp1", ["w0"], timeout=60)
         assert shrink.record.ok and shrink.switch_step < 14
-        h.wait_step(11, timeout=60)  # step 12 has begun everywhere: the earliest switch is 14
+        h.wait_step(12, timeout=60)  # step 13 has begun everywhere: the earliest switch is 14
         with pytest.raises(SpecError, match=r"would switch at step 1[4-9] .*max_steps=14"):
             h.rescale("tp1.pp1.dp2", ["w0", "w2"], timeout=60)
         assert sorted(h.procs) == ["w0", "w1"], "a refused rescale must not launch anyone"
