@@ -12,9 +12,11 @@ see identically:
    its peers must join it, so the earliest safe boundary is the next one; the lookahead
    step lets every member see the directive one step early and prepare its receive buffers
    while it still trains. A shrink (members only leave) has its own lookahead
-   (``shrink_lookahead_steps``; ``LaunchOptions`` makes it 0): someone waits for the GPUs it
-   frees -- inference, under load -- and a step of latency costs more than preparing during
-   the pause.
+   (``shrink_lookahead_steps``). ``LaunchOptions`` makes both 0: someone waits for the GPUs a
+   shrink frees -- inference, under load -- and a grow's joiners hold GPUs that idle until the
+   switch; a step of latency costs more than preparing during the pause. A caller waiting
+   for a shrink's GPUs need not wait for the new layout's first step either: ``wait_resumed``
+   answers once it has begun (``wait_generation`` once it has finished).
 2. **Whether the rescale goes ahead.** Members of old and new layout arrive at ``/v1/arrive``
    with a digest of the reshard plan they computed, or the error that kept them from
    planning or preparing it. ``go`` once all have arrived with equal digests; ``abandoned``
