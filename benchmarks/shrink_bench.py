@@ -34,11 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args(argv)
 
-    from elastic.model import load_model
-    from elastic.train.engine import TrainConfig
+    from elastic.config import load_config
+    from elastic.demo import _trainer_config, demo_config
     from elastic.train.launch import LaunchOptions, ProcessJobHandle
 
-    cfg = TrainConfig(model=load_model("tiny"), global_batch=420, micro_batch=1, micro_batch_cap=64)
+    cfg = _trainer_config(load_config(data=demo_config(5.0, 2.0)).jobs[0])  # the demo's job, as the demo runs it
     opts = LaunchOptions(pg_timeout_s=300, heartbeat_timeout_s=60, join_timeout_s=300, rescale_timeout_s=300)
     logs = tempfile.mkdtemp(prefix="shrink-bench-")
     h = ProcessJobHandle("shrink-bench", cfg, options=opts, log_dir=logs)
