@@ -247,7 +247,7 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
         Path(summary_json).parent.mkdir(parents=True, exist_ok=True)
         Path(summary_json).write_text(json.dumps(summary, indent=2))
     if timeline_csv:
-        _write_timeline(run, timeline_csv)
+        _write_timeline(run, timeline_csv, lg.report.results, slo_ttft_seconds)
         console.print(f"timeline written to {timeline_csv}")
     if plot:
         _plot(run, plot, profile, rate_at)
@@ -563,19 +563,30 @@ def _expected_load(rate: Callable[[float], float], t: float, request_seconds: fl
     return sum(rate(t - j * step) for j in range(k)) / k * request_seconds
 
 
-def _write_timeline(run: DemoRun, path: str) -> None:
-    """One row per second: the samples the summary is computed from (t = 0 at the day's start)."""
+def _write_timeline(run: DemoRun, path: str, results: list[Any] | None = None, slo: float = 1.0) -> None:
+    """One row per second: the samples the summary is computed from (t = 0 at the day's start),
+    and, from the load generator's ``results``, the requests sent since the row before (``sent``)
+    and how many of them missed the TTFT SLO ``slo`` or failed (``missed``)."""
+    import bisect
     import csv
     from dataclasses import astuple, fields
 
+    sent_at = sorted((r.sent_at, not (r.complete and r.ttft is not None and r.ttft <= slo)) for r in results or [])
+    times = [t for t, _ in sent_at]
+    missed = [0]
+    for _, m in sent_at:
+        missed.append(missed[-1] + m)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow([x.name for x in fields(Sample)])
+        w.writerow([x.name for x in fields(Sample)] + ["sent", "missed"])
+        prev = 0
         for x in run.samples:
             row = list(astuple(x))
             row[0] = round(x.t - run.warmup, 3)
-            w.writerow(row)
+            upto = bisect.bisect_right(times, x.t)
+            w.writerow(row + [upto - prev, missed[upto] - missed[prev]])
+            prev = upto
 
 
 def _r(x: float | None) -> float | None:

@@ -237,3 +237,23 @@ def test_the_summary_says_why_requests_failed() -> None:
     s = _summary(DemoRun(), report, 1.0, None, 10.0, 0.0)
     assert s["failed_by_status"] == {"0": 2, "200": 1, "503": 1}
     assert s["failed_requests"] == 4 and s["truncated_requests"] == 1
+
+
+def test_the_timeline_counts_each_seconds_requests_and_slo_misses(tmp_path) -> None:
+    import csv
+
+    from elastic.demo import DemoRun, Sample, _write_timeline
+    from elastic.serve.loadgen import Result
+
+    run = DemoRun(warmup=10.0)
+    run.samples = [Sample(t, 1.0, 1, 0.5, 7, 7, "tp1.pp1.dp7", 1, 5.0, 1.0) for t in (10.0, 11.0, 12.0)]
+    ok = dict(status=200, e2e=6.0, complete=True)
+    results = [Result(9.5, "a", ttft=0.2, **ok),  # before the first row: counted in it
+               Result(10.5, "a", ttft=0.3, **ok), Result(10.9, "a", ttft=1.5, **ok),  # one late
+               Result(11.2, "a", 503),  # failed: a miss
+               Result(11.5, "a", 200, ttft=0.4, complete=False),  # cut short: a miss
+               Result(12.5, "a", ttft=0.1, **ok)]  # after the last row: in none
+    path = tmp_path / "t.csv"
+    _write_timeline(run, str(path), results, slo=1.0)
+    rows = list(csv.DictReader(path.open()))
+    assert [(float(r["t"]), int(r["sent"]), int(r["missed"])) for r in rows] == [(0.0, 1, 0), (1.0, 2, 1), (2.0, 2, 2)]
