@@ -49,7 +49,7 @@ from elastic.backends.base import (
     still_held,
 )
 from elastic.model import GPU, InferenceSpec, Layout, PoolSpec, SpecError, TrainingSpec, load_model
-from elastic.train.launch import JobHandle, gpu_workers, job_options
+from elastic.train.launch import JobHandle, coordinator_settings, gpu_workers, job_options
 from elastic.train.rendezvous import RescaleCancelled
 
 log = logging.getLogger("elastic.backends.ray")
@@ -1017,14 +1017,6 @@ class _RemoteCoordinator:
         return lambda *args, **kw: self._call(method, *args, **kw)
 
 
-def _coordinator_settings(opts: Any) -> dict[str, Any]:
-    return {"heartbeat_interval_s": opts.heartbeat_interval_s, "heartbeat_timeout_s": opts.heartbeat_timeout_s,
-            "join_timeout_s": opts.join_timeout_s, "max_steps": opts.max_steps, "recover": opts.recover,
-            "lookahead_steps": opts.lookahead_steps, "shrink_lookahead_steps": opts.shrink_lookahead_steps,
-            "transactional": opts.transactional_rescale, "checkpoint": opts.checkpoint,
-            "rendezvous_timeout_s": opts.pg_timeout_s}
-
-
 class RayJobHandle(JobHandle):
     """A training job whose coordinator and workers are detached, named Ray actors.
 
@@ -1046,7 +1038,7 @@ class RayJobHandle(JobHandle):
 
             cls = ray.remote(num_cpus=0, max_concurrency=32, max_restarts=0)(_CoordinatorActor)
             actor = cls.options(name=f"coordinator:{job}", namespace=namespace, lifetime="detached").remote(
-                job, config_json(cfg), _coordinator_settings(self.opts), self.meta)
+                job, config_json(cfg), coordinator_settings(self.opts), self.meta)
         self.coordinator = _RemoteCoordinator(actor, job)  # type: ignore[assignment]
         self._actor = actor
         self._wcls = _worker_actor(1)

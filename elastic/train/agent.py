@@ -38,6 +38,14 @@ stop. A rescale directive is always applied at a step boundary:
 4. A *hold* directive (the job is paused) makes the new members keepers: they receive the
    state like any joiner but build no engine and no process group (:class:`HeldState`),
    and wait (``hold``) until the next directive moves the state back onto GPU workers.
+5. A *shrink that does not wait for the step in progress* (the coordinator's
+   ``shrink_gives_up_step``; its register answer turns every engine's give-up checks on):
+   the heartbeat (or the ``go`` of a member that had not begun it yet) says ``give_up``; the
+   engine gives the step up at its next micro-batch, on every rank alike (``StepGivenUp``:
+   nothing changed, gradients dropped), and the agent asks for the same step again with
+   ``gave_up``: the coordinator switches the shrink there and the new layout redoes the
+   step on the same samples. A step already past its last micro-batch's check completes,
+   and the shrink switches after it as usual.
 
 Failures are reported, never hung on. A step whose collective breaks because a peer died
 (gloo sees the closed socket, or times out after ``pg_timeout_s``) is *broken*, not failed
@@ -65,6 +73,7 @@ after its coordinator is gone.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import hashlib
@@ -85,6 +94,7 @@ import torch.distributed as dist
 
 from elastic.model import Layout, ModelSpec, SpecError, load_model
 from elastic.train import checkpoint
+from elastic.train.groups import StepGivenUp
 from elastic.train.rendezvous import Directive, RendezvousClient, RendezvousError
 
 log = logging.getLogger(__name__)
@@ -257,6 +267,11 @@ class WorkerAgent:
         # engine of the generation the coordinator named, never a newer one
         self._engine_lock = threading.Lock()
         self._interrupted_gen = -1  # the generation we were last told to interrupt (logged once)
+        # the job's coordinator asks a shrink's members to give the step in progress up (its register
+        # answer says so): every engine checks before each micro-batch (TrainEngine.give_up_checks)
+        self._give_up_checks = False
+        self._given_up: tuple[int, int] | None = None  # (generation, step) last given up: asked once
+        self._gave_up: dict[str, Any] | None = None  # reported with the next step request
         # a group's roll call (elastic.train.abortable) asks the coordinator on a line of its own
         # whether the generation it is for was given up (a peer lost: recovered or rolled back)
         self._asker: RendezvousClient | None = None
@@ -289,6 +304,7 @@ class WorkerAgent:
         self.config = dict(reg.get("config") or {})
         self._ckpt = checkpoint.CheckpointSettings.from_json(reg.get("checkpoint"))
         self._job = str(reg.get("job", ""))
+        self._give_up_checks = bool(reg.get("give_up_checks"))
         beat = threading.Thread(target=self._heartbeat, args=(float(reg.get("heartbeat_interval_s", 1.0)),),
                                 name=f"heartbeat-{self.worker}", daemon=True)
         beat.start()
@@ -339,8 +355,10 @@ class WorkerAgent:
         last: dict[str, Any] | None = None
         while True:
             held = isinstance(self.engine, HeldState) or self._broken
+            gave_up, self._gave_up = self._gave_up, None
             resp = self.client.call("step", generation=self.generation, step=step, result=last,
-                                    **({"wait_s": self.opts.long_poll_s} if held else {}))
+                                    **({"wait_s": self.opts.long_poll_s} if held else {}),
+                                    **({"gave_up": gave_up} if gave_up else {}))
             action = resp["action"]
             log.debug("worker %s gen %d step %d: %s", self.worker, self.generation, step, action)
             if action == "go":
@@ -348,8 +366,16 @@ class WorkerAgent:
                     self._prepare_early(Directive.from_json(resp["pending"]))
                 save = bool(resp.get("save"))
                 assert self.engine is not None
+                if resp.get("give_up") is not None:  # asked to give this step up before it began
+                    self._give_up(self.generation, int(resp["give_up"]))
                 try:
                     result = self.engine.train_step(step)
+                except StepGivenUp as e:
+                    # every rank gave it up at the same micro-batch: ask for the same step again, and
+                    # the coordinator switches the pending shrink there (nothing of the state changed)
+                    log.info("worker %s: %s", self.worker, e)
+                    last, self._gave_up = None, {"step": step, "seconds": round(e.seconds, 4)}
+                    continue
                 except Exception as e:
                     if not (self.opts.recover and _is_comm_error(e) and hasattr(self.engine, "recovery_state")):
                         raise
@@ -405,7 +431,7 @@ class WorkerAgent:
         """Plan and allocate for ``d`` in the background while the current step runs."""
         # the whole directive, not its number: a rescale abandoned before its switch step leaves its
         # number to the next try, which may name other workers or another layout
-        if self._prep is None or self._prep_d != d:
+        if self._prep is None or not _same_rescale(self._prep_d, d):
             self._prep_d = d
             state = self.engine.state() if self.engine is not None else {}
             self._prep = self._pool.submit(self._plan_and_prepare, d, state)
@@ -413,7 +439,7 @@ class WorkerAgent:
     def _take_prep(self, d: Directive) -> _Prep:
         """The early preparation if it is for ``d`` and still matches the engine's tensors, else prepare now."""
         fut, self._prep = self._prep, None
-        if fut is not None and self._prep_d == d:
+        if fut is not None and _same_rescale(self._prep_d, d):
             prep = fut.result()
             now = self.engine.state() if self.engine is not None else {}
             if prep.error or _same_tensors(prep.old_state, now):
@@ -544,6 +570,8 @@ class WorkerAgent:
             else:
                 engine = self.factory(self.config, layout, rank,
                                       new_state if d.old_ranks else self._initial_state(d, layout, rank))
+                if self._give_up_checks and hasattr(engine, "give_up_checks"):
+                    engine.give_up_checks = True  # type: ignore[attr-defined]
         except Exception as e:
             # past a transactional commit the new state is whole on every member: a peer lost while
             # the groups are built is recovered from the new generation, like one lost in a step
@@ -787,6 +815,17 @@ class WorkerAgent:
         for pg in retired:
             _shutdown(pg)
 
+    def _give_up(self, generation: int, step: int) -> None:
+        """A shrink is pending: ask our engine to give ``step`` up (all ranks agree at a micro-batch;
+        past the last one the step completes and the shrink switches after it). Once per step."""
+        with self._engine_lock:
+            eng = self.engine
+            if (generation != self.generation or self._broken or self._given_up == (generation, step)
+                    or not hasattr(eng, "give_up")):
+                return
+            self._given_up = (generation, step)
+            eng.give_up(step)  # type: ignore[union-attr]
+
     def _interrupt(self, generation: int) -> None:
         """The coordinator is recovering ``generation`` from a lost worker: stop our running step
         (it would end at a collective with the dead peer; the broken-step path then reports)."""
@@ -943,6 +982,8 @@ class WorkerAgent:
             pause = 0.0 if time.monotonic() - now >= 0.5 * interval else interval
             if resp.get("interrupt") is not None:
                 self._interrupt(int(resp["interrupt"]))
+            if resp.get("give_up") is not None:
+                self._give_up(int(resp["give_up"]["generation"]), int(resp["give_up"]["step"]))
             if resp.get("failed"):
                 # The main thread may sit in a collective with a dead peer; give it a grace period
                 # to notice on its own (and exit with its own reason), then leave so no process
@@ -1047,6 +1088,12 @@ def _engine_backends(engine: Any) -> list[Any]:
 
 _COMM_ERRORS = ("connection closed", "connection reset", "read error", "write error", "timed out", "gloo",
                 "nccl", "broken pipe", "socket")
+
+
+def _same_rescale(a: Directive | None, b: Directive) -> bool:
+    """``a`` is ``b`` up to its switch step (a shrink whose step in progress was given up switches
+    one step earlier than first posted; the plan and the buffers prepared for it are the same)."""
+    return a is not None and dataclasses.replace(a, switch_step=b.switch_step) == b
 
 
 def _is_comm_error(e: BaseException) -> bool:

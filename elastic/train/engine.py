@@ -34,7 +34,7 @@ from torch import nn
 from elastic.model import Layout, ModelSpec, SpecError
 from elastic.reshard.spec import FP32_KINDS, MIXED_KINDS, Kind, ShardingSpec, box_shape, sharding_spec
 from elastic.train.data import SyntheticData, _mix
-from elastic.train.groups import DEFAULT_TIMEOUT, ParallelGroups, StepInterrupted, build_groups
+from elastic.train.groups import DEFAULT_TIMEOUT, ParallelGroups, StepGivenUp, StepInterrupted, build_groups
 from elastic.train.model import GPTStage, check_supported
 from elastic.train.optim import AdamHyper, ShardedAdam
 from elastic.train.pipeline import P2PShape, one_f_one_b
@@ -181,6 +181,11 @@ class TrainEngine:
         self.ready_step: int | None = None  # gradients of this step reduced, update not applied yet
         self.dirty = False  # an optimizer update was interrupted half-way
         self._interrupted = threading.Event()  # a peer was lost: give the running step up (interrupt())
+        # A rescale may ask for the step in progress (give_up()): every rank must have this on, or
+        # none (the agent sets it from the job's coordinator); pp = 1 only (see can_give_up)
+        self.give_up_checks = False
+        self._give_up_step: int | None = None
+        self._step_started = 0.0
         self.act = P2PShape((self.micro_batch, cfg.model.seq_len, cfg.model.hidden), cfg.dtype, cfg.device)
 
     # ---- state ------------------------------------------------------------------------------
@@ -215,7 +220,7 @@ class TrainEngine:
         knows every rank had reduced its gradients, so any rank left with ``ready_step ==
         step`` may apply the step later (:meth:`apply_ready`) and all end on the same state.
         """
-        t0 = time.perf_counter()
+        t0 = self._step_started = time.perf_counter()
         self.ready_step = None
         # 1. forget the previous step's gradients
         for p in self.params.values():
@@ -261,10 +266,36 @@ class TrainEngine:
         at once instead of at their timeout); state tensors and gradients stay."""
         self.groups.close()
 
+    @property
+    def can_give_up(self) -> bool:
+        """Whether a step can be given up part-way: checks on and one pipeline stage (every rank
+        then runs the same micro-batches in the same order and meets at each one's check; 1F1B
+        stages run theirs at different times)."""
+        return self.give_up_checks and self.layout.pp == 1
+
+    def give_up(self, step: int) -> None:
+        """Ask (from any thread) that ``step`` be given up at its next micro-batch, on every rank
+        (:class:`StepGivenUp`). Past its last micro-batch's check the step completes as usual."""
+        self._give_up_step = step
+
+    def _check_give_up(self, step: int, micro: int) -> None:
+        """The give-up decision before micro-batch ``micro``: the MAX of every rank's wish, so all
+        give up at the same micro-batch or none does (on the CPU gloo group of the commit)."""
+        flag = torch.tensor([1.0 if self._give_up_step == step else 0.0])
+        if self.groups.world is not None:
+            self.groups.world.all_reduce(flag, "max")
+        if flag.item() > 0:
+            self._give_up_step = None
+            for p in self.params.values():
+                p.grad = None
+            raise StepGivenUp(step, micro, time.perf_counter() - self._step_started, self.rank)
+
     def _forward_step(self, step: int, micro: int, x: torch.Tensor | None, losses: list[torch.Tensor]) -> torch.Tensor:
         if self._interrupted.is_set():
             raise StepInterrupted(f"rank {self.rank}: step {step} given up at micro-batch {micro} of "
                                   f"{self.grad_accum}: a peer was lost")
+        if self.can_give_up:
+            self._check_give_up(step, micro)
         mb = self.micro_batch
         # global sample index of this micro-batch: replica-major, so every layout reads the same set
         start = (self.dp_rank * self.grad_accum + micro) * mb

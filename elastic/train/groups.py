@@ -46,6 +46,23 @@ class StepInterrupted(RuntimeError):
     """
 
 
+class StepGivenUp(RuntimeError):
+    """Every rank gave the step up together, before its commit, because a rescale asked for it.
+
+    Raised by an engine with give-up checks on (``TrainEngine.give_up_checks``) at the
+    micro-batch where any rank had been told to give ``step`` up (``give_up(step)``): a
+    one-float MAX all-reduce over every rank before each micro-batch makes the decision the
+    same on all of them, so none waits in a collective for a peer that stopped. Nothing of
+    the state has changed (gradients are dropped); the step is redone on the next layout.
+    ``seconds``: how long this rank had computed on it (work thrown away).
+    """
+
+    def __init__(self, step: int, micro: int, seconds: float, rank: int) -> None:
+        super().__init__(f"rank {rank}: step {step} given up at micro-batch {micro} after {seconds:.2f} s "
+                         "(a shrink did not wait for it)")
+        self.step, self.micro, self.seconds = step, micro, seconds
+
+
 class Comm:
     """A communicator over ``ranks`` (layout ranks, in group order); this rank is ``ranks[index]``."""
 

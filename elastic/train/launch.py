@@ -87,6 +87,12 @@ class LaunchOptions:
     # waits for -- inference, under load. A step is seconds on a large model, a preparation less.
     lookahead_steps: int = 0
     shrink_lookahead_steps: int = 0
+    # A shrink does not wait for the step in progress either: its members give it up at their next
+    # micro-batch (all ranks agree there through a one-float all-reduce per micro-batch on the CPU
+    # group) and the new layout redoes it on the same samples. The GPUs go back a step sooner; the
+    # part of the step computed is lost (counted in the rescale's pause). Layouts with one pipeline
+    # stage only (1F1B stages run their micro-batches at different times): others finish the step.
+    shrink_gives_up_step: bool = True
     # Raise the workers' nice value by this much. Where logical GPUs share a few CPU cores
     # (``elastic demo``), training then yields the cores to the inference replicas, as work
     # on separate GPUs would not compete; 0 = leave the priority alone.
@@ -107,6 +113,15 @@ class LaunchOptions:
     # losses) then costs the steps since the last one instead of the whole run, because a start
     # begins at the newest complete checkpoint, on any layout. None: no checkpoint.
     checkpoint: CheckpointSettings | None = None
+
+
+def coordinator_settings(o: LaunchOptions) -> dict[str, Any]:
+    """The ``Coordinator`` keyword arguments that ``o`` decides (one place for every launcher)."""
+    return {"heartbeat_interval_s": o.heartbeat_interval_s, "heartbeat_timeout_s": o.heartbeat_timeout_s,
+            "join_timeout_s": o.join_timeout_s, "max_steps": o.max_steps, "recover": o.recover,
+            "lookahead_steps": o.lookahead_steps, "shrink_lookahead_steps": o.shrink_lookahead_steps,
+            "shrink_gives_up_step": o.shrink_gives_up_step, "transactional": o.transactional_rescale,
+            "checkpoint": o.checkpoint, "rendezvous_timeout_s": o.pg_timeout_s}
 
 
 def job_options(options: LaunchOptions | None, spec: Any, *, coordinator_sees: bool = True) -> LaunchOptions | None:
@@ -154,13 +169,8 @@ class JobHandle(ABC):
         self.opts = options or LaunchOptions()
         self.validate = make_validator(cfg, hardware, gpus_per_node)
         o = self.opts
-        self.coordinator = Coordinator(
-            job, config_json(cfg), host=host, registry=registry, heartbeat_interval_s=o.heartbeat_interval_s,
-            heartbeat_timeout_s=o.heartbeat_timeout_s, join_timeout_s=o.join_timeout_s, max_steps=o.max_steps,
-            lookahead_steps=o.lookahead_steps, shrink_lookahead_steps=o.shrink_lookahead_steps,
-            validator=self.validate, recover=o.recover, transactional=o.transactional_rescale,
-            checkpoint=o.checkpoint, rendezvous_timeout_s=o.pg_timeout_s,
-        )
+        self.coordinator = Coordinator(job, config_json(cfg), host=host, registry=registry,
+                                       validator=self.validate, **coordinator_settings(o))
         self._spawned: set[str] = set()
         self._gone: set[str] = set()
         self._lock = threading.Lock()

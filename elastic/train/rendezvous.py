@@ -87,7 +87,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -232,6 +232,10 @@ class RescaleRecord:
     worker_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
     hold: bool = False  # the job was paused by this directive (pause_seconds: until the state was held)
     recovery: str = ""  # a recovery directive: which workers were lost and why
+    # a shrink that gave the step in progress up (shrink_gives_up_step): that step, and how long
+    # the members had computed on it (the longest; counted in pause_seconds: work thrown away)
+    gave_up_step: int | None = None
+    gave_up_seconds: float = 0.0
 
 
 @dataclass
@@ -283,6 +287,10 @@ class _Pending:
     plan_info: dict[str, Any] = field(default_factory=dict)
     previous: _Gen | None = None  # the generation it replaces (a rollback's way back)
     exchanged: set[str] = field(default_factory=set)  # members whose part of the exchange is done
+    # shrink_gives_up_step: the step in progress the members are asked to give up (None: not asked),
+    # and when it was begun (the pause of a shrink that gives it up counts from there)
+    give_up_step: int | None = None
+    give_up_begun_at: float = 0.0
 
 
 @dataclass
@@ -325,6 +333,7 @@ class Coordinator:
         recovery_timeout_s: float | None = None,
         rendezvous_timeout_s: float | None = None,
         checkpoint: CheckpointSettings | None = None,
+        shrink_gives_up_step: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if heartbeat_timeout_s <= heartbeat_interval_s:
@@ -347,6 +356,9 @@ class Coordinator:
                             "a lookahead counts steps, >= 0")
         self.max_steps = max_steps
         self.validator = validator
+        # a shrink (with no lookahead, on one pipeline stage) asks its members to give the step in
+        # progress up instead of finishing it: the GPUs go a step sooner, the partial step is lost
+        self.shrink_gives_up_step = shrink_gives_up_step
         self.recover = recover
         # rescales of a recoverable generation roll back on a loss mid-exchange (Directive.rollback)
         self.transactional = transactional
@@ -395,6 +407,7 @@ class Coordinator:
         self._current: _Gen | None = None
         self._pending: _Pending | None = None
         self._max_begun = -1
+        self._max_begun_at = 0.0  # when the first member asked to begin step _max_begun
         self._seen: dict[str, float] = {}  # worker -> last request time
         self._left: set[str] = set()
         self._registered: set[str] = set()
@@ -493,6 +506,9 @@ class Coordinator:
             rec = RescaleRecord(generation, d.old_layout, d.layout, list(members), list(d.joiners),
                                 list(d.leavers), switch, hold=hold)
             self._pending = _Pending(d, rec, self._clock())
+            if shrink and self._gives_up_locked(cur, switch):
+                self._pending.give_up_step, self._pending.give_up_begun_at = switch - 1, self._max_begun_at
+                self._alarm.notify_all()  # heartbeats carry the request to the members in the step
             self._rescales[generation] = rec
             # an abandoned (or rolled back) earlier try of this number decided nothing about this one
             self._decisions.pop(generation, None)
@@ -512,6 +528,17 @@ class Coordinator:
             return cur.start_step
         ahead = self.shrink_lookahead_steps if shrink else self.lookahead_steps
         return max(self._max_begun + 1 + ahead, cur.start_step)
+
+    def _gives_up_locked(self, cur: _Gen, switch: int) -> bool:
+        """Whether a shrink switching at ``switch`` asks for the step in progress: on, no lookahead
+        (the step before the switch is the one in progress), one pipeline stage (members meet at
+        every micro-batch), and a step of this generation is in progress."""
+        return (self.shrink_gives_up_step and self.shrink_lookahead_steps == 0
+                and Layout.parse(cur.layout).pp == 1 and switch - 1 == self._max_begun >= cur.start_step)
+
+    def _begin_step_locked(self, step: int) -> None:
+        if step > self._max_begun:
+            self._max_begun, self._max_begun_at = step, self._clock()
 
     def _check_can_post(self, generation: int) -> None:
         if self._phase in ("failed", "stopped", "stopping", "finished"):
@@ -869,7 +896,7 @@ class Coordinator:
         if self.checkpoint is not None:
             self._reported_checkpoints[w] = CheckpointRef.from_json(b.get("checkpoint_latest"))
         return {"job": self.job, "config": self.config, "heartbeat_interval_s": self.heartbeat_interval_s,
-                "heartbeat_timeout_s": self.heartbeat_timeout_s,
+                "heartbeat_timeout_s": self.heartbeat_timeout_s, "give_up_checks": self.shrink_gives_up_step,
                 "checkpoint": self.checkpoint.to_json() if self.checkpoint else None}
 
     def _h_heartbeat(self, b: dict[str, Any]) -> dict[str, Any]:
@@ -908,8 +935,17 @@ class Coordinator:
             rec = self._recovery
             return rec.reason if unreported(building) and rec is not None else None
 
+        def give_up() -> int | None:
+            """The step a pending shrink asks this member of the current generation to give up."""
+            p, cur = self._pending, self._current
+            if (p is None or p.decision is not None or p.give_up_step is None or p.record.gave_up_step is not None
+                    or cur is None or gen is None or int(gen) != cur.generation or w not in p.directive.old_ranks):
+                return None
+            return p.give_up_step
+
         def answer_now() -> bool:
-            return interrupt() or abort() is not None or self._phase == "failed" or self._closing.is_set()
+            return (interrupt() or abort() is not None or give_up() is not None or self._phase == "failed"
+                    or self._closing.is_set())
 
         if wait_s > 0 and not answer_now():
             self._alarm.wait_for(answer_now, wait_s)
@@ -918,6 +954,8 @@ class Coordinator:
         out: dict[str, Any] = {"phase": self._phase, "failed": self._phase == "failed", "reason": self._error or ""}
         if interrupt():
             out["interrupt"] = int(gen)  # type: ignore[arg-type]
+        if (s := give_up()) is not None:
+            out["give_up"] = {"generation": int(gen), "step": s}  # type: ignore[arg-type]
         if (why := abort()) is not None:
             out["abort"], out["abort_reason"] = int(building), why  # type: ignore[arg-type]
         return out
@@ -980,12 +1018,17 @@ class Coordinator:
             return {"action": "finish", "reason": f"reached max_steps={self.max_steps}", "save": True}
         p = self._pending
         if p is not None and p.decision is None and w in p.directive.old_ranks:
+            if b.get("gave_up") and int(b["gave_up"]["step"]) == step:
+                self._gave_up_locked(p, w, step, float(b["gave_up"].get("seconds") or 0.0))
             if step >= p.directive.switch_step:
                 self._note_boundary_locked(p, w)
                 return {"action": "switch", "directive": p.directive.to_json()}
-            self._max_begun = max(self._max_begun, step)
-            return {"action": "go", "pending": p.directive.to_json()}  # no save while a rescale is in flight
-        self._max_begun = max(self._max_begun, step)
+            self._begin_step_locked(step)
+            out = {"action": "go", "pending": p.directive.to_json()}  # no save while a rescale is in flight
+            if p.give_up_step == step:  # its peers may be computing it already: give it up with them
+                out["give_up"] = step
+            return out
+        self._begin_step_locked(step)
         return {"action": "go", "save": True} if self._save_answer_locked(gen, step) else {"action": "go"}
 
     def _save_answer_locked(self, gen: int, step: int) -> bool:
@@ -1123,10 +1166,26 @@ class Coordinator:
             out = now()
         return out or {"action": "hold", "reason": self._reason}
 
+    def _gave_up_locked(self, p: _Pending, w: str, step: int, seconds: float) -> None:
+        """Member ``w`` gave ``step`` up for the pending shrink (every rank did, at the same
+        micro-batch): the shrink switches there. Nobody has been told to switch before it (all
+        were computing the step), and a shrink has no joiners: amending the switch step is safe."""
+        if p.give_up_step != step or p.directive.switch_step not in (step, step + 1):
+            log.warning("job %s: worker %s gave up step %d, which generation %d did not ask for",
+                        self.job, w, step, p.directive.generation)
+            return
+        if p.directive.switch_step == step + 1:
+            p.directive = replace(p.directive, switch_step=step)
+            p.record.switch_step, p.record.gave_up_step = step, step
+            log.info("job %s: generation %d switches at step %d, which its members gave up (shrink, "
+                     "not waiting for it)", self.job, p.directive.generation, step)
+        p.record.gave_up_seconds = max(p.record.gave_up_seconds, seconds)
+
     def _note_boundary_locked(self, p: _Pending, w: str) -> None:
         p.boundary.add(w)
         if p.stopped_at is None and set(p.directive.old_ranks) <= p.boundary:
-            p.stopped_at = self._clock()
+            # a given-up step stopped training when it began: its work is lost, not paused over
+            p.stopped_at = p.give_up_begun_at if p.record.gave_up_step is not None else self._clock()
 
     def _note_resumed_locked(self, w: str, gen: int, step: int) -> None:
         """Pause ends when the last new member asks to begin the first step of the new generation."""

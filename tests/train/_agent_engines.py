@@ -66,3 +66,19 @@ class _Slow:
 def slow_steps(config: dict[str, Any], layout: Layout, rank: int, state: State | None) -> Any:
     engine = default_engine_factory(config, layout, rank, state, timeout_s=60)
     return _Slow(engine, float(os.environ.get("ELASTIC_TEST_STEP_SECONDS", "0.3")))
+
+
+def slow_micro_batches(config: dict[str, Any], layout: Layout, rank: int, state: State | None) -> Any:
+    """The real engine (give-up checks and all), each micro-batch padded by ``ELASTIC_TEST_MICRO_SECONDS``
+    after its give-up check: a step a shrink can catch in the middle."""
+    engine = default_engine_factory(config, layout, rank, state, timeout_s=60)
+    seconds = float(os.environ.get("ELASTIC_TEST_MICRO_SECONDS", "0.5"))
+    forward = engine._forward_step  # type: ignore[attr-defined]
+
+    def padded(step: int, micro: int, x: Any, losses: list[Any]) -> Any:
+        out = forward(step, micro, x, losses)
+        time.sleep(seconds)
+        return out
+
+    engine._forward_step = padded  # type: ignore[attr-defined]
+    return engine

@@ -877,3 +877,76 @@ def test_past_the_commit_a_lost_leaver_costs_nothing_and_a_lost_member_is_recove
     assert r["action"] == "switch"
     assert (r["directive"]["generation"], r["directive"]["layout"], r["directive"]["old_layout"]) == (
         3, "tp1.pp1.dp1", "tp1.pp1.dp2")
+
+
+def test_a_shrink_that_gives_up_the_step_in_progress_switches_there_and_counts_the_lost_work_as_pause() -> None:
+    """``shrink_gives_up_step``: members computing step 1 hear ``give_up`` on their heartbeat at once
+    (a long poll woken by the post); once they gave it up (the step asked for again, ``gave_up``) the
+    shrink switches at step 1, not 2, and its pause counts from step 1's begin."""
+    c, clock, _ = started(shrink_lookahead_steps=0, shrink_gives_up_step=True)
+    assert call(c, "register", "w0")["give_up_checks"] is True  # every engine checks
+    begun = clock.t  # step 1 was begun at this time (started())
+    clock.t += 2.0
+    with ThreadPoolExecutor(1) as pool:
+        beat = pool.submit(call, c, "heartbeat", "w1", generation=1, wait_s=3.0)
+        time.sleep(0.2)
+        assert not beat.done()  # nothing to say yet
+        d = c.directive(2, "tp1.pp1.dp1", ["w0"], remap=False)
+        assert beat.result(timeout=2)["give_up"] == {"generation": 1, "step": 1}
+    assert d.switch_step == 2  # as posted: after the step in progress
+    clock.t += 0.5
+    out = [call(c, "step", w, generation=1, step=1, gave_up={"step": 1, "seconds": s})
+           for w, s in (("w0", 2.4), ("w1", 2.5))]
+    assert [o["action"] for o in out] == ["switch", "switch"]
+    assert {o["directive"]["switch_step"] for o in out} == {1}
+    assert "give_up" not in call(c, "heartbeat", "w0", generation=1)  # said until they gave it up
+    for w in ("w0", "w1"):
+        call(c, "arrive", w, generation=2, digest="d", plan={"new_ranks": {"w0": 0}})
+    for w, sent in (("w0", 0), ("w1", 70)):
+        call(c, "result", w, generation=2, ok=True, stats={"bytes_sent": sent})
+    clock.t += 0.25
+    assert call(c, "step", "w0", generation=2, step=1)["action"] == "go"  # the new layout redoes step 1
+    rec = c.rescale_record(2)
+    assert (rec.switch_step, rec.gave_up_step, rec.gave_up_seconds) == (1, 1, 2.5)
+    assert rec.pause_seconds == pytest.approx(clock.t - begun)  # 2.75: the lost step and the reshard
+    call(c, "step", "w0", generation=2, step=2, result={"step": 1, "loss": 1.5, "tokens": 256, "seconds": 0.2})
+    assert c.wait_generation(2, timeout=1).ok is True
+    assert [r.step for r in c.history()] == [0, 1]  # step 1 once: the given-up try left no result
+
+
+@pytest.mark.parametrize("layout, workers, new, new_workers, why", [
+    ("tp1.pp2.dp1", ("w0", "w1"), "tp1.pp1.dp1", ["w0"], "1F1B stages cannot meet at every micro-batch"),
+    ("tp1.pp1.dp1", ("w0",), "tp1.pp1.dp2", ["w0", "w1"], "a grow: its joiners were told the switch step"),
+])
+def test_only_a_shrink_on_one_pipeline_stage_asks_for_the_step_in_progress(layout, workers, new, new_workers,
+                                                                           why) -> None:
+    c, _, _ = started(workers, layout, shrink_lookahead_steps=0, lookahead_steps=0, shrink_gives_up_step=True)
+    call(c, "register", "w1")
+    d = c.directive(2, new, new_workers, remap=False)
+    assert "give_up" not in call(c, "heartbeat", workers[0], generation=1), why
+    assert d.switch_step == 2
+    # a member that says it gave a step up anyway is switched only at the posted step
+    assert call(c, "step", workers[0], generation=1, step=1, gave_up={"step": 1, "seconds": 1.0})["action"] == "go"
+
+
+def test_a_step_that_ended_before_its_give_up_switches_the_shrink_after_it() -> None:
+    """The request came after the last micro-batch's check: the step completes, nothing is lost,
+    and the shrink switches after it as if nothing had been asked."""
+    c, _, _ = started(shrink_lookahead_steps=0, shrink_gives_up_step=True)
+    d = c.directive(2, "tp1.pp1.dp1", ["w0"], remap=False)
+    assert run_step(c, ["w0", "w1"], 1, 2) == ["switch", "switch"]
+    assert "give_up" in call(c, "heartbeat", "w0", generation=1)  # until the decision: harmless, step 1 is over
+    for w in ("w0", "w1"):
+        call(c, "arrive", w, generation=2, digest="d", plan={"new_ranks": {"w0": 0}})
+    assert "give_up" not in call(c, "heartbeat", "w0", generation=1)
+    rec = c.rescale_record(2)
+    assert (rec.switch_step, rec.gave_up_step, rec.gave_up_seconds) == (d.switch_step, None, 0.0)
+
+
+def test_a_member_that_begins_the_step_after_the_shrink_was_posted_is_told_to_give_it_up() -> None:
+    c, _, _ = started(shrink_lookahead_steps=0, shrink_gives_up_step=True)
+    res = {"step": 1, "loss": 2.0, "tokens": 256, "seconds": 0.5}
+    assert call(c, "step", "w0", generation=1, step=2, result=res)["action"] == "go"
+    c.directive(2, "tp1.pp1.dp1", ["w0"], remap=False)
+    out = call(c, "step", "w1", generation=1, step=2, result=res)
+    assert (out["action"], out["give_up"]) == ("go", 2)  # its peer is computing step 2 already
