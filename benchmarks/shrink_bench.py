@@ -1,16 +1,22 @@
-"""Benchmark: how soon a shrink gives its GPUs back, with and without waiting for the new layout's first step.
+"""Benchmark: how soon a shrink gives its GPUs back: waiting for the step in progress and the new
+layout's first step, or not.
 
 A live job of real worker processes (``ProcessJobHandle``, gloo on loopback), the ``tiny`` model
 with the demo's batch (global batch 420, per-layout micro-batches) so a step takes about what it
-takes in the demo. Alternately, on the same job, ``--rounds`` times: shrink ``tp1.pp1.dp3`` ->
-``dp2`` with ``wait_first_step=True`` (the call returns after the new layout's first step) and
-``False`` (what the backends ask for: it returns once the new layout has begun that step and the
-leaver is gone), each timed from the call to its return -- the decision to the GPU being free --
-and grown back to ``dp3`` untimed between them. The first step after a shrink is what the early
-return saves, so the ratio grows with the step length.
+takes in the demo. Alternately, on the same job, ``--rounds`` times, a shrink ``tp1.pp1.dp3`` ->
+``dp2`` posted at a random point of a step, three ways:
 
-Prints medians, the step length and ``wait / early``; writes ``benchmarks/results/shrink.json``.
-Goal: the early return is faster. Run: ``make bench`` or ``.venv/bin/python benchmarks/shrink_bench.py``.
+* ``wait_first_step``: the step in progress is finished and the call returns after the new
+  layout's first step (``wait_first_step=True``, the coordinator's ``shrink_gives_up_step`` off);
+* ``finish_step``: the step in progress is finished, the call returns once the new layout has
+  begun its first step and the leaver is gone (``wait_first_step=False``, what the backends ask);
+* ``give_up``: as ``finish_step``, but the members give the step in progress up at their next
+  micro-batch (``shrink_gives_up_step``, the launch default) and the new layout redoes it.
+
+Each is timed from the call to its return (the decision to the GPU being free) and grown back to
+``dp3`` untimed between them. Prints medians, the step length, ``wait_first_step / finish_step``
+and ``finish_step / give_up``; writes ``benchmarks/results/shrink.json``. Goal: each is faster than
+the one before. Run: ``make bench`` or ``.venv/bin/python benchmarks/shrink_bench.py``.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -42,17 +49,26 @@ def main(argv: list[str] | None = None) -> int:
     opts = LaunchOptions(pg_timeout_s=300, heartbeat_timeout_s=60, join_timeout_s=300, rescale_timeout_s=300)
     logs = tempfile.mkdtemp(prefix="shrink-bench-")
     h = ProcessJobHandle("shrink-bench", cfg, options=opts, log_dir=logs)
-    out: dict[str, list[float]] = {"wait_first_step": [], "early": []}
+    kinds = ("wait_first_step", "finish_step", "give_up")
+    out: dict[str, list[float]] = {k: [] for k in kinds}
+    lost: list[float] = []  # give_up: the part of the step thrown away (the record's gave_up_seconds)
+    rng = random.Random(0)
     n = 3
     workers = ["w0", "w1", "w2"]
     try:
         h.start("tp1.pp1.dp3", workers, timeout=300)
         h.wait_step(2, timeout=300)
+        dp3_step = statistics.median(r.seconds for r in h.history()[1:])
         for _ in range(a.rounds):
-            for kind in ("wait_first_step", "early"):
+            for kind in kinds:
+                h.wait_step(h.status().step + 1, timeout=300)  # a step just begun: post somewhere inside it
+                time.sleep(rng.uniform(0.0, 0.8) * dp3_step)
+                h.coordinator.shrink_gives_up_step = kind == "give_up"  # the engines check either way
                 t0 = time.perf_counter()
-                h.rescale("tp1.pp1.dp2", workers[:2], timeout=300, wait_first_step=kind == "wait_first_step")
+                res = h.rescale("tp1.pp1.dp2", workers[:2], timeout=300, wait_first_step=kind == "wait_first_step")
                 out[kind].append(time.perf_counter() - t0)
+                if kind == "give_up":
+                    lost.append(res.record.gave_up_seconds)
                 workers = [*workers[:2], f"w{n}"]  # a new joiner each time: a name is never reused
                 n += 1
                 h.rescale("tp1.pp1.dp3", workers, timeout=300)
@@ -63,14 +79,18 @@ def main(argv: list[str] | None = None) -> int:
     if st.error:
         print(f"!! job failed: {st.error} (worker logs in {logs})", file=sys.stderr)
         return 1
-    w, e = statistics.median(out["wait_first_step"]), statistics.median(out["early"])
-    print(f"shrink dp3 -> dp2, call to return (medians of {a.rounds}): wait for the first step {w:.2f} s, "
-          f"early {e:.2f} s, wait / early {w / e:.2f}; a dp2 step {step_s:.2f} s")
+    w, f, g = (statistics.median(out[k]) for k in kinds)
+    print(f"shrink dp3 -> dp2 posted inside a step, call to return (medians of {a.rounds}): wait for the first "
+          f"step {w:.2f} s, finish the step in progress {f:.2f} s, give it up {g:.2f} s; wait / finish {w / f:.2f}, "
+          f"finish / give up {f / g:.2f}; work given up {statistics.median(lost):.2f} s of a {dp3_step:.2f} s "
+          f"dp3 step; a dp2 step {step_s:.2f} s")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "shrink.json").write_text(json.dumps({**out, "wait_median": w, "early_median": e, "ratio": w / e,
+    (RESULTS / "shrink.json").write_text(json.dumps({**out, "wait_median": w, "finish_median": f, "give_up_median": g,
+                                                     "wait_over_finish": w / f, "finish_over_give_up": f / g,
+                                                     "gave_up_seconds": lost, "dp3_step_seconds": dp3_step,
                                                      "dp2_step_seconds": step_s}, indent=2))
-    if not w > e:
-        print("!! the early return was not faster", file=sys.stderr)
+    if not w > f > g:
+        print("!! not each faster than the one before", file=sys.stderr)
         return 1
     return 0
 

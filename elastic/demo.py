@@ -71,7 +71,9 @@ def demo_config(minutes: float, tick_seconds: float) -> dict[str, Any]:
             # window, training shrunk and grown back); over 20 s (10 readings) it is ~0.6x as noisy and
             # still sees the morning ramp. Three runs: utilisation 0.884-0.894 and 10-12 reshards, against
             # 0.872-0.874 and 18-19 with 12 s; SLO 0.9955-0.9975 against 0.993-0.9965 (2026-12-02).
-            "startup_seconds": 3.0, "forecast": "trend", "forecast_window_seconds": max(20.0, 10 * tick_seconds),
+            # startup_seconds, the forecast's horizon: from a decision to the replica serving (a shrink
+            # at the next micro-batch, a spare's lease) plus a tick; 2-7 s on the slow VM's ramp
+            "startup_seconds": 5.0, "forecast": "trend", "forecast_window_seconds": max(20.0, 10 * tick_seconds),
             "behavior": {
                 "scaleUp": {"stabilizationWindowSeconds": 0,
                             "policies": [{"type": "Pods", "value": 2, "periodSeconds": 1}]},
@@ -287,12 +289,14 @@ def _kill_a_worker(backend: Any, run: DemoRun, t: float, console: Any) -> None:
 
 
 def _trainer_config(spec: Any) -> Any:
-    """fp32 on CPU; per-layout micro-batches (same samples per step) keep a step short at any dp."""
+    """fp32 on CPU; per-layout micro-batches (same samples per step) keep a step short at any dp,
+    and at most 36 samples each: a shrink gives the step in progress up at the next micro-batch
+    (2-4 per step at dp 3-7; with 64, dp 7 ran its step as one)."""
     from elastic.model import load_model
     from elastic.train.engine import TrainConfig
 
     return TrainConfig(model=load_model(spec.model), global_batch=spec.global_batch, micro_batch=spec.micro_batch,
-                       micro_batch_cap=64)
+                       micro_batch_cap=36)
 
 
 class _Null:
