@@ -149,7 +149,7 @@ class RayBackend:
         # (see _embedded_handle_class); single-node pools; detached mode does not use them
         self.spare_workers = spare_workers
         # per service, replica actors kept started without a GPU (model loaded, server up, out of the
-        # balancer) for the next scale-up: a GPU lease and it serves (see _take_spare_replica)
+        # balancer) for the next scale-up: a GPU lease and it serves (see _claim_spare_replica)
         self.spare_replicas = spare_replicas
         self._spare_reps: dict[str, list[tuple[Any, Any]]] = {}  # service -> [(actor, start() ref)]
         if not ray.is_initialized():
@@ -282,15 +282,18 @@ class RayBackend:
                 self.draining[spec.name] = [d for d in self.draining.get(spec.name, []) if d is not r]
         if leave:
             self._wait_gpus_free(len(leave) * spec.gpus_per_replica)
-        # 2. start the missing replicas: a warm spare serves at once; the others start in parallel
-        #    (each loads its model) and each joins the balancer's targets as soon as it is up, so a
-        #    scale-up by two with one spare serves on the spare while the second one still starts
+        # 2. start the missing replicas: warm spares serve once their GPU leases are granted (asked
+        #    for all at once); the others start in parallel (each loads its model) and each joins the
+        #    balancer's targets as soon as it is up, so a scale-up by two with one spare serves on
+        #    the spare while the second one still starts
         have = {r.gpu for r in keep}
+        missing = sorted(want - have, key=str)
+        claims = [c for g in missing if (c := self._claim_spare_replica(spec, g)) is not None]
+        claimed = {c[0] for c in claims}
+        cold = [g for g in missing if g not in claimed]
+        cold += self._await_spare_replicas(spec, claims)  # a spare that could not serve: start one cold
         starting: list[tuple[GPU, Any, Any]] = []  # (gpu, actor, start() ref -> url)
-        for g in sorted(want - have, key=str):
-            if (spared := self._take_spare_replica(spec, g)) is not None:
-                self._serve(spec.name, spared)
-                continue
+        for g in cold:
             opts: dict[str, Any] = {"num_gpus": spec.gpus_per_replica, "num_cpus": 0}
             if self.detached:
                 opts.update(name=replica_name(spec.name, g), lifetime="detached", namespace=self.namespace)
@@ -365,9 +368,10 @@ class RayBackend:
             actor = ReplicaActor.options(num_gpus=0, num_cpus=0).remote(asdict(self.replica_config or ReplicaConfig()))
             spares.append((actor, actor.start.remote()))
 
-    def _take_spare_replica(self, spec: InferenceSpec, g: GPU) -> _Replica | None:
-        """A started spare for GPU ``g``: its GPUs leased in Ray's books (pinned to its node), then it
-        serves. None when no spare is up yet or the lease is not granted in time (start one as usual).
+    def _claim_spare_replica(self, spec: InferenceSpec, g: GPU) -> tuple[GPU, Any, str, Any, Any] | None:
+        """A started spare for GPU ``g`` with its GPU lease asked for (pinned to its node), not yet
+        granted: ``(g, actor, url, lease, lease.gpu_ids() ref)``. None when no spare is up yet or
+        the lease cannot be asked for (start one as usual). :meth:`_await_spare_replicas` waits.
 
         A spare is what vLLM's sleep mode is to a real engine: the process, the server and the weights
         in host memory are ready, only the GPU is missing. The reference replica computes on CPU, so
@@ -385,14 +389,41 @@ class RayBackend:
             # several nodes: `fits` has just checked the spare is on `node`; one node: ask where it is
             where = node if node is not None else ray.get(actor.node_id.remote(), timeout=10)
             lease = lease_actor(spec.gpus_per_replica, where)
-            ray.get(lease.gpu_ids.remote(), timeout=30)  # Ray has granted the GPUs: they are ours
+            return g, actor, url, lease, lease.gpu_ids.remote()
         except Exception as e:  # noqa: BLE001 - a spare that died or no lease: start one the usual way
             log.warning("%s: spare replica not usable for %s (%s); starting a new one", spec.name, g, e)
             for a in (actor, lease):
                 if a is not None:
                     ray.kill(a, no_restart=True)
             return None
-        return _Replica(g, actor, url, time.time(), lease)
+
+    def _await_spare_replicas(self, spec: InferenceSpec, claims: list[tuple[GPU, Any, str, Any, Any]],
+                              timeout: float = 30.0) -> list[GPU]:
+        """Wait for the leases of claimed spares together; each spare serves as soon as Ray has granted
+        its GPUs (they are ours). Returns the GPUs whose spare could not serve (lease refused or not
+        granted within ``timeout``: spare and lease are killed, the GPU is started cold)."""
+        import ray
+
+        pending = {c[4]: c for c in claims}
+        failed: list[GPU] = []
+        deadline = time.monotonic() + timeout
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            done = ready or list(pending)  # none ready by the deadline: give the rest up
+            for ref in done:
+                g, actor, url, lease, _ = pending.pop(ref)
+                try:
+                    if not ready:
+                        raise TimeoutError(f"lease not granted within {timeout:g} s")
+                    ray.get(ref)
+                except Exception as e:  # noqa: BLE001 - the GPU is started the usual way
+                    log.warning("%s: spare replica not usable for %s (%s); starting a new one", spec.name, g, e)
+                    for a in (actor, lease):
+                        ray.kill(a, no_restart=True)
+                    failed.append(g)
+                    continue
+                self._serve(spec.name, _Replica(g, actor, url, time.time(), lease))
+        return failed
 
     def _create_replica(self, opts: dict[str, Any]) -> Any:
         """Create one replica actor (its ``start()`` not called yet). A detached name is released only

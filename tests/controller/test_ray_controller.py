@@ -530,6 +530,34 @@ def test_a_scale_up_by_two_with_one_spare_serves_on_the_spare_while_the_other_re
     assert _gpus_free(8.0) == 8.0
 
 
+def test_a_scale_up_by_two_with_two_spares_serves_on_both_their_leases_asked_for_together(ray_local) -> None:
+    """``spare_replicas=2``: both new replicas are the spares (no cold start), each holding its GPU through
+    its own lease; the leases are asked for before either is awaited (``_claim_spare_replica`` for every
+    missing GPU, then ``_await_spare_replicas``), so the second does not wait for the first's process."""
+    import ray
+
+    cfg, backend, gpus = _backend_with_spares(4, spare_replicas=2)
+    spec = cfg.services[0]
+    claimed: list[int] = []
+    awaited: list[int] = []
+    claim, await_ = backend._claim_spare_replica, backend._await_spare_replicas
+    backend._claim_spare_replica = lambda s, g: (claimed.append(len(awaited)), claim(s, g))[1]  # type: ignore[method-assign]
+    backend._await_spare_replicas = lambda s, c: (awaited.append(len(c)), await_(s, c))[1]  # type: ignore[method-assign]
+    try:
+        backend.set_service_gpus(spec, gpus[:1])
+        urls = {ray.get(ref, timeout=60) for _, ref in backend._spare_reps["chat"]}
+        assert len(urls) == 2
+        claimed.clear(), awaited.clear()
+        backend.set_service_gpus(spec, gpus[:3])
+        assert claimed == [0, 0] and awaited == [2]  # both asked for, then awaited together
+        new = [r for r in backend.replicas["chat"] if r.gpu in gpus[1:3]]
+        assert {r.url for r in new} == urls and all(r.lease is not None for r in new)
+        assert set(backend.service_targets("chat")) >= urls and _gpus_free(5.0) == 5.0
+    finally:
+        backend.shutdown()
+    assert _gpus_free(8.0) == 8.0
+
+
 def test_replicas_that_fail_to_start_are_reported_by_gpu_and_the_others_serve(ray_local) -> None:
     """``_await_replicas``: of replicas started together, each one up serves; one whose start fails and
     one not up in time are named with their GPU and why, and their actors are gone."""
