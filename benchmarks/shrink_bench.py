@@ -2,16 +2,17 @@
 layout's first step, or not.
 
 A live job of real worker processes (``ProcessJobHandle``, gloo on loopback), the ``tiny`` model
-with the demo's batch (global batch 420, per-layout micro-batches) so a step takes about what it
-takes in the demo. Alternately, on the same job, ``--rounds`` times, a shrink ``tp1.pp1.dp3`` ->
+as the demo trains it (per-layout micro-batches of at most 36 samples) with ``--batch-scale`` times
+its global batch of 420: alone on the machine a step then takes about what the demo's take with
+six replicas and the load generator on the same cores (1.5-6 s at its peak on a 2-core VM). Alternately, on the same job, ``--rounds`` times, a shrink ``tp1.pp1.dp3`` ->
 ``dp2`` posted at a random point of a step, three ways:
 
 * ``wait_first_step``: the step in progress is finished and the call returns after the new
-  layout's first step (``wait_first_step=True``, the coordinator's ``shrink_gives_up_step`` off);
+  layout's first step (``wait_first_step=True, give_up_step=False``);
 * ``finish_step``: the step in progress is finished, the call returns once the new layout has
-  begun its first step and the leaver is gone (``wait_first_step=False``, what the backends ask);
+  begun its first step and the leaver is gone (``wait_first_step=False, give_up_step=False``);
 * ``give_up``: as ``finish_step``, but the members give the step in progress up at their next
-  micro-batch (``shrink_gives_up_step``, the launch default) and the new layout redoes it.
+  micro-batch (``give_up_step=True``; what the backends get by default) and the new layout redoes it.
 
 Each is timed from the call to its return (the decision to the GPU being free) and grown back to
 ``dp3`` untimed between them. Prints medians, the step length, ``wait_first_step / finish_step``
@@ -29,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -39,13 +41,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batch-scale", type=int, default=8, help="global batch = 420 x this (default 8)")
     a = p.parse_args(argv)
 
     from elastic.config import load_config
     from elastic.demo import _trainer_config, demo_config
     from elastic.train.launch import LaunchOptions, ProcessJobHandle
 
-    cfg = _trainer_config(load_config(data=demo_config(5.0, 2.0)).jobs[0])  # the demo's job, as the demo runs it
+    spec = load_config(data=demo_config(5.0, 2.0)).jobs[0]  # the demo's job, as the demo runs it
+    cfg = replace(_trainer_config(spec), global_batch=spec.global_batch * a.batch_scale)
     opts = LaunchOptions(pg_timeout_s=300, heartbeat_timeout_s=60, join_timeout_s=300, rescale_timeout_s=300)
     logs = tempfile.mkdtemp(prefix="shrink-bench-")
     h = ProcessJobHandle("shrink-bench", cfg, options=opts, log_dir=logs)
@@ -63,9 +67,9 @@ def main(argv: list[str] | None = None) -> int:
             for kind in kinds:
                 h.wait_step(h.status().step + 1, timeout=300)  # a step just begun: post somewhere inside it
                 time.sleep(rng.uniform(0.0, 0.8) * dp3_step)
-                h.coordinator.shrink_gives_up_step = kind == "give_up"  # the engines check either way
                 t0 = time.perf_counter()
-                res = h.rescale("tp1.pp1.dp2", workers[:2], timeout=300, wait_first_step=kind == "wait_first_step")
+                res = h.rescale("tp1.pp1.dp2", workers[:2], timeout=300, wait_first_step=kind == "wait_first_step",
+                                give_up_step=kind == "give_up")  # the engines check either way
                 out[kind].append(time.perf_counter() - t0)
                 if kind == "give_up":
                     lost.append(res.record.gave_up_seconds)

@@ -39,7 +39,8 @@ stop. A rescale directive is always applied at a step boundary:
    state like any joiner but build no engine and no process group (:class:`HeldState`),
    and wait (``hold``) until the next directive moves the state back onto GPU workers.
 5. A *shrink that does not wait for the step in progress* (the coordinator's
-   ``shrink_gives_up_step``; its register answer turns every engine's give-up checks on):
+   ``shrink_gives_up_step``; a generation posted with it on has ``Directive.give_up_checks``,
+   and every engine of that generation checks before each micro-batch):
    the heartbeat (or the ``go`` of a member that had not begun it yet) says ``give_up``; the
    engine gives the step up at its next micro-batch, on every rank alike (``StepGivenUp``:
    nothing changed, gradients dropped), and the agent asks for the same step again with
@@ -267,9 +268,6 @@ class WorkerAgent:
         # engine of the generation the coordinator named, never a newer one
         self._engine_lock = threading.Lock()
         self._interrupted_gen = -1  # the generation we were last told to interrupt (logged once)
-        # the job's coordinator asks a shrink's members to give the step in progress up (its register
-        # answer says so): every engine checks before each micro-batch (TrainEngine.give_up_checks)
-        self._give_up_checks = False
         self._given_up: tuple[int, int] | None = None  # (generation, step) last given up: asked once
         self._gave_up: dict[str, Any] | None = None  # reported with the next step request
         # a group's roll call (elastic.train.abortable) asks the coordinator on a line of its own
@@ -304,7 +302,6 @@ class WorkerAgent:
         self.config = dict(reg.get("config") or {})
         self._ckpt = checkpoint.CheckpointSettings.from_json(reg.get("checkpoint"))
         self._job = str(reg.get("job", ""))
-        self._give_up_checks = bool(reg.get("give_up_checks"))
         beat = threading.Thread(target=self._heartbeat, args=(float(reg.get("heartbeat_interval_s", 1.0)),),
                                 name=f"heartbeat-{self.worker}", daemon=True)
         beat.start()
@@ -570,7 +567,7 @@ class WorkerAgent:
             else:
                 engine = self.factory(self.config, layout, rank,
                                       new_state if d.old_ranks else self._initial_state(d, layout, rank))
-                if self._give_up_checks and hasattr(engine, "give_up_checks"):
+                if d.give_up_checks and hasattr(engine, "give_up_checks"):
                     engine.give_up_checks = True  # type: ignore[attr-defined]
         except Exception as e:
             # past a transactional commit the new state is whole on every member: a peer lost while

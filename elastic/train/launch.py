@@ -221,7 +221,8 @@ class JobHandle(ABC):
         return self._apply(1, lay, list(workers), remap=False, timeout=timeout)
 
     def rescale(self, layout: Layout | str, workers: Sequence[str], *, remap: bool = True,
-                timeout: float | None = None, wait_first_step: bool = True) -> RescaleResult:
+                timeout: float | None = None, wait_first_step: bool = True,
+                give_up_step: bool | None = None) -> RescaleResult:
         """Move the job to ``layout`` on ``workers`` in place. Raises SpecError (refused, nothing changed),
         RescaleFailed (abandoned: the job continues on its old layout) or JobFailed.
 
@@ -231,6 +232,8 @@ class JobHandle(ABC):
         gone (a resume's leavers, keepers without a GPU, do not count): the step adds nothing to the
         freed GPUs and takes a whole step. Its record's ``ok``
         is then None (the step runs on); the next rescale or pause waits for that step first.
+        ``give_up_step`` (a shrink): whether its members give the step in progress up instead of
+        finishing it (``LaunchOptions.shrink_gives_up_step`` when None; see ``Coordinator.directive``).
 
         A paused job resumes this way: its keepers send the state to ``workers`` and leave, and
         training continues at the step it paused at."""
@@ -245,7 +248,7 @@ class JobHandle(ABC):
             raise SpecError(f"job {self.job} is paused: its keepers {', '.join(st.workers)} hold no GPU and "
                             "cannot train; resume it on new workers")
         return self._apply(st.generation + 1, lay, list(workers), remap=remap, timeout=timeout,
-                           wait_first_step=wait_first_step)
+                           wait_first_step=wait_first_step, give_up_step=give_up_step)
 
     resume = rescale
 
@@ -321,7 +324,8 @@ class JobHandle(ABC):
 
     # ---- orchestration ------------------------------------------------------------------------
     def _apply(self, generation: int, layout: Layout, workers: list[str], *, remap: bool,
-               timeout: float | None, hold: bool = False, wait_first_step: bool = True) -> RescaleResult:
+               timeout: float | None, hold: bool = False, wait_first_step: bool = True,
+               give_up_step: bool | None = None) -> RescaleResult:
         t0 = time.perf_counter()
         old = set(self.coordinator.status().workers)
         joiners = [w for w in workers if w not in old]
@@ -351,7 +355,8 @@ class JobHandle(ABC):
         # 3. post the directive; the coordinator picks the step boundary
         try:
             self.coordinator.directive(generation, layout, workers, remap=remap,
-                                       **({"hold": True} if hold else {}))
+                                       **({"hold": True} if hold else {}),
+                                       **({"give_up_step": give_up_step} if give_up_step is not None else {}))
         except SpecError:
             self._dismiss(joiners)  # refused meanwhile (e.g. the job neared max_steps while they started)
             raise

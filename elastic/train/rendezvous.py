@@ -162,6 +162,10 @@ class Directive:
     # worker reads its boxes out of it (elastic.train.checkpoint) instead of initialising them
     resume: str | None = None
     resume_layout: str | None = None
+    # every engine of this generation checks before each micro-batch whether a shrink asks for the
+    # step in progress (TrainEngine.give_up_checks): a property of the generation, so its ranks all
+    # run the check's collective or none does (the coordinator's shrink_gives_up_step when posted)
+    give_up_checks: bool = False
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -271,6 +275,7 @@ class _Gen:
     ranks: dict[str, int]
     start_step: int
     hold: bool = False
+    give_up_checks: bool = False  # its engines check for a give-up before each micro-batch
 
 
 @dataclass
@@ -462,12 +467,19 @@ class Coordinator:
 
     # ---- controller API -------------------------------------------------------------------
     def directive(self, generation: int, layout: Layout | str, members: Sequence[str], *, remap: bool = True,
-                  join_timeout_s: float | None = None, hold: bool = False) -> Directive:
+                  join_timeout_s: float | None = None, hold: bool = False,
+                  give_up_step: bool | None = None) -> Directive:
         """Post generation ``generation``: train ``layout`` on ``members`` (new-rank order if not ``remap``).
 
         ``hold=True`` pauses the job instead: ``members`` (keepers, no GPU) receive the state laid
         out as ``layout`` and run no step until the next directive, which switches at the step
         the job paused at. The validator (GPU memory) does not apply to keepers.
+
+        ``give_up_step`` (a shrink; None: ``shrink_gives_up_step``): ask the members to give the
+        step in progress up at their next micro-batch instead of finishing it; the shrink then
+        switches at that step. Only where the current generation's engines check (posted with
+        ``shrink_gives_up_step`` on), with one pipeline stage and no shrink lookahead; elsewhere,
+        or when the step gets past its last micro-batch first, it switches after the step.
 
         Refused (SpecError) before anything changes when the generation is out of sequence,
         another rescale is in flight, the member list does not match the layout, the job is
@@ -497,6 +509,7 @@ class Coordinator:
                 join_timeout_s=join_timeout_s if join_timeout_s is not None else self.join_timeout_s,
                 hold=hold, rollback=self.transactional and cur is not None and not hold and self._recoverable(cur),
                 resume=resume.path if resume else None, resume_layout=resume.layout if resume else None,
+                give_up_checks=self.shrink_gives_up_step,
             )
             if resume is not None:
                 self.resumed_from = resume
@@ -506,7 +519,8 @@ class Coordinator:
             rec = RescaleRecord(generation, d.old_layout, d.layout, list(members), list(d.joiners),
                                 list(d.leavers), switch, hold=hold)
             self._pending = _Pending(d, rec, self._clock())
-            if shrink and self._gives_up_locked(cur, switch):
+            asks = self.shrink_gives_up_step if give_up_step is None else give_up_step
+            if shrink and asks and self._gives_up_locked(cur, switch):
                 self._pending.give_up_step, self._pending.give_up_begun_at = switch - 1, self._max_begun_at
                 self._alarm.notify_all()  # heartbeats carry the request to the members in the step
             self._rescales[generation] = rec
@@ -530,11 +544,12 @@ class Coordinator:
         return max(self._max_begun + 1 + ahead, cur.start_step)
 
     def _gives_up_locked(self, cur: _Gen, switch: int) -> bool:
-        """Whether a shrink switching at ``switch`` asks for the step in progress: on, no lookahead
-        (the step before the switch is the one in progress), one pipeline stage (members meet at
-        every micro-batch), and a step of this generation is in progress."""
-        return (self.shrink_gives_up_step and self.shrink_lookahead_steps == 0
-                and Layout.parse(cur.layout).pp == 1 and switch - 1 == self._max_begun >= cur.start_step)
+        """Whether a shrink switching at ``switch`` can ask for the step in progress: no lookahead
+        (the step before the switch is the one in progress), engines that check (the generation was
+        posted with them), one pipeline stage (members meet at every micro-batch), and a step of
+        this generation in progress."""
+        return (self.shrink_lookahead_steps == 0 and cur.give_up_checks and Layout.parse(cur.layout).pp == 1
+                and switch - 1 == self._max_begun >= cur.start_step)
 
     def _begin_step_locked(self, step: int) -> None:
         if step > self._max_begun:
@@ -762,7 +777,8 @@ class Coordinator:
         p.record.plan_seconds = float(info.get("plan_seconds", 0.0))
         self._decisions[d.generation] = ("go", "")
         p.previous = self._current
-        self._current = _Gen(d.generation, d.layout, new_ranks, d.switch_step, hold=d.hold)
+        self._current = _Gen(d.generation, d.layout, new_ranks, d.switch_step, hold=d.hold,
+                             give_up_checks=d.give_up_checks)
         self._gen_sizes[d.generation] = (d.layout, len(d.workers))
         self._max_begun = d.switch_step - 1
         self.metrics.record_generation(d.generation, len(d.workers))
@@ -896,7 +912,7 @@ class Coordinator:
         if self.checkpoint is not None:
             self._reported_checkpoints[w] = CheckpointRef.from_json(b.get("checkpoint_latest"))
         return {"job": self.job, "config": self.config, "heartbeat_interval_s": self.heartbeat_interval_s,
-                "heartbeat_timeout_s": self.heartbeat_timeout_s, "give_up_checks": self.shrink_gives_up_step,
+                "heartbeat_timeout_s": self.heartbeat_timeout_s,
                 "checkpoint": self.checkpoint.to_json() if self.checkpoint else None}
 
     def _h_heartbeat(self, b: dict[str, Any]) -> dict[str, Any]:
@@ -1580,7 +1596,7 @@ class Coordinator:
             job=self.job, generation=nxt, layout=str(lay), workers=tuple(members), remap=True,
             old_layout=cur.layout, old_ranks={w: cur.ranks[w] for w in survivors}, switch_step=r + 1,
             store_host=self.advertise_host, store_port=self.store_port, join_timeout_s=self.join_timeout_s,
-            commit_step=r,
+            commit_step=r, give_up_checks=self.shrink_gives_up_step,
         )
         record = RescaleRecord(nxt, cur.layout, d.layout, list(members), [], list(d.leavers), r + 1,
                                recovery=why)

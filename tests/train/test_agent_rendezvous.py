@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from elastic.model import SpecError
-from elastic.train.rendezvous import Coordinator, JobFailed, RendezvousClient, RescaleFailed
+from elastic.train.rendezvous import Coordinator, Directive, JobFailed, RendezvousClient, RescaleFailed
 
 
 class Clock:
@@ -884,7 +884,6 @@ def test_a_shrink_that_gives_up_the_step_in_progress_switches_there_and_counts_t
     (a long poll woken by the post); once they gave it up (the step asked for again, ``gave_up``) the
     shrink switches at step 1, not 2, and its pause counts from step 1's begin."""
     c, clock, _ = started(shrink_lookahead_steps=0, shrink_gives_up_step=True)
-    assert call(c, "register", "w0")["give_up_checks"] is True  # every engine checks
     begun = clock.t  # step 1 was begun at this time (started())
     clock.t += 2.0
     with ThreadPoolExecutor(1) as pool:
@@ -893,7 +892,7 @@ def test_a_shrink_that_gives_up_the_step_in_progress_switches_there_and_counts_t
         assert not beat.done()  # nothing to say yet
         d = c.directive(2, "tp1.pp1.dp1", ["w0"], remap=False)
         assert beat.result(timeout=2)["give_up"] == {"generation": 1, "step": 1}
-    assert d.switch_step == 2  # as posted: after the step in progress
+    assert d.switch_step == 2 and d.give_up_checks  # as posted: after the step in progress; engines check
     clock.t += 0.5
     out = [call(c, "step", w, generation=1, step=1, gave_up={"step": 1, "seconds": s})
            for w, s in (("w0", 2.4), ("w1", 2.5))]
@@ -950,3 +949,16 @@ def test_a_member_that_begins_the_step_after_the_shrink_was_posted_is_told_to_gi
     c.directive(2, "tp1.pp1.dp1", ["w0"], remap=False)
     out = call(c, "step", "w1", generation=1, step=2, result=res)
     assert (out["action"], out["give_up"]) == ("go", 2)  # its peer is computing step 2 already
+
+
+def test_whether_engines_check_for_a_give_up_is_fixed_per_generation_when_it_is_posted() -> None:
+    """The check is a collective: all ranks of a generation run it or none does. A joiner registering
+    after the setting changed still gets its generation's value, from the directive (it once came
+    from the register answer, and a generation mixed checking and non-checking engines: deadlock)."""
+    c, _, _ = started(shrink_lookahead_steps=0, shrink_gives_up_step=False)
+    d2 = c.directive(2, "tp1.pp1.dp1", ["w0"], remap=False)
+    c.shrink_gives_up_step = True  # changed while generation 2 is in flight: it keeps its value
+    assert "give_up_checks" not in call(c, "register", "w2")  # a joiner learns it from its directive only
+    assert not d2.give_up_checks and not Directive.from_json(
+        call(c, "step", "w0", generation=1, step=2, result={"step": 1, "loss": 2.0, "tokens": 1, "seconds": 0.1}
+             )["directive"]).give_up_checks
