@@ -17,6 +17,12 @@ see identically:
    switch; a step of latency costs more than preparing during the pause. A caller waiting
    for a shrink's GPUs need not wait for the new layout's first step either: ``wait_resumed``
    answers once it has begun (``wait_generation`` once it has finished).
+   Nor for the step in progress (``shrink_gives_up_step``, or ``give_up_step`` per directive):
+   the members, told on their heartbeat, give it up at their next micro-batch (every engine of a
+   generation posted with ``Directive.give_up_checks`` agrees there through a one-float
+   all-reduce) and ask for it again with ``gave_up``; the coordinator then moves the switch to
+   that step (nobody has switched yet and a shrink has no joiners, so the directive can still
+   change) and counts the pause from the step's begin: its work is lost.
 2. **Whether the rescale goes ahead.** Members of old and new layout arrive at ``/v1/arrive``
    with a digest of the reshard plan they computed, or the error that kept them from
    planning or preparing it. ``go`` once all have arrived with equal digests; ``abandoned``
