@@ -182,7 +182,7 @@ class TrainEngine:
         self.dirty = False  # an optimizer update was interrupted half-way
         self._interrupted = threading.Event()  # a peer was lost: give the running step up (interrupt())
         # A rescale may ask for the step in progress (give_up()): every rank must have this on, or
-        # none (the agent sets it from the job's coordinator); pp = 1 only (see can_give_up)
+        # none (the agent sets it from its generation's directive); pp = 1 only (see can_give_up)
         self.give_up_checks = False
         self._give_up_step: int | None = None
         self._step_started = 0.0

@@ -182,32 +182,42 @@ def test_a_shrink_that_need_not_wait_its_first_step_returns_with_its_leavers_gon
         assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step}"
 
 
+@pytest.mark.parametrize("layout, workers, after, kept, gives_up", [
+    ("tp1.pp1.dp2", ["w0", "w1"], "tp1.pp1.dp1", ["w0"], True),
+    # tensor parallel: both ranks of a replica meet at every micro-batch's check as well
+    ("tp2.pp1.dp2", ["w0", "w1", "w2", "w3"], "tp2.pp1.dp1", ["w0", "w1"], True),
+    # 1F1B stages run their micro-batches at different times: the step is finished, then the switch
+    ("tp1.pp2.dp2", ["w0", "w1", "w2", "w3"], "tp1.pp2.dp1", ["w0", "w1"], False),
+])
 def test_a_shrink_gives_up_the_step_in_progress_and_the_new_layout_redoes_it_on_the_same_loss_curve(
-        tmp_path, monkeypatch) -> None:
-    """``shrink_gives_up_step`` (the launch default): a dp2 step is 4 micro-batches of >= 0.6 s; a
-    shrink posted just after a step began switches at that step (given up, not finished), returns
-    before it would have ended, and the step counter and loss curve are those of a job never
+        tmp_path, monkeypatch, layout, workers, after, kept, gives_up) -> None:
+    """``shrink_gives_up_step`` (the launch default): a step is 4 micro-batches of >= 0.6 s; a shrink
+    posted just after a step began switches at that step (given up, not finished) on one pipeline
+    stage, after it with two, and the step counter and loss curve are those of a job never
     rescaled: the new layout redid the step on the same samples."""
     monkeypatch.setenv("ELASTIC_TEST_MICRO_SECONDS", "0.6")
     opts = replace(OPTS, engine_factory="tests.train._agent_engines:slow_micro_batches")
     assert opts.shrink_gives_up_step
     h = ProcessJobHandle("giveup", CFG, options=opts, log_dir=str(tmp_path))
     try:
-        h.start("tp1.pp1.dp2", ["w0", "w1"], timeout=180)
-        h.wait_step(1, timeout=120)  # step 1 done: step 2 is being computed (2.4 s)
+        h.start(layout, workers, timeout=180)
+        h.wait_step(1, timeout=120)  # step 1 done: step 2 is being computed (>= 2.4 s)
         in_progress = h.status().step + 1
-        shrink = h.rescale("tp1.pp1.dp1", ["w0"], timeout=120, wait_first_step=False)
+        shrink = h.rescale(after, kept, timeout=120, wait_first_step=False)
         rec = shrink.record
-        assert (shrink.switch_step, rec.gave_up_step) == (in_progress, in_progress), rec
-        assert 0.0 < rec.gave_up_seconds < 2.4 and shrink.pause_seconds >= rec.gave_up_seconds
-        assert h.procs["w1"].poll() == 0  # the leaver is gone: its GPU is free
-        h.wait_step(in_progress + 2, timeout=120)
+        if gives_up:
+            assert (shrink.switch_step, rec.gave_up_step) == (in_progress, in_progress), rec
+            assert 0.0 < rec.gave_up_seconds < 2.4 and shrink.pause_seconds >= rec.gave_up_seconds
+        else:
+            assert (shrink.switch_step, rec.gave_up_step, rec.gave_up_seconds) == (in_progress + 1, None, 0.0), rec
+        assert all(h.procs[w].poll() == 0 for w in workers if w not in kept)  # the leavers are gone
+        h.wait_step(shrink.switch_step + 2, timeout=120)
     finally:
         final = h.stop()
     assert final.error is None
     hist = h.history()
-    assert [r.step for r in hist] == list(range(len(hist)))  # the given-up try left no result
-    assert [r.generation for r in hist] == [1] * in_progress + [2] * (len(hist) - in_progress)
+    assert [r.step for r in hist] == list(range(len(hist)))  # a given-up try left no result
+    assert [r.generation for r in hist] == [1] * shrink.switch_step + [2] * (len(hist) - shrink.switch_step)
     for r, want in zip(hist, reference_losses(len(hist)), strict=True):
         assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step}"
 
