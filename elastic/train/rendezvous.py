@@ -815,7 +815,8 @@ class Coordinator:
             self.metrics.record_paused(True, rec.bytes_moved)
         elif self._history and d.old_ranks:
             self.metrics.record_rescale(rec.pause_seconds or 0.0, rec.bytes_moved, rec.planned_bytes,
-                                        rec.lower_bound_bytes)
+                                        rec.lower_bound_bytes,
+                                        rec.gave_up_seconds if rec.gave_up_step is not None else None)
         if d.hold:
             self._reason = (f"paused at step {d.switch_step}: generation {d.generation} holds the state as {d.layout} "
                             f"on {len(d.workers)} keeper(s) off-GPU ({rec.bytes_moved} bytes moved in "

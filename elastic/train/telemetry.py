@@ -38,6 +38,8 @@ class _Families:
     recoveries: Counter
     rescales: Counter
     rescale_failures: Counter
+    steps_given_up: Counter
+    given_up_seconds: Counter
     pause_seconds: Histogram
     last_pause_seconds: Gauge
     reshard_bytes: Counter
@@ -80,8 +82,14 @@ def _families(registry: CollectorRegistry) -> _Families:
             rescales=Counter("elastic_training_rescales", "Rescales completed in place", L, registry=r),
             rescale_failures=Counter("elastic_training_rescale_failures",
                                      "Rescales abandoned or failed (the job kept or lost its layout)", L, registry=r),
+            steps_given_up=Counter("elastic_training_steps_given_up",
+                                   "Steps in progress a shrink gave up (redone on the new layout)", L, registry=r),
+            given_up_seconds=Counter("elastic_training_given_up_seconds",
+                                     "Compute of given-up steps thrown away (wall seconds, not x GPUs)", L,
+                                     registry=r),
             pause_seconds=Histogram("elastic_training_rescale_pause_seconds",
-                                    "Training paused by a rescale (step boundary to first new step)", L,
+                                    "Training paused by a rescale (step boundary, or the begin of a step a "
+                                    "shrink gave up, to first new step)", L,
                                     buckets=_PAUSE_BUCKETS, registry=r),
             last_pause_seconds=Gauge("elastic_training_last_rescale_pause_seconds", "Pause of the last rescale", L,
                                      registry=r),
@@ -133,9 +141,13 @@ class TrainingMetrics:
         self._f.world_size.labels(self.job).set(world_size)
 
     def record_rescale(self, pause_seconds: float, bytes_moved: int, planned_bytes: int,
-                       lower_bound_bytes: int) -> None:
+                       lower_bound_bytes: int, gave_up_seconds: float | None = None) -> None:
+        """A rescale done; ``gave_up_seconds``: it gave the step in progress up after that long (None: not)."""
         f, j = self._f, self.job
         f.rescales.labels(j).inc()
+        if gave_up_seconds is not None:
+            f.steps_given_up.labels(j).inc()
+            f.given_up_seconds.labels(j).inc(gave_up_seconds)
         f.pause_seconds.labels(j).observe(pause_seconds)
         f.last_pause_seconds.labels(j).set(pause_seconds)
         f.reshard_bytes.labels(j).inc(bytes_moved)

@@ -883,7 +883,7 @@ def test_a_shrink_that_gives_up_the_step_in_progress_switches_there_and_counts_t
     """``shrink_gives_up_step``: members computing step 1 hear ``give_up`` on their heartbeat at once
     (a long poll woken by the post); once they gave it up (the step asked for again, ``gave_up``) the
     shrink switches at step 1, not 2, and its pause counts from step 1's begin."""
-    c, clock, _ = started(shrink_lookahead_steps=0, shrink_gives_up_step=True)
+    c, clock, reg = started(shrink_lookahead_steps=0, shrink_gives_up_step=True)
     begun = clock.t  # step 1 was begun at this time (started())
     clock.t += 2.0
     with ThreadPoolExecutor(1) as pool:
@@ -911,6 +911,8 @@ def test_a_shrink_that_gives_up_the_step_in_progress_switches_there_and_counts_t
     call(c, "step", "w0", generation=2, step=2, result={"step": 1, "loss": 1.5, "tokens": 256, "seconds": 0.2})
     assert c.wait_generation(2, timeout=1).ok is True
     assert [r.step for r in c.history()] == [0, 1]  # step 1 once: the given-up try left no result
+    assert (metric(reg, "elastic_training_steps_given_up_total"), metric(reg, "elastic_training_given_up_seconds_total"),
+            metric(reg, "elastic_training_rescales_total")) == (1.0, 2.5, 1.0)
 
 
 @pytest.mark.parametrize("layout, workers, new, new_workers, why", [
