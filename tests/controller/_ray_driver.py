@@ -34,7 +34,11 @@ def main(config: str, db_url: str, address: str, load_file: str, owner: str) -> 
     cfg = load_config(data=json.load(open(config)))
     served = build(cfg, db_url=db_url, ray_address=address, owner=owner, sources={"chat": FileSource(load_file)},
                    replica_config=ReplicaConfig(model="tiny", max_running=4),
-                   train_options=LaunchOptions(pg_timeout_s=90, heartbeat_timeout_s=60, join_timeout_s=120))
+                   # a shrink waits out its step in progress: the crash test kills the controller while
+                   # one is in flight (given up, the step's rest takes a micro-batch and the shrink
+                   # was over before the kill)
+                   train_options=LaunchOptions(pg_timeout_s=90, heartbeat_timeout_s=60, join_timeout_s=120,
+                                               shrink_gives_up_step=False))
     import ray
 
     backend = served.backend
