@@ -575,7 +575,7 @@ def _write_timeline(run: DemoRun, path: str, results: list[Any] | None = None, s
     import csv
     from dataclasses import astuple, fields
 
-    sent_at = sorted((r.sent_at, not (r.complete and r.ttft is not None and r.ttft <= slo)) for r in results or [])
+    sent_at = sorted((r.sent_at, not r.met(slo)) for r in results or [])
     times = [t for t, _ in sent_at]
     missed = [0]
     for _, m in sent_at:

@@ -391,10 +391,7 @@ class RayBackend:
             lease = lease_actor(spec.gpus_per_replica, where)
             return g, actor, url, lease, lease.gpu_ids.remote()
         except Exception as e:  # noqa: BLE001 - a spare that died or no lease: start one the usual way
-            log.warning("%s: spare replica not usable for %s (%s); starting a new one", spec.name, g, e)
-            for a in (actor, lease):
-                if a is not None:
-                    ray.kill(a, no_restart=True)
+            _drop_spare(spec, g, actor, lease, e)
             return None
 
     def _await_spare_replicas(self, spec: InferenceSpec, claims: list[tuple[GPU, Any, str, Any, Any]],
@@ -417,9 +414,7 @@ class RayBackend:
                         raise TimeoutError(f"lease not granted within {timeout:g} s")
                     ray.get(ref)
                 except Exception as e:  # noqa: BLE001 - the GPU is started the usual way
-                    log.warning("%s: spare replica not usable for %s (%s); starting a new one", spec.name, g, e)
-                    for a in (actor, lease):
-                        ray.kill(a, no_restart=True)
+                    _drop_spare(spec, g, actor, lease, e)
                     failed.append(g)
                     continue
                 self._serve(spec.name, _Replica(g, actor, url, time.time(), lease))
@@ -741,6 +736,16 @@ class RayBackend:
         with self._lock:
             self.jobs[job] = j
         return f"adopted job {job}: {st.layout} generation {st.generation} at step {st.step}"
+
+
+def _drop_spare(spec: InferenceSpec, g: GPU, actor: Any, lease: Any, why: BaseException) -> None:
+    """A spare that cannot serve on ``g`` (it died, or its lease was refused or late): gone with its lease."""
+    import ray
+
+    log.warning("%s: spare replica not usable for %s (%s); starting a new one", spec.name, g, why)
+    for a in (actor, lease):
+        if a is not None:
+            ray.kill(a, no_restart=True)
 
 
 def _pop_warm(spares: list[tuple[Any, Any]],

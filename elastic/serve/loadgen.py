@@ -55,6 +55,10 @@ class Result:
     complete: bool = False
     handoffs: int = 0  # times it moved to another replica (handed off mid-stream, or refused as draining)
 
+    def met(self, ttft_target: float) -> bool:
+        """Answered in full with its first token within ``ttft_target`` seconds (the SLO)."""
+        return self.complete and self.ttft is not None and self.ttft <= ttft_target
+
     @property
     def truncated(self) -> bool:
         return self.ttft is not None and not self.complete
@@ -76,7 +80,7 @@ class Report:
         sent = [r for r in self.results if r.sent_at >= since]
         if not sent:
             return float("nan")
-        return sum(1 for r in sent if r.complete and r.ttft is not None and r.ttft <= ttft_target) / len(sent)
+        return sum(1 for r in sent if r.met(ttft_target)) / len(sent)
 
     def ttft_quantile(self, q: float, since: float = 0.0) -> float | None:
         vals = sorted(r.ttft for r in self.ok if r.sent_at >= since and r.ttft is not None)

@@ -959,12 +959,7 @@ class Coordinator:
             return rec.reason if unreported(building) and rec is not None else None
 
         def give_up() -> int | None:
-            """The step a pending shrink asks this member of the current generation to give up."""
-            p, cur = self._pending, self._current
-            if (p is None or p.decision is not None or p.give_up_step is None or p.record.gave_up_step is not None
-                    or cur is None or gen is None or int(gen) != cur.generation or w not in p.directive.old_ranks):
-                return None
-            return p.give_up_step
+            return None if gen is None else self._give_up_asked_locked(w, int(gen))
 
         def answer_now() -> bool:
             return (interrupt() or abort() is not None or give_up() is not None or self._phase == "failed"
@@ -1048,7 +1043,7 @@ class Coordinator:
                 return {"action": "switch", "directive": p.directive.to_json()}
             self._begin_step_locked(step)
             out = {"action": "go", "pending": p.directive.to_json()}  # no save while a rescale is in flight
-            if p.give_up_step == step:  # its peers may be computing it already: give it up with them
+            if self._give_up_asked_locked(w, gen) == step:  # its peers may be computing it: give it up too
                 out["give_up"] = step
             return out
         self._begin_step_locked(step)
@@ -1188,6 +1183,15 @@ class Coordinator:
                                        or over() or switch()), min(wait_s, LONG_POLL_MAX_S))
             out = now()
         return out or {"action": "hold", "reason": self._reason}
+
+    def _give_up_asked_locked(self, w: str, gen: int) -> int | None:
+        """The step a pending shrink asks ``w``, a member of the current generation ``gen``, to give
+        up (None: none), until a member reported it given up (heartbeat and ``go`` alike)."""
+        p, cur = self._pending, self._current
+        if (p is None or p.decision is not None or p.give_up_step is None or p.record.gave_up_step is not None
+                or cur is None or gen != cur.generation or w not in p.directive.old_ranks):
+            return None
+        return p.give_up_step
 
     def _gave_up_locked(self, p: _Pending, w: str, step: int, seconds: float) -> None:
         """Member ``w`` gave ``step`` up for the pending shrink (every rank did, at the same
