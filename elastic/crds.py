@@ -164,6 +164,9 @@ class Metric(_CR):
     """With ``minReplicas: 0``: leave zero only when the metric is above this value (KEDA semantics)."""
     window_seconds: float = Field(default=0.0, ge=0, le=3600)
     """Scale down on the mean of this many seconds of readings (scale up on the latest); 0 = off."""
+    noise_margin: float = Field(default=0.0, ge=0, le=5)
+    """Scale down only when load + noiseMargin x sqrt(load) fits the smaller count (a count of requests
+    in flight scatters by about sqrt(load)); ``AverageValue`` only; 0 = off."""
 
 
 class ScalingPolicyCR(_CR):
@@ -631,8 +634,13 @@ def to_inference_spec(workload: str, spec: InferenceServiceSpec) -> InferenceSpe
     if m.query is not None and not m.prometheus:
         raise CRError("spec.metric.prometheus", "InvalidMetricPrometheus",
                       "a PromQL query needs metric.prometheus (the Prometheus base URL)")
+    if m.noise_margin > 0 and m.type != "AverageValue":
+        raise CRError("spec.metric.noiseMargin", "InvalidMetricNoiseMargin",
+                      f"noiseMargin applies to a count summed over replicas (type AverageValue); with type {m.type} "
+                      "set it to 0")
     metric = MetricTarget(preset=m.preset, query=m.query, prometheus=m.prometheus, type=m.type, target=m.target,
-                          activation_threshold=m.activation_threshold, window_seconds=m.window_seconds)
+                          activation_threshold=m.activation_threshold, window_seconds=m.window_seconds,
+                          noise_margin=m.noise_margin)
     try:
         check_metric(metric)
     except MetricQueryError as e:

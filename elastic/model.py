@@ -552,11 +552,22 @@ class MetricTarget(_Spec):
     window_seconds: float = Field(default=0.0, ge=0, le=3600, alias="windowSeconds",
                                   description="scale down on the mean of this many seconds of readings "
                                               "(scale up on the latest); 0 = off")
+    # A count of requests in flight (Poisson arrivals) scatters by about the square root of its
+    # value: at 70 requests a reading of 62 is one standard deviation, not a fall. A scale-down to
+    # n replicas needs load + noiseMargin * sqrt(load) <= n * target, so a dip that size does not
+    # drain a replica the load still needs (and start it again seconds later). AverageValue only.
+    noise_margin: float = Field(default=0.0, ge=0, le=5, alias="noiseMargin",
+                                description="scale down only when load + noiseMargin * sqrt(load) fits the "
+                                            "smaller count (count metrics: their noise is about sqrt(load)); "
+                                            "0 = off")
 
     @model_validator(mode="after")
     def _one_source(self) -> MetricTarget:
         if (self.preset is None) == (self.query is None):
             raise ValueError("metric: give exactly one of 'preset' or 'query'")
+        if self.noise_margin > 0 and self.type != "AverageValue":
+            raise ValueError(f"metric.noiseMargin applies to a count summed over replicas (type AverageValue); "
+                             f"with type {self.type} set noiseMargin to 0")
         return self
 
 

@@ -312,6 +312,67 @@ def test_window_must_not_be_negative() -> None:
         make_spec(metric={"windowSeconds": -1})
 
 
+# ---- the noise margin (noiseMargin) -----------------------------------------------------------
+
+
+def _margin_spec(z: float, **kw: Any) -> InferenceSpec:
+    behavior = kw.pop("behavior", {"scaleDown": {"stabilizationWindowSeconds": 0}})
+    return make_spec(metric={"target": 13.0, "noiseMargin": z, **kw.pop("metric", {})}, behavior=behavior,
+                     max_replicas=6, **kw)
+
+
+def test_noise_margin_keeps_a_replica_through_a_dip_of_one_sigma_and_says_why() -> None:
+    # the demo's plateau: 70 requests on 6 replicas of 13; a reading of 62 is one sqrt(70) below
+    plain = run(_margin_spec(0.0), [62.0], start=6, dt=2.0)[-1]
+    assert (plain.replicas, plain.reason) == (5, Reason.SCALED_DOWN)
+    kept = run(_margin_spec(0.5), [62.0], start=6, dt=2.0)[-1]
+    assert (kept.replicas, kept.reason) == (6, Reason.WITHIN_TOLERANCE)
+    assert "noise margin 0.5 x sqrt(load) = 65.9 -> 6 replicas" in kept.message
+    assert "may be noise" in kept.message
+
+
+@pytest.mark.parametrize("load,z,want", [
+    (55.0, 0.5, 5),  # 55 + 3.7 = 58.7 <= 65
+    (61.0, 0.5, 5),  # 61 + 3.9 = 64.9 <= 65: just fits
+    (61.5, 0.5, 6),  # 65.4 > 65
+    (20.0, 0.5, 2),  # a fall by four replicas: 20 + 2.2 -> ceil(22.2 / 13) = 2
+    (20.0, 2.0, 3),  # 20 + 8.9 = 28.9 -> 3: the margin can stop a fall part-way
+    (0.0, 1.0, 1),   # nothing running: the minimum
+])
+def test_noise_margin_arithmetic(load: float, z: float, want: int) -> None:
+    assert run(_margin_spec(z), [load], start=6, dt=2.0)[-1].replicas == want
+
+
+def test_noise_margin_never_touches_a_scale_up() -> None:
+    for load in (70.0, 90.0):
+        with_margin = run(_margin_spec(2.0), [load], start=2, dt=2.0)[-1]
+        assert with_margin.replicas == run(_margin_spec(0.0), [load], start=2, dt=2.0)[-1].replicas > 2
+
+
+def test_noise_margin_stops_flapping_on_a_steady_load_and_still_follows_a_fall() -> None:
+    # Poisson-like readings every 2 s around 70 (6 replicas of 13 needed: 70 / 13 = 5.4), the
+    # demo's 6 s scale-down window and 3 s mean: without a margin the dips drain a replica the
+    # load needs again seconds later; with 0.5 they do so at most a third as often
+    flaps = {}
+    for z in (0.0, 0.5):
+        spec = _margin_spec(z, metric={"windowSeconds": 3}, behavior={"scaleDown": {"stabilizationWindowSeconds": 6}})
+        flaps[z] = sum(sum(1 for a, b in zip(r, r[1:], strict=False) if b < a)
+                       for r in ([x.replicas for x in run(spec, _jittery(70.0, 150, seed), start=6, dt=2.0)]
+                                 for seed in range(8)))
+    assert flaps[0.0] >= 3 and flaps[0.5] * 3 <= flaps[0.0], flaps
+    # ... and a real fall (to 31 requests: three replicas) is followed all the way down
+    spec = _margin_spec(0.5, metric={"windowSeconds": 3}, behavior={"scaleDown": {"stabilizationWindowSeconds": 6}})
+    assert run(spec, [70.0] * 3 + [31.0] * 12, start=6, dt=2.0)[-1].replicas == 3
+
+
+def test_noise_margin_is_for_counts_only_and_bounded() -> None:
+    with pytest.raises(ValidationError, match="noiseMargin.*AverageValue"):
+        make_spec(metric={"type": "Utilization", "target": 0.6, "noiseMargin": 0.5})
+    with pytest.raises(ValidationError, match="noise_margin|noiseMargin"):
+        make_spec(metric={"noiseMargin": -1})
+    assert make_spec().metric.noise_margin == 0.0  # off unless asked for
+
+
 # ---- drain ahead ------------------------------------------------------------------------------
 
 

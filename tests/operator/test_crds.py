@@ -33,6 +33,9 @@ def test_maps_camel_case_specs_onto_the_controller_types(tmp_path) -> None:
     assert (svc.name, svc.gpus_per_replica, svc.max_replicas, svc.metric.preset) == ("ml/chat", 2, 4, "vllm-requests")
     assert svc.behavior.scale_down.stabilization_window_seconds == 60
     assert svc.behavior.scale_down.policies[0].period_seconds == 30
+    svc = to_inference_spec("ml/chat", parse_spec(InferenceServiceSpec, {
+        **SVC, "metric": {**SVC["metric"], "windowSeconds": 3, "noiseMargin": 0.5}}))
+    assert (svc.metric.window_seconds, svc.metric.noise_margin) == (3, 0.5)
     job = to_training_spec("ml/train", parse_spec(ElasticTrainingJobSpec, JOB))
     assert (job.min_gpus, job.max_gpus, job.global_batch, job.micro_batch, job.allowed_tp) == (2, 8, 32, 2, [1, 2])
     assert job.on_below_minimum == "pause"
@@ -71,6 +74,8 @@ BAD: list[tuple[str, dict[str, Any], str, str]] = [
     ("svc", {**SVC, "metric": {"query": "up", "target": 1}}, "spec.metric.prometheus", "InvalidMetricPrometheus"),
     ("svc", {**SVC, "metric": {"preset": "vllm-kv-cache", "target": 0.8}}, "spec.metric.type", "InvalidMetricType"),
     ("svc", {**SVC, "metric": {"preset": "vllm-requests", "target": 0}}, "spec.metric.target", "InvalidMetricTarget"),
+    ("svc", {**SVC, "metric": {"preset": "vllm-kv-cache", "type": "Utilization", "target": 0.8, "noiseMargin": 0.5}},
+     "spec.metric.noiseMargin", "InvalidMetricNoiseMargin"),
     ("svc", {**SVC, "scaleTargetRef": {"name": "x", "kind": "StatefulSet"}}, "spec.scaleTargetRef.kind",
      "InvalidScaleTargetRefKind"),
     ("pool", {"hardware": "tpu9"}, "spec.hardware", "InvalidHardware"),
