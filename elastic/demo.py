@@ -58,7 +58,7 @@ def demo_config(minutes: float, tick_seconds: float) -> dict[str, Any]:
                  "rescale_interval_seconds": 2 * tick_seconds, "gain_threshold": 0.05},
         "services": [{
             "name": SERVICE, "gpus_per_replica": 1, "min_replicas": 1, "max_replicas": 6, "priority": 100,
-            # shrink on the mean of 5 s of readings (grow on the latest): the running-requests
+            # shrink on the mean of the last seconds' readings (grow on the latest): the running-requests
             # gauge jitters by +-sqrt(load), and holding its peaks holds replicas nobody needs
             # (10 s, with a 12 s window below, kept a replica ~20 s after the load fell: utilisation
             # 0.865 against 0.875-0.878 with 5 s / 8 s, SLO 0.995-0.997 either way; 2026-12-01)

@@ -283,6 +283,9 @@ class WorkerAgent:
         # "<worker>:<seconds>": that worker's checkpoint writes take that much longer (a slow disk)
         slow = os.environ.get("ELASTIC_FAULT_SLOW_CHECKPOINT", "")
         self._slow_write = float(slow.split(":", 1)[1]) if slow.startswith(f"{worker}:") else 0.0
+        # "<seconds>": a leaver whose bytes have landed waits that long before it goes (a node slow to
+        # let its GPU go); the crash test lands a controller's kill while a shrink waits for its leaver
+        self._slow_leave = float(os.environ.get("ELASTIC_FAULT_SLOW_LEAVE", "") or 0.0)
 
     # ---- entry ----------------------------------------------------------------------------
     def run(self) -> int:
@@ -922,6 +925,8 @@ class WorkerAgent:
     def _leave(self) -> None:
         """A leaver's bytes have landed: free everything at once (the launcher sees the process go)."""
         log.info("worker %s: left at generation %d", self.worker, self.generation)
+        if self._slow_leave > 0:
+            time.sleep(self._slow_leave)  # fault injection (ELASTIC_FAULT_SLOW_LEAVE): slow to go
         self._exit_notice()
         if not self.opts.exit_on_leave:
             return None  # the host ends the process (Ray: the handle ray.kill()s the actor)

@@ -2,7 +2,10 @@
 with the load read from a file the test writes (a metric source at our own boundary). One JSON line per
 tick on stdout: what the controller did and what Ray shows, so the test can check it from outside.
 
-    python -m tests.controller._ray_driver CONFIG.json DB_URL RAY_ADDRESS LOAD_FILE OWNER
+    python -m tests.controller._ray_driver CONFIG.json DB_URL RAY_ADDRESS LOAD_FILE OWNER [finish|give-up]
+
+``finish`` (the default): a shrink's members finish the step in progress; ``give-up``: they give it
+up at the next micro-batch (``LaunchOptions.shrink_gives_up_step``, the backends' default).
 """
 
 from __future__ import annotations
@@ -27,18 +30,18 @@ class FileSource:
             return None
 
 
-def main(config: str, db_url: str, address: str, load_file: str, owner: str) -> None:
+def main(config: str, db_url: str, address: str, load_file: str, owner: str, shrink: str = "finish") -> None:
     from elastic.serve.server import ReplicaConfig
     from elastic.train.launch import LaunchOptions
 
     cfg = load_config(data=json.load(open(config)))
     served = build(cfg, db_url=db_url, ray_address=address, owner=owner, sources={"chat": FileSource(load_file)},
                    replica_config=ReplicaConfig(model="tiny", max_running=4),
-                   # a shrink waits out its step in progress: the crash test kills the controller while
-                   # one is in flight (given up, the step's rest takes a micro-batch and the shrink
-                   # was over before the kill)
+                   # "finish": a shrink waits out its step in progress, and the crash test kills the
+                   # controller while the members compute it (given up, the step's rest takes a
+                   # micro-batch: the test then slows the leaver's exit to land its kill mid-shrink)
                    train_options=LaunchOptions(pg_timeout_s=90, heartbeat_timeout_s=60, join_timeout_s=120,
-                                               shrink_gives_up_step=False))
+                                               shrink_gives_up_step=shrink == "give-up"))
     import ray
 
     backend = served.backend
@@ -61,4 +64,4 @@ def main(config: str, db_url: str, address: str, load_file: str, owner: str) -> 
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:6])
+    main(*sys.argv[1:7])

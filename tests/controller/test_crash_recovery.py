@@ -72,15 +72,17 @@ def _pids_under(marker: str) -> list[int]:
 
 
 @pytest.fixture
-def ray_cluster():
-    """A private single-node Ray cluster on loopback; its temp dir keeps other Ray users from finding it."""
+def ray_cluster(request):
+    """A private single-node Ray cluster on loopback; its temp dir keeps other Ray users from finding it.
+    Indirect parameter: extra environment for the cluster (its workers inherit it)."""
+    extra = getattr(request, "param", None) or {}
     temp = tempfile.mkdtemp(prefix="erc", dir="/tmp")
     port = _free_port()
     proc = subprocess.Popen(
         [RAY, "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-gpus=8",
          "--num-cpus=2", "--include-dashboard=false", f"--temp-dir={temp}", "--disable-usage-stats",
          f"--object-store-memory={200 * 2**20}"],
-        env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        env={**_env(), **extra}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -108,12 +110,14 @@ def ray_cluster():
 class Driver:
     """One controller process (tests/controller/_ray_driver.py); its JSON lines land in a log file."""
 
-    def __init__(self, tmp: Path, name: str, address: str, db_url: str, load_file: Path) -> None:
+    def __init__(self, tmp: Path, name: str, address: str, db_url: str, load_file: Path,
+                 give_up: bool = False) -> None:
         cfg = tmp / "config.json"
         cfg.write_text(json.dumps(CONFIG))
         self.log = tmp / f"{name}.log"
         self.proc = subprocess.Popen(
-            [PY, "-m", "tests.controller._ray_driver", str(cfg), db_url, address, str(load_file), "ctl"],
+            [PY, "-m", "tests.controller._ray_driver", str(cfg), db_url, address, str(load_file), "ctl",
+             "give-up" if give_up else "finish"],
             cwd=ROOT, env=_env(), stdout=open(self.log, "w"), stderr=open(tmp / f"{name}.err", "w"),
             start_new_session=True)
 
@@ -147,11 +151,21 @@ def _job_gpus(t: dict) -> int:
     return len(t["job"]["gpus"]) if t.get("job") else 0
 
 
-def test_controller_killed_mid_shrink_restarts_and_the_job_carries_on(ray_cluster, tmp_path: Path) -> None:
+# finish: the shrink's members finish the step in progress (the kill lands while they compute it).
+# give-up: they give it up at the next micro-batch (the backends' default), so the new layout runs
+# within a fraction of a second; the leaver then takes 4 s to go (ELASTIC_FAULT_SLOW_LEAVE, a node slow
+# to let its GPU go), and the kill lands while the shrink waits for it: the restarted controller finds
+# the new generation training and the old worker still holding its GPU.
+@pytest.mark.parametrize("ray_cluster,give_up", [
+    pytest.param({}, False, id="finish"),
+    pytest.param({"ELASTIC_FAULT_SLOW_LEAVE": "4"}, True, id="give-up"),
+], indirect=["ray_cluster"])
+def test_controller_killed_mid_shrink_restarts_and_the_job_carries_on(ray_cluster, give_up: bool,
+                                                                      tmp_path: Path) -> None:
     db_url = f"sqlite:///{tmp_path}/state.db"
     load = tmp_path / "load"
     load.write_text("10")
-    a = Driver(tmp_path, "a", ray_cluster, db_url, load)
+    a = Driver(tmp_path, "a", ray_cluster, db_url, load, give_up)
     b = None
     try:
         # 1. steady state: 1 replica, the job on its maximum of 4 GPUs, training
@@ -170,7 +184,7 @@ def test_controller_killed_mid_shrink_restarts_and_the_job_carries_on(ray_cluste
         assert any(x.kind == "shrink_training" for x in db.open_actions(store, "crash")), "kill came too late"
         gen_before, step_before = before["job"]["generation"], before["job"]["step"]
         # 4. restart: it adopts the actors, reconciles, and finishes the move to 5 replicas + 3 workers
-        b = Driver(tmp_path, "b", ray_cluster, db_url, load)
+        b = Driver(tmp_path, "b", ray_cluster, db_url, load, give_up)
         end = b.wait(lambda t: _job_gpus(t) == 3 and len(t["service_gpus"]) == 5, 300, "3 training + 5 replicas")
         started = next(x for x in b.lines() if x["event"] == "started")
         assert any(n.startswith("adopted job tiny-job") for n in started["adopted"]), started
