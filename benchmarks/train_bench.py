@@ -12,6 +12,8 @@ rescale reports:
 * ``pause_x_step``: that pause as a multiple of the new layout's step time;
 * ``bytes_moved`` (sent over gloo) vs the plan's lower bound;
 * the pause's breakdown: per phase, the slowest worker's seconds (``RescaleRecord.worker_stats``):
+  ``prepare`` (the receive buffers allocated and zero-filled: inside the pause since shrinks and
+  grows prepare at their boundary rather than one step ahead),
   ``meet`` (arrive -> go, of the last member to arrive), ``group`` (the reshard process group; 0 when no worker joins: the old
   default group carries the exchange), ``exchange`` (the bytes), ``close`` (old engine and
   groups), ``init_pg`` (the new default group; 0 when the ranks do not change), ``engine`` (the
@@ -87,7 +89,7 @@ def _steps_of(h: ProcessJobHandle, generation: int) -> list[float]:
     return [r.seconds for r in h.history() if r.generation == generation]
 
 
-PHASES = ("meet", "group", "exchange", "commit", "close", "init_pg", "engine")
+PHASES = ("prepare", "meet", "group", "exchange", "commit", "close", "init_pg", "engine")
 
 
 def _phases(worker_stats: dict[str, dict[str, Any]]) -> dict[str, float]:
