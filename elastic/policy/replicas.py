@@ -178,19 +178,19 @@ def _reactive(spec: InferenceSpec, cur: int, metric: float, up: Rules, down: Rul
             f"{raw.message}; usage ratio {raw.ratio:.2f} within tolerance "
             f"[{1 - down.tolerance:.2f}, {1 + up.tolerance:.2f}] -> keep {cur}")
     if raw.replicas < cur and m.noise_margin > 0:
-        return _noise_margin(m.noise_margin, m.target, cur, metric, raw.replicas, raw.message)
+        return _noise_margin(m.noise_margin, m.target, cur, metric, raw.message)
     if raw.replicas == cur:
         return cur, Reason.STEADY, raw.message
     return raw.replicas, (Reason.SCALED_UP if raw.replicas > cur else Reason.SCALED_DOWN), raw.message
 
 
-def _noise_margin(z: float, target: float, cur: int, load: float, down_to: int, msg: str) -> tuple[int, Reason, str]:
+def _noise_margin(z: float, target: float, cur: int, load: float, msg: str) -> tuple[int, Reason, str]:
     """A scale-down to ``n`` replicas only if ``load + z * sqrt(load) <= n * target``: a count of
     requests in flight scatters by about ``sqrt(load)``, so a reading that far below the current
     count's capacity may be noise. Load 62 at target 13 with 6 replicas, z 0.5: 62 + 3.9 = 65.9 >
     5 * 13 -> keep 6; load 55: 58.7 <= 65 -> 5."""
     padded = load + z * math.sqrt(max(load, 0.0))
-    n = min(cur, max(down_to, raw_replicas(padded, target, cur, "AverageValue").replicas))
+    n = min(cur, raw_replicas(padded, target, cur, "AverageValue").replicas)  # padded >= load: never below the raw count
     note = f"{msg}; with noise margin {z:g} x sqrt(load) = {padded:.1f} -> {n} replicas"
     if n >= cur:
         return cur, Reason.WITHIN_TOLERANCE, note + " (a dip this size may be noise: keep)"
