@@ -163,12 +163,21 @@ def test_a_survivor_gives_a_long_step_up_as_soon_as_its_peer_is_lost_instead_of_
     finally:
         final = h.stop()
     assert final.error is None, final.error
-    log = (tmp_path / "w0.log").read_text()
-    given_up = re.search(r"step (\d+) given up at micro-batch (\d+) of (\d+)", log)
-    assert given_up, f"w0 computed its step to the end instead of giving it up:\n{log[-3000:]}"
-    step, micro, of = (int(x) for x in given_up.groups())
+    # Every survivor is told; on pp2 the first stage to reach a micro-batch boundary gives up and
+    # drops its communicators, so its pipeline peer breaks in a send/recv with it a few ms later
+    # (lockstep 1F1B: within pp micro-batches of the other's). Which of the two it is, is a race.
+    survivors = st.workers
+    logs = {w: (tmp_path / f"{w}.log").read_text() for w in survivors}
+    gave_up = {w: re.search(r"step (\d+) given up at micro-batch (\d+) of (\d+)", text) for w, text in logs.items()}
+    first = next((w for w in survivors if gave_up[w]), None)
+    assert first is not None, "no survivor gave its step up:\n" + "\n".join(
+        f"--- {w}\n{text[-2000:]}" for w, text in logs.items())
+    step, micro, of = (int(x) for x in gave_up[first].groups())
     assert of == 120 and micro < of and step == rec.switch_step, (step, micro, of, rec.switch_step)
-    print(f"{layout}: step {step} given up at micro-batch {micro} of {of}; recovery pause {rec.pause_seconds:.3f} s, "
+    for w in survivors:
+        assert gave_up[w] or re.search(rf"worker {w}: step {step} broke", logs[w]), \
+            f"{w} neither gave step {step} up nor broke in it:\n{logs[w][-2000:]}"
+    print(f"{layout}: {first}'s step {step} given up at micro-batch {micro} of {of}; recovery pause {rec.pause_seconds:.3f} s, "
           f"first step on {st.layout} done {took:.2f} s after the kill (a step takes {history_seconds(h):.2f} s)")
     history = h.history()
     assert [r.step for r in history] == list(range(len(history)))
