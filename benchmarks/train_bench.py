@@ -12,8 +12,12 @@ rescale reports:
 * ``pause_x_step``: that pause as a multiple of the new layout's step time;
 * ``bytes_moved`` (sent over gloo) vs the plan's lower bound;
 * the pause's breakdown: per phase, the slowest worker's seconds (``RescaleRecord.worker_stats``):
-  ``prepare`` (the receive buffers allocated and zero-filled: inside the pause since shrinks and
-  grows prepare at their boundary rather than one step ahead),
+  ``prepare`` (what an old member still spent on the plan and its receive buffers at the
+  boundary: the coordinator's heartbeat tells the members of a rescale the moment it is posted
+  and they prepare beside the step in progress, so only what that step left undone lands in the
+  pause; a joiner prepares before the old members reach the boundary and is not counted here),
+  ``alloc`` (not a phase of the pause: the slowest member's whole allocate-and-zero-fill time,
+  wherever it ran),
   ``meet`` (arrive -> go, of the last member to arrive), ``group`` (the reshard process group; 0 when no worker joins: the old
   default group carries the exchange), ``exchange`` (the bytes), ``close`` (old engine and
   groups), ``init_pg`` (the new default group; 0 when the ranks do not change), ``engine`` (the
@@ -36,6 +40,12 @@ what that costs, side by side on two fresh jobs of the same model (one with
 ``LaunchOptions.transactional_rescale=False``): the pause of ``tp1.pp1.dp2 -> tp2.pp1.dp2``
 (two joiners: the new default group is built after the commit instead of during the
 exchange) and back (two leavers), and the ratio transactional / in place.
+
+``prepare`` measures what preparing beside the step in progress buys, the same way: the same
+two rescales on two fresh jobs, the members told of the directive on their heartbeat (the
+default) and not (``LaunchOptions.prepare_beside_step=False``: they prepare at the switch). The
+grow is posted when its joiners are up, at a random point of a step; the shrink gives its step
+up at the next micro-batch, which leaves it little time to prepare beside.
 
 The same kill once more on a job of 4 micro-batches per replica (``recovery_many``, a fresh job
 with a larger global batch): there the survivor does not finish the step but gives it up at
@@ -89,15 +99,18 @@ def _steps_of(h: ProcessJobHandle, generation: int) -> list[float]:
     return [r.seconds for r in h.history() if r.generation == generation]
 
 
-PHASES = ("prepare", "meet", "group", "exchange", "commit", "close", "init_pg", "engine")
+PHASES = ("prepare", "meet", "group", "exchange", "commit", "close", "init_pg", "engine", "alloc")
+_KEYS = {"prepare": "prepare_wait_seconds", "alloc": "prepare_seconds"}  # else f"{phase}_seconds"
 
 
-def _phases(worker_stats: dict[str, dict[str, Any]]) -> dict[str, float]:
+def _phases(worker_stats: dict[str, dict[str, Any]], joiners: list[str] | tuple[str, ...] = ()) -> dict[str, float]:
     """Per phase of the transition, the slowest worker's seconds; for ``meet`` the fastest one's
     (the last member to arrive waits least: its meet is the decision latency, the others' include
-    waiting for it -- a joiner arrives long before the old members reach the boundary)."""
+    waiting for it -- a joiner arrives long before the old members reach the boundary); for
+    ``prepare`` the slowest old member's (a joiner prepares before the boundary)."""
     def pick(p: str) -> float:
-        vals = [float(s.get(f"{p}_seconds", 0.0)) for s in worker_stats.values()]
+        vals = [float(s.get(_KEYS.get(p, f"{p}_seconds"), 0.0)) for w, s in worker_stats.items()
+                if not (p == "prepare" and w in joiners)]
         return (min if p == "meet" else max)(vals, default=0.0)
 
     return {p: pick(p) for p in PHASES}
@@ -131,7 +144,7 @@ def run_model(name: str, steps: int, timeout: float) -> dict[str, Any]:
                     "planned_bytes": res.planned_bytes, "lower_bound_bytes": res.lower_bound_bytes,
                     "joiners": len(res.record.joiners), "leavers": len(res.record.leavers),
                     "wall_seconds": res.wall_seconds, "leave_seconds": res.leave_seconds,
-                    "phases": _phases(res.record.worker_stats),
+                    "phases": _phases(res.record.worker_stats, res.record.joiners),
                 })
         recovery = _recover(h, workers, steps, timeout)
     finally:
@@ -141,7 +154,8 @@ def run_model(name: str, steps: int, timeout: float) -> dict[str, Any]:
     return {"params": cfg.model.total_params(), "global_batch": global_batch, "seq_len": cfg.model.seq_len,
             "layouts": rows, "rescales": rescales, "recovery": recovery,
             "recovery_many": _recover_many(name, MANY_MICRO_BATCHES, timeout),
-            "transactional": _transactional_cost(name, min(steps, 3), timeout)}
+            "transactional": _transactional_cost(name, min(steps, 3), timeout),
+            "prepare": _prepare_gain(name, min(steps, 3), timeout)}
 
 
 TXN_WALK = (("tp1.pp1.dp2", ["w0", "w1"]), ("tp2.pp1.dp2", ["w0", "w1", "w2", "w3"]), ("tp1.pp1.dp2", ["w0", "w1"]))
@@ -149,14 +163,27 @@ TXN_WALK = (("tp1.pp1.dp2", ["w0", "w1"]), ("tp2.pp1.dp2", ["w0", "w1", "w2", "w
 
 def _transactional_cost(name: str, steps: int, timeout: float) -> dict[str, Any]:
     """The same two rescales on two fresh jobs, transactional (the default) and in place."""
+    return _side_by_side(name, steps, timeout, "transactional_rescale", "transactional", "in_place")
+
+
+def _prepare_gain(name: str, steps: int, timeout: float) -> dict[str, Any]:
+    """The same two rescales on two fresh jobs, the members preparing beside the step in progress
+    (told on their heartbeat: the default) and at the switch."""
+    return _side_by_side(name, steps, timeout, "prepare_beside_step", "beside", "at_switch")
+
+
+def _side_by_side(name: str, steps: int, timeout: float, knob: str, on: str, off: str) -> dict[str, Any]:
+    """``TXN_WALK`` on two fresh jobs of ``name``, ``LaunchOptions.<knob>`` True (rows under ``on``)
+    and False (``off``); ``ratio_to_<off>`` on each ``on`` row: its pause over the other's."""
     global_batch, _ = SCENARIOS[name]
     cfg = TrainConfig(model=load_model(name), global_batch=global_batch, micro_batch=1)
     out: dict[str, Any] = {}
-    for txn in (True, False):
+    for flag in (True, False):
         opts = LaunchOptions(pg_timeout_s=600, heartbeat_timeout_s=120, join_timeout_s=600, rescale_timeout_s=timeout,
-                             transactional_rescale=txn)
-        logs = tempfile.mkdtemp(prefix=f"train-bench-{name}-txn{int(txn)}-")
-        h = ProcessJobHandle(f"bench-{name}-txn{int(txn)}", cfg, options=opts, log_dir=logs)
+                             **{knob: flag})
+        tag = f"{knob.split('_')[0]}{int(flag)}"
+        logs = tempfile.mkdtemp(prefix=f"train-bench-{name}-{tag}-")
+        h = ProcessJobHandle(f"bench-{name}-{tag}", cfg, options=opts, log_dir=logs)
         rows = []
         try:
             for i, (layout, workers) in enumerate(TXN_WALK):
@@ -165,14 +192,14 @@ def _transactional_cost(name: str, steps: int, timeout: float) -> dict[str, Any]
                 h.wait_step(res.switch_step + steps - 1, timeout=timeout)
                 if i > 0:
                     rows.append({"from": res.from_layout, "to": layout, "pause_seconds": res.pause_seconds,
-                                 "phases": _phases(res.record.worker_stats)})
+                                 "phases": _phases(res.record.worker_stats, res.record.joiners)})
         finally:
             st = h.stop()
         if st.error:
             raise SystemExit(f"{name}: job failed: {st.error} (worker logs in {logs})")
-        out["transactional" if txn else "in_place"] = rows
-    for a, b in zip(out["transactional"], out["in_place"], strict=True):
-        a["ratio_to_in_place"] = (a["pause_seconds"] or 0.0) / max(b["pause_seconds"] or 0.0, 1e-9)
+        out[on if flag else off] = rows
+    for a, b in zip(out[on], out[off], strict=True):
+        a[f"ratio_to_{off}"] = (a["pause_seconds"] or 0.0) / max(b["pause_seconds"] or 0.0, 1e-9)
     return out
 
 
@@ -274,14 +301,17 @@ def _print(results: dict[str, Any]) -> None:
 
 
 def _print_txn(r: dict[str, Any]) -> None:
-    t = r.get("transactional")
-    if not t:
-        return
-    print(f"  {'transactional vs in place':<28}{'txn s':>9}{'in place':>10}{'ratio':>8}   txn phases ms: "
-          + " ".join(PHASES))
-    for a, b in zip(t["transactional"], t["in_place"], strict=True):
-        print(f"  {a['from'] + ' -> ' + a['to']:<28}{a['pause_seconds']:>9.3f}{b['pause_seconds']:>10.3f}"
-              f"{a['ratio_to_in_place']:>8.2f}   " + " ".join(f"{a['phases'][p] * 1e3:.0f}" for p in PHASES))
+    for key, on, off, title, a_col, b_col in (
+            ("transactional", "transactional", "in_place", "transactional vs in place", "txn s", "in place"),
+            ("prepare", "beside", "at_switch", "prepared beside the step", "beside", "at switch")):
+        t = r.get(key)
+        if not t:
+            continue
+        print(f"  {title:<28}{a_col:>9}{b_col:>10}{'ratio':>8}   phases ms ({a_col} / {b_col}): " + " ".join(PHASES))
+        for a, b in zip(t[on], t[off], strict=True):
+            print(f"  {a['from'] + ' -> ' + a['to']:<28}{a['pause_seconds']:>9.3f}{b['pause_seconds']:>10.3f}"
+                  f"{a[f'ratio_to_{off}']:>8.2f}   " + " ".join(f"{a['phases'][p] * 1e3:.0f}" for p in PHASES)
+                  + " / " + " ".join(f"{b['phases'][p] * 1e3:.0f}" for p in PHASES))
 
 
 def main(argv: list[str] | None = None) -> int:

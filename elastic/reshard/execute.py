@@ -74,6 +74,7 @@ from elastic.reshard.types import LocalCopy, Message, ReshardPlan
 
 __all__ = [
     "PACK_BELOW_BYTES",
+    "AllocBudgetExceeded",
     "Prepared",
     "ReshardError",
     "ReshardStats",
@@ -150,6 +151,15 @@ class _Round:
     recvs: tuple[_Wire, ...]
 
 
+class AllocBudgetExceeded(ReshardError):
+    """:func:`prepare` would allocate more than its ``max_alloc_bytes`` (nothing was allocated)."""
+
+    def __init__(self, need: int, budget: int) -> None:
+        super().__init__(f"the new tensors and staging need {need / 2**20:.1f} MiB, over the "
+                         f"{budget / 2**20:.1f} MiB allowed; prepare after the step instead")
+        self.need, self.budget = need, budget
+
+
 @dataclass
 class Prepared:
     """Everything :func:`execute` needs; built by :func:`prepare`. Use once."""
@@ -199,6 +209,7 @@ def prepare(
     dtypes: Mapping[str, torch.dtype] | None = None,
     recycle_dropped: bool = True,
     pack_below_bytes: int = PACK_BELOW_BYTES,
+    max_alloc_bytes: int | None = None,
 ) -> Prepared:
     """Check the plan against ``old_state``, allocate the new tensors, build the schedule.
 
@@ -214,6 +225,9 @@ def prepare(
     same dtype per kind (``verify=True`` checks it).
     ``recycle_dropped``: new tensors may live in the memory of old shards this worker
     drops without sending (placed there by :func:`execute`, after the step boundary).
+    ``max_alloc_bytes``: raise :class:`AllocBudgetExceeded` before allocating anything when the
+    new tensors and the staging pool need more (preparing beside a running step on a GPU whose
+    free memory the step's own peak may need: the caller prepares after the step instead).
     """
     t0 = time.perf_counter()
     dev = torch.device(device)
@@ -231,13 +245,17 @@ def prepare(
     if recycle_dropped:
         donors = [k for k in old_state if k not in reused and k not in sources and k not in new_shapes]
         recycled = _place_in_donors(to_place, new_shapes, donors, old_state, kind_dtypes)
-    # 3. allocate and pre-touch the rest now, off the critical path
-    fresh = {k: _alloc(new_shapes[k], dev, kind_dtypes[k[1]]) for k in to_place if k not in recycled}
-    # 4. the round schedule and one (byte) staging pool big enough for its largest round
+    # 3. the round schedule and the (byte) staging pool its largest round needs
     old_shapes = {k: tuple(t.shape) for k, t in old_state.items()}
     rounds, staging_bytes = _schedule(plan, sends, recvs, old_shapes, new_shapes, kind_dtypes, pack_below_bytes)
-    staging = _alloc((staging_bytes,), dev, torch.uint8) if staging_bytes else None
     nbytes = _bytes_of(kind_dtypes)
+    if max_alloc_bytes is not None:
+        need = sum(nbytes(k, _numel(new_shapes[k])) for k in to_place if k not in recycled) + staging_bytes
+        if need > max_alloc_bytes:
+            raise AllocBudgetExceeded(need, max_alloc_bytes)
+    # 4. allocate and pre-touch them now, off the critical path
+    fresh = {k: _alloc(new_shapes[k], dev, kind_dtypes[k[1]]) for k in to_place if k not in recycled}
+    staging = _alloc((staging_bytes,), dev, torch.uint8) if staging_bytes else None
     stats = ReshardStats(
         bytes_reused=sum(nbytes(k, _numel(new_shapes[k])) for k in reused),
         bytes_allocated=sum(t.numel() * t.element_size() for t in fresh.values()) + staging_bytes,

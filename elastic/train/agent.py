@@ -225,6 +225,9 @@ class _Prep:
     plan_info: dict[str, Any]
     old_state: State
     error: str = ""  # planning or preparing failed: the rescale must be abandoned (nothing moved)
+    waited: float = 0.0  # seconds the step loop spent on it at the switch (the rest was done in the background)
+    ahead: float = 0.0  # seconds between beginning it in the background and the switch (0: prepared at the switch)
+    deferred: str = ""  # begun beside a step, it would not fit next to it (GPU memory): prepare at the switch
 
 
 class WorkerAgent:
@@ -257,6 +260,12 @@ class WorkerAgent:
         self._graveyard: list[Any] = []  # shut-down groups, destroyed after the next step (_bury)
         self._prep: Future[_Prep] | None = None
         self._prep_d: Directive | None = None  # the directive the early preparation is for
+        self._prep_at = 0.0  # when it was begun (monotonic)
+        # the step loop and the heartbeat thread (told of a directive mid-step) both begin one;
+        # _taken: the directive whose transition took its preparation (none is begun for it after)
+        self._prep_lock = threading.Lock()
+        self._taken: Directive | None = None
+        self._seen_post = 0  # the last posted directive a heartbeat told us of (Coordinator ``pending_seq``)
         # the generation whose groups this worker is building (its heartbeats say so): blocked in
         # gloo's rendezvous with a lost peer it is alive, and the coordinator waits for its report
         self._building: int | None = None
@@ -356,6 +365,7 @@ class WorkerAgent:
         while True:
             held = isinstance(self.engine, HeldState) or self._broken
             gave_up, self._gave_up = self._gave_up, None
+            asked_at = time.monotonic()
             resp = self.client.call("step", generation=self.generation, step=step, result=last,
                                     **({"wait_s": self.opts.long_poll_s} if held else {}),
                                     **({"gave_up": gave_up} if gave_up else {}))
@@ -364,6 +374,8 @@ class WorkerAgent:
             if action == "go":
                 if resp.get("pending"):
                     self._prepare_early(Directive.from_json(resp["pending"]))
+                else:
+                    self._drop_stale_prep(asked_at)
                 save = bool(resp.get("save"))
                 assert self.engine is not None
                 if resp.get("give_up") is not None:  # asked to give this step up before it began
@@ -427,47 +439,95 @@ class WorkerAgent:
                 raise RendezvousError(f"coordinator answered unknown action {action!r}")
 
     # ---- rescale ------------------------------------------------------------------------------
-    def _prepare_early(self, d: Directive) -> None:
-        """Plan and allocate for ``d`` in the background while the current step runs."""
-        # the whole directive, not its number: a rescale abandoned before its switch step leaves its
-        # number to the next try, which may name other workers or another layout
-        if self._prep is None or not _same_rescale(self._prep_d, d):
-            self._prep_d = d
-            state = self.engine.state() if self.engine is not None else {}
-            self._prep = self._pool.submit(self._plan_and_prepare, d, state)
+    def _prepare_early(self, d: Directive, *, told_on: int | None = None) -> None:
+        """Plan and allocate for ``d`` in the background while the current step runs.
+
+        From the step loop (a ``go`` that carries the pending directive: with a lookahead) or from
+        the heartbeat thread (``told_on``: the generation the beat was sent from), which hears of a
+        directive the moment it is posted; with no lookahead its switch is the next boundary, and
+        what is not prepared by then is prepared inside the pause. ``prepare`` reads only shapes,
+        so it runs beside the step; at the switch the step loop waits for what is left of it.
+        """
+        with self._engine_lock:  # the engine of the generation the directive rescales, never a newer one
+            if told_on is not None and (told_on != self.generation or self._broken or self.engine is None):
+                return
+            with self._prep_lock:
+                # the whole directive, not its number: a rescale abandoned before its switch step leaves
+                # its number to the next try, which may name other workers or another layout
+                if _same_rescale(self._taken, d) or (self._prep is not None and _same_rescale(self._prep_d, d)):
+                    return
+                self._prep_d, self._prep_at = d, time.monotonic()
+                self._prep = self._pool.submit(self._plan_and_prepare, d, self.engine.state() if self.engine else {},
+                                               early=True)
+
+    def _drop_stale_prep(self, asked_at: float) -> None:
+        """No rescale is pending (the coordinator said so after ``asked_at``): buffers prepared for
+        one that was abandoned before its switch are let go rather than held until the next."""
+        with self._prep_lock:
+            if self._prep is not None and self._prep_at < asked_at:
+                self._prep = self._prep_d = None
 
     def _take_prep(self, d: Directive) -> _Prep:
-        """The early preparation if it is for ``d`` and still matches the engine's tensors, else prepare now."""
-        fut, self._prep = self._prep, None
-        if fut is not None and _same_rescale(self._prep_d, d):
+        """The early preparation if it is for ``d`` and still matches the engine's tensors, else prepare
+        now. ``waited`` on the result: the seconds this took (inside the pause)."""
+        t0 = time.perf_counter()
+        with self._prep_lock:
+            fut, self._prep, prep_d, prep_at, self._taken = self._prep, None, self._prep_d, self._prep_at, d
+        prep: _Prep | None = None
+        if fut is not None and _same_rescale(prep_d, d):
+            ahead = time.monotonic() - prep_at
             prep = fut.result()
+            prep.ahead = ahead
             now = self.engine.state() if self.engine is not None else {}
-            if prep.error or _same_tensors(prep.old_state, now):
-                return prep
-            log.warning("worker %s: engine replaced its state tensors after prepare; preparing again", self.worker)
-        return self._prepare_now(d)
+            if prep.deferred:
+                log.info("worker %s: preparing generation %d at the switch: %s", self.worker, d.generation,
+                         prep.deferred)
+                prep = None
+            elif not (prep.error or _same_tensors(prep.old_state, now)):
+                log.warning("worker %s: engine replaced its state tensors after prepare; preparing again", self.worker)
+                prep = None
+        if prep is None:
+            prep = self._prepare_now(d)
+        prep.waited = time.perf_counter() - t0
+        return prep
 
     def _prepare_now(self, d: Directive) -> _Prep:
+        t0 = time.perf_counter()
+        with self._prep_lock:
+            self._taken = d
         state = self.engine.state() if self.engine is not None else {}
-        return self._plan_and_prepare(d, state)
+        prep = self._plan_and_prepare(d, state)
+        prep.waited = time.perf_counter() - t0
+        return prep
 
-    def _plan_and_prepare(self, d: Directive, old_state: State) -> _Prep:
+    def _plan_and_prepare(self, d: Directive, old_state: State, *, early: bool = False) -> _Prep:
         """Plan and prepare; a failure here is reported at the meeting (the rescale is abandoned), never raised.
 
         Nothing has moved yet and ``prepare`` never writes the old state, so whatever went wrong
         (an impossible plan, a staging cap, memory for the receive buffers), the job can go on
-        on its old layout.
+        on its old layout. ``early``: beside a running step. On a GPU the buffers must then fit in
+        memory nobody has reserved (the step's peak may need its allocator's cache); if they do
+        not, or allocating them fails, the result is ``deferred`` and the switch prepares again
+        after the step, when its activations are gone -- never an abandoned rescale.
         """
         if not d.old_ranks:  # the first generation: nothing to move, everyone starts fresh
             return _Prep(d, None, None, "", {"new_ranks": {w: i for i, w in enumerate(d.workers)}}, {})
+        from elastic.reshard.execute import AllocBudgetExceeded
+
         try:
-            return self._plan_and_prepare_or_raise(d, old_state)
+            budget = _early_alloc_budget(self.opts.device) if early else None
+            return self._plan_and_prepare_or_raise(d, old_state, max_alloc_bytes=budget)
+        except (AllocBudgetExceeded, torch.OutOfMemoryError) as e:
+            if not early:
+                return _Prep(d, None, None, "", {}, old_state, error=f"{type(e).__name__}: {_short(e)}")
+            return _Prep(d, None, None, "", {}, old_state, deferred=f"{type(e).__name__}: {_short(e)}")
         except Exception as e:  # noqa: BLE001 - any error before a byte moves abandons instead of failing
             log.warning("worker %s: cannot reshard to generation %d (%s)", self.worker, d.generation, e,
                         exc_info=not isinstance(e, SpecError))
             return _Prep(d, None, None, "", {}, old_state, error=f"{type(e).__name__}: {_short(e)}")
 
-    def _plan_and_prepare_or_raise(self, d: Directive, old_state: State) -> _Prep:
+    def _plan_and_prepare_or_raise(self, d: Directive, old_state: State, *,
+                                   max_alloc_bytes: int | None = None) -> _Prep:
         from elastic.reshard.execute import prepare
         from elastic.reshard.plan import plan_reshard
 
@@ -482,7 +542,8 @@ class WorkerAgent:
         # a transactional rescale keeps the old state whole until every member exchanged: no new
         # tensor may live in the memory of an old shard that is dropped
         prepared = prepare(plan, self.worker, dict(old_state), device=self.opts.device,
-                           dtypes=config_kind_dtypes(self.config), recycle_dropped=not d.rollback)
+                           dtypes=config_kind_dtypes(self.config), recycle_dropped=not d.rollback,
+                           max_alloc_bytes=max_alloc_bytes)
         info = {"new_ranks": dict(plan.new_ranks), "planned_bytes": plan.bytes_planned,
                 "lower_bound_bytes": plan.bytes_lower_bound, "plan_seconds": plan_s}
         return _Prep(d, plan, prepared, plan_digest(plan), info, old_state)
@@ -497,6 +558,9 @@ class WorkerAgent:
         ``rebuild_seconds`` = close + init_pg + engine.
         """
         clock = _Phases()
+        # what the step loop spent on the plan and buffers at the switch (the rest was done beside
+        # the step before it); for an old member inside the pause, for a joiner before it
+        clock.seconds["prepare_wait"] = prep.waited
         # 1. meet: the coordinator decides go / abandoned before any byte moves
         decision, reason = self._meet(d, prep)
         clock.mark("meet")
@@ -554,7 +618,7 @@ class WorkerAgent:
             self._close_engine(keep_default=keep_default)
         clock.mark("close")
         if rank is None:
-            self._report_result(d, {**stats, **clock.report()})
+            self._report_result(d, {**stats, **clock.report(), "prepare_ahead_seconds": prep.ahead})
             return self._leave()
         # 4. the new layout's default group (or what is left of building it) and engine
         self._building = d.generation
@@ -587,7 +651,7 @@ class WorkerAgent:
         self._applied = d.switch_step - 1
         clock.mark("engine")
         self._maybe_die(d, "engine")
-        self._report_result(d, {**stats, "rank": rank, **clock.report()})
+        self._report_result(d, {**stats, "rank": rank, **clock.report(), "prepare_ahead_seconds": prep.ahead})
         self._prepare_snapshot_buffers()
         return d.switch_step
 
@@ -969,8 +1033,8 @@ class WorkerAgent:
         while not self._stop.wait(pause):
             now = time.monotonic()
             try:
-                building = self._building
-                resp = beat.call("heartbeat", generation=self.generation, wait_s=interval,
+                building, sent_from = self._building, self.generation
+                resp = beat.call("heartbeat", generation=sent_from, wait_s=interval, seen=self._seen_post,
                                  **({"building": building} if building is not None else {}))
                 lost_since = None
             except RendezvousError as e:
@@ -986,6 +1050,13 @@ class WorkerAgent:
                 self._interrupt(int(resp["interrupt"]))
             if resp.get("give_up") is not None:
                 self._give_up(int(resp["give_up"]["generation"]), int(resp["give_up"]["step"]))
+            if resp.get("pending") is not None:  # a rescale of our generation was posted: prepare meanwhile
+                self._seen_post = int(resp["pending_seq"])
+                try:
+                    self._prepare_early(Directive.from_json(resp["pending"]), told_on=sent_from)
+                except Exception as e:  # noqa: BLE001 - the step loop prepares at the switch instead
+                    log.warning("worker %s: could not begin preparing generation %s early: %s", self.worker,
+                                resp["pending"].get("generation"), e)
             if resp.get("failed"):
                 # The main thread may sit in a collective with a dead peer; give it a grace period
                 # to notice on its own (and exit with its own reason), then leave so no process
@@ -1090,6 +1161,22 @@ def _engine_backends(engine: Any) -> list[Any]:
 
 _COMM_ERRORS = ("connection closed", "connection reset", "read error", "write error", "timed out", "gloo",
                 "nccl", "broken pipe", "socket")
+
+
+EARLY_PREPARE_HEADROOM = 0.9
+"""Of a GPU's unreserved memory, the share a preparation beside a running step may take."""
+
+
+def _early_alloc_budget(device: str | torch.device) -> int | None:
+    """Bytes a preparation beside a running step may allocate on ``device``: None (no limit) for
+    host memory; on a GPU, ``EARLY_PREPARE_HEADROOM`` of what no allocator has reserved, so the
+    step never finds its own cached blocks taken (whatever it took from the cache it can get back
+    from the driver)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(dev)
+    return int(free * EARLY_PREPARE_HEADROOM)
 
 
 def _same_rescale(a: Directive | None, b: Directive) -> bool:

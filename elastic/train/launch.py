@@ -93,6 +93,10 @@ class LaunchOptions:
     # part of the step computed is lost (counted in the rescale's pause). Layouts with one pipeline
     # stage only (1F1B stages run their micro-batches at different times): others finish the step.
     shrink_gives_up_step: bool = True
+    # Members hear of a rescale the moment it is posted (their heartbeat long-polls) and plan and
+    # allocate their receive buffers beside the step in progress: only what that step leaves undone
+    # lands in the pause. False: they prepare at the switch (the lookahead steps, if any, still help).
+    prepare_beside_step: bool = True
     # Raise the workers' nice value by this much. Where logical GPUs share a few CPU cores
     # (``elastic demo``), training then yields the cores to the inference replicas, as work
     # on separate GPUs would not compete; 0 = leave the priority alone.
@@ -121,6 +125,7 @@ def coordinator_settings(o: LaunchOptions) -> dict[str, Any]:
             "join_timeout_s": o.join_timeout_s, "max_steps": o.max_steps, "recover": o.recover,
             "lookahead_steps": o.lookahead_steps, "shrink_lookahead_steps": o.shrink_lookahead_steps,
             "shrink_gives_up_step": o.shrink_gives_up_step, "transactional": o.transactional_rescale,
+            "prepare_beside_step": o.prepare_beside_step,
             "checkpoint": o.checkpoint, "rendezvous_timeout_s": o.pg_timeout_s}
 
 

@@ -14,8 +14,11 @@ see identically:
    while it still trains. A shrink (members only leave) has its own lookahead
    (``shrink_lookahead_steps``). ``LaunchOptions`` makes both 0: someone waits for the GPUs a
    shrink frees -- inference, under load -- and a grow's joiners hold GPUs that idle until the
-   switch; a step of latency costs more than preparing during the pause. A caller waiting
-   for a shrink's GPUs need not wait for the new layout's first step either: ``wait_resumed``
+   switch; a step of latency costs more than preparing during the pause. Nor need the members
+   wait for the boundary to hear of it: their heartbeats long-poll and are answered with the
+   directive the moment it is posted (``pending``, once per post), so they plan and allocate
+   beside the step in progress and only what that step leaves undone lands in the pause.
+   A caller waiting for a shrink's GPUs need not wait for the new layout's first step either: ``wait_resumed``
    answers once it has begun (``wait_generation`` once it has finished).
    Nor for the step in progress (``shrink_gives_up_step``, or ``give_up_step`` per directive):
    the members, told on their heartbeat, give it up at their next micro-batch (every engine of a
@@ -302,6 +305,9 @@ class _Pending:
     # and when it was begun (the pause of a shrink that gives it up counts from there)
     give_up_step: int | None = None
     give_up_begun_at: float = 0.0
+    # which post this is (a rescale abandoned before its switch leaves its generation number to the
+    # next try): a member's heartbeat says the last one it was told of, so each is told once
+    seq: int = 0
 
 
 @dataclass
@@ -345,6 +351,7 @@ class Coordinator:
         rendezvous_timeout_s: float | None = None,
         checkpoint: CheckpointSettings | None = None,
         shrink_gives_up_step: bool = False,
+        prepare_beside_step: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if heartbeat_timeout_s <= heartbeat_interval_s:
@@ -370,6 +377,9 @@ class Coordinator:
         # a shrink (with no lookahead, on one pipeline stage) asks its members to give the step in
         # progress up instead of finishing it: the GPUs go a step sooner, the partial step is lost
         self.shrink_gives_up_step = shrink_gives_up_step
+        # members hear of a posted rescale on their heartbeat and prepare beside the step in
+        # progress (False: at the switch, or during the lookahead steps; for A/B measurements)
+        self.prepare_beside_step = prepare_beside_step
         self.recover = recover
         # rescales of a recoverable generation roll back on a loss mid-exchange (Directive.rollback)
         self.transactional = transactional
@@ -407,6 +417,7 @@ class Coordinator:
         # starts or the job ends: every worker holds one all the time, and waking them all on each
         # step result of each worker (``_cv``) would cost workers^2 wake-ups per step
         self._alarm = threading.Condition(lock)
+        self._post_seq = 0  # directives posted so far (_Pending.seq)
         self._server: ThreadingHTTPServer | None = None
         self._store: Any = None
         self._threads: list[threading.Thread] = []
@@ -524,11 +535,13 @@ class Coordinator:
                          resume.step, resume.layout)
             rec = RescaleRecord(generation, d.old_layout, d.layout, list(members), list(d.joiners),
                                 list(d.leavers), switch, hold=hold)
-            self._pending = _Pending(d, rec, self._clock())
+            self._post_seq += 1
+            self._pending = _Pending(d, rec, self._clock(), seq=self._post_seq)
+            self._alarm.notify_all()  # heartbeats tell the members in the step, who prepare meanwhile
             asks = self.shrink_gives_up_step if give_up_step is None else give_up_step
             if shrink and asks and self._gives_up_locked(cur, switch):
                 self._pending.give_up_step, self._pending.give_up_begun_at = switch - 1, self._max_begun_at
-                self._alarm.notify_all()  # heartbeats carry the request to the members in the step
+                # (the heartbeats woken above carry the request too: they answer once the lock is free)
             self._rescales[generation] = rec
             # an abandoned (or rolled back) earlier try of this number decided nothing about this one
             self._decisions.pop(generation, None)
@@ -929,7 +942,12 @@ class Coordinator:
         ``building`` (the generation whose groups it is building in a rescale) also with
         ``abort: <building>`` and ``abort_reason`` when those groups will never form (the job
         failed, the rescale was rolled back, or past its commit a member was lost): the worker
-        gives their rendezvous up instead of waiting for a dead peer's key until its timeout."""
+        gives their rendezvous up instead of waiting for a dead peer's key until its timeout.
+        With ``seen`` (the last posted directive it was told of, ``pending_seq``) also with
+        ``pending: <directive>`` and ``pending_seq`` when a rescale of its training generation was
+        posted since, answered as soon as it is: the member plans and allocates its receive
+        buffers in the background during the step in progress instead of in the pause (with no
+        lookahead the switch is at the next step boundary, which the step loop reaches too late)."""
         w = str(b["worker"])
         gen = b.get("generation")
         building = b.get("building")  # the generation whose groups it is building, if any
@@ -961,9 +979,18 @@ class Coordinator:
         def give_up() -> int | None:
             return None if gen is None else self._give_up_asked_locked(w, int(gen))
 
+        seen = b.get("seen")
+
+        def pending() -> _Pending | None:
+            p, cur = self._pending, self._current
+            if (not self.prepare_beside_step or seen is None or gen is None or p is None or p.decision is not None or p.seq == int(seen)
+                    or cur is None or cur.hold or int(gen) != cur.generation or w not in p.directive.old_ranks):
+                return None
+            return p
+
         def answer_now() -> bool:
             return (interrupt() or abort() is not None or give_up() is not None or self._phase == "failed"
-                    or self._closing.is_set())
+                    or self._closing.is_set() or pending() is not None)
 
         if wait_s > 0 and not answer_now():
             self._alarm.wait_for(answer_now, wait_s)
@@ -976,6 +1003,8 @@ class Coordinator:
             out["give_up"] = {"generation": int(gen), "step": s}  # type: ignore[arg-type]
         if (why := abort()) is not None:
             out["abort"], out["abort_reason"] = int(building), why  # type: ignore[arg-type]
+        if (p := pending()) is not None:
+            out["pending"], out["pending_seq"] = p.directive.to_json(), p.seq
         return out
 
     def _h_poll(self, b: dict[str, Any]) -> dict[str, Any]:
@@ -1611,7 +1640,8 @@ class Coordinator:
         )
         record = RescaleRecord(nxt, cur.layout, d.layout, list(members), [], list(d.leavers), r + 1,
                                recovery=why)
-        self._pending = _Pending(d, record, self._clock())
+        self._post_seq += 1
+        self._pending = _Pending(d, record, self._clock(), seq=self._post_seq)
         self._rescales[nxt] = record
         self._decisions.pop(nxt, None)
         rec.posted = True

@@ -201,6 +201,21 @@ def test_prepare_rejects_a_stranger_and_never_touches_values() -> None:
     assert all(t.data_ptr() not in old_ptrs and not t.any() for t in prepared.fresh.values())
 
 
+def test_prepare_over_its_allocation_budget_allocates_nothing_and_says_what_it_needs() -> None:
+    # preparing beside a running step on a GPU: buffers that would not fit next to the step are
+    # refused before any allocation, so the caller prepares after the step instead
+    plan = plan_for(TINY, "tp2.pp2.dp1", 4, "tp1.pp2.dp2", 4)
+    me, state = _sender_state(plan)
+    full = ex.prepare(plan, me, dict(state))
+    need = full.stats.bytes_allocated
+    assert need > 0
+    with pytest.raises(ex.AllocBudgetExceeded, match=r"need .* MiB, over the .* MiB allowed") as e:
+        ex.prepare(plan, me, dict(state), max_alloc_bytes=need - 1)
+    assert (e.value.need, e.value.budget) == (need, need - 1)
+    exact = ex.prepare(plan, me, dict(state), max_alloc_bytes=need)  # what it allocates is what it counted
+    assert exact.stats.bytes_allocated == need
+
+
 def test_execute_checks_group_ranks_and_runs_once() -> None:
     plan = plan_for(TINY, "tp1.pp1.dp1", 1, "tp1.pp1.dp1", 1)  # a one-worker no-op
     state = local_state(TINY, Layout.parse("tp1.pp1.dp1"), 0, FP32_KINDS, 4)

@@ -151,3 +151,39 @@ def test_only_a_broken_collective_is_recoverable_and_a_keeper_steps_nothing() ->
     assert held.state() is state and held.state_bytes() == 24
     with pytest.raises(RuntimeError, match="runs no step"):
         held.train_step(5)
+
+
+def test_members_prepare_a_rescale_beside_the_step_in_progress_not_in_the_pause(tmp_path) -> None:
+    """No lookahead (the launcher's default): a rescale switches at the next step boundary, so the
+    step loop hears of it only there. The members' heartbeats are told the moment it is posted and
+    plan and allocate their receive buffers beside the step in progress; at the switch the step
+    loop takes them ready. Steps of ~1-2 s (120 micro-batches a replica) leave no doubt which it was."""
+    cfg = TrainConfig(model=load_model("tiny"), global_batch=240, micro_batch=1)
+    opts = LaunchOptions(pg_timeout_s=90, heartbeat_timeout_s=60, join_timeout_s=120)
+    assert opts.lookahead_steps == 0 and opts.shrink_lookahead_steps == 0
+    h = ProcessJobHandle("prepare-ahead", cfg, options=opts, log_dir=str(tmp_path))
+    try:
+        h.start("tp1.pp1.dp2", ["w0", "w1"], timeout=180)
+        h.wait_step(1, timeout=120)
+        grow = h.rescale("tp2.pp1.dp2", ["w0", "w1", "w2", "w3"], timeout=240)  # posted once w2, w3 are up
+        h.wait_step(grow.switch_step + 1, timeout=120)
+        shrink = h.rescale("tp1.pp1.dp1", ["w0"], timeout=240)  # told to give the step in progress up, too
+        h.wait_step(shrink.switch_step + 1, timeout=120)
+    finally:
+        final = h.stop()
+    assert final.error is None, final.error
+    for res, members in ((grow, ("w0", "w1")), (shrink, ("w0", "w1", "w2", "w3"))):
+        stats = res.record.worker_stats
+        for w in members:
+            ahead, waited = stats[w]["prepare_ahead_seconds"], stats[w]["prepare_wait_seconds"]
+            assert ahead > 0, f"{res.from_layout} -> {res.to_layout}: {w} prepared at the switch, not beside the step"
+            assert waited < 0.5 * ahead + 0.05, (w, ahead, waited)
+        print(f"{res.from_layout} -> {res.to_layout}: prepared "
+              + ", ".join(f"{w} {stats[w]['prepare_ahead_seconds']:.2f} s ahead (waited "
+                          f"{stats[w]['prepare_wait_seconds'] * 1e3:.1f} ms)" for w in members)
+              + f"; pause {res.pause_seconds:.3f} s")
+    history = h.history()
+    assert [r.step for r in history] == list(range(len(history)))
+    ref = _mp.reference_losses(cfg, len(history))
+    for r, want in zip(history, ref, strict=True):
+        assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step} ({r.layout}): {r.loss} vs {want}"

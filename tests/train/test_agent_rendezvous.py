@@ -964,3 +964,48 @@ def test_whether_engines_check_for_a_give_up_is_fixed_per_generation_when_it_is_
     assert not d2.give_up_checks and not Directive.from_json(
         call(c, "step", "w0", generation=1, step=2, result={"step": 1, "loss": 2.0, "tokens": 1, "seconds": 0.1}
              )["directive"]).give_up_checks
+
+
+def test_a_heartbeat_tells_the_members_of_a_posted_rescale_at_once_so_they_prepare_during_the_step() -> None:
+    # no lookahead: the switch is the next boundary, and the step loop would hear of the directive
+    # only there. A member's beat long-polls and is answered the moment a rescale of its generation
+    # is posted; it says the last post it was told of (``seen``), so it is told of each post once.
+    c, clock, _ = started(workers=("w0", "w1"), lookahead_steps=0)
+    call(c, "register", "w2")
+    assert "pending" not in call(c, "heartbeat", "w0", generation=1, seen=0)  # nothing posted
+    with ThreadPoolExecutor(2) as pool:
+        beats = [pool.submit(call, c, "heartbeat", w, generation=1, wait_s=4.0, seen=0) for w in ("w0", "w1")]
+        time.sleep(0.2)
+        assert not any(f.done() for f in beats)  # long-polling
+        t0 = time.monotonic()
+        d = c.directive(2, "tp1.pp1.dp3", ["w0", "w1", "w2"])
+        outs = [f.result(timeout=2) for f in beats]
+    assert time.monotonic() - t0 < 1.0
+    assert d.switch_step == 2  # step 1 in progress: the next boundary
+    for out in outs:
+        assert Directive.from_json(out["pending"]) == d and out["pending_seq"] >= 1
+    seq = outs[0]["pending_seq"]
+    # told once: a beat that has seen it long-polls on (here: answers without it after its wait)
+    t0 = time.monotonic()
+    assert "pending" not in call(c, "heartbeat", "w0", generation=1, wait_s=0.3, seen=seq)
+    assert time.monotonic() - t0 >= 0.25
+    # not told: a beat without ``seen`` (an older worker), another generation, a joiner (it polls)
+    assert "pending" not in call(c, "heartbeat", "w0", generation=1)
+    assert "pending" not in call(c, "heartbeat", "w0", generation=0, seen=0)
+    assert "pending" not in call(c, "heartbeat", "w2", seen=0)
+    # abandoned (the joiner never came): nothing pending any more; posted again under the same
+    # number with another layout: a new post, told again
+    for _ in range(4):  # past join_timeout_s, the members beating
+        clock.t += 3.0
+        for w in ("w0", "w1"):
+            call(c, "heartbeat", w)
+        c.tick()
+    assert c.rescale_record(2).ok is False
+    assert "pending" not in call(c, "heartbeat", "w1", generation=1, seen=0)
+    d2 = c.directive(2, "tp1.pp1.dp1", ["w0"])
+    out = call(c, "heartbeat", "w1", generation=1, seen=seq)
+    assert Directive.from_json(out["pending"]) == d2 and out["pending_seq"] > seq
+    # switched off (LaunchOptions.prepare_beside_step=False, for A/B measurements): nobody is told
+    c, _, _ = started(workers=("w0", "w1"), lookahead_steps=0, prepare_beside_step=False)
+    c.directive(2, "tp1.pp1.dp1", ["w0"])
+    assert "pending" not in call(c, "heartbeat", "w0", generation=1, seen=0)
