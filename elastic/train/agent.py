@@ -517,11 +517,9 @@ class WorkerAgent:
         try:
             budget = _early_alloc_budget(self.opts.device) if early else None
             return self._plan_and_prepare_or_raise(d, old_state, max_alloc_bytes=budget)
-        except (AllocBudgetExceeded, torch.OutOfMemoryError) as e:
-            if not early:
-                return _Prep(d, None, None, "", {}, old_state, error=f"{type(e).__name__}: {_short(e)}")
-            return _Prep(d, None, None, "", {}, old_state, deferred=f"{type(e).__name__}: {_short(e)}")
         except Exception as e:  # noqa: BLE001 - any error before a byte moves abandons instead of failing
+            if early and isinstance(e, (AllocBudgetExceeded, torch.OutOfMemoryError)):
+                return _Prep(d, None, None, "", {}, old_state, deferred=f"{type(e).__name__}: {_short(e)}")
             log.warning("worker %s: cannot reshard to generation %d (%s)", self.worker, d.generation, e,
                         exc_info=not isinstance(e, SpecError))
             return _Prep(d, None, None, "", {}, old_state, error=f"{type(e).__name__}: {_short(e)}")

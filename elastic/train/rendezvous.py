@@ -984,7 +984,8 @@ class Coordinator:
         def pending() -> _Pending | None:
             p, cur = self._pending, self._current
             if (not self.prepare_beside_step or seen is None or gen is None or p is None or p.decision is not None or p.seq == int(seen)
-                    or cur is None or cur.hold or int(gen) != cur.generation or w not in p.directive.old_ranks):
+                    or p.record.recovery or cur is None or cur.hold or int(gen) != cur.generation
+                    or w not in p.directive.old_ranks):  # (a recovery's survivors are broken: nothing runs)
                 return None
             return p
 

@@ -624,6 +624,8 @@ def test_a_heartbeat_long_polls_and_tells_a_survivor_still_computing_to_give_its
         call(c, "broken", w, generation=1, step=1, applied=0, ready=None, dirty=False, local_apply=True)
     assert c.rescale_record(2) is not None  # posted: nobody is interrupted any more
     assert "interrupt" not in call(c, "heartbeat", "w0", generation=1)
+    # nor told to prepare it beside a step: the survivors are broken, it comes as their switch
+    assert "pending" not in call(c, "heartbeat", "w0", generation=1, seen=0)
 
 
 @pytest.mark.parametrize("layout, workers, why", [
