@@ -14,15 +14,51 @@ recovering or rolling back the generation the group is for) it raises
 roll call is complete every member is alive and at the group's door, so the C++ rendezvous
 that follows finishes in milliseconds. (A Python ``torch.distributed.Store`` that gloo would
 call back into was the first idea; ``PrefixStore.clone()`` over one is not implemented.)
+
+The communicators a new engine builds over its default group (TP, DP, PP: ``elastic.train.groups``)
+are rendezvous too, after the default group exists: a member lost between them left a peer
+waiting for its key until the timeout (the soak: a joiner killed after a rescale's commit).
+Inside :func:`abortable_groups` (the agent wraps the engine's construction in it) each of them
+holds a roll call of its own first (:func:`before_group`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 POLL_MAX_S = 0.005  # a member not marked yet is looked for again after at most this long (adds <= 5 ms)
+
+
+_GROUPS: ContextVar[tuple[Callable[[], str | None], float, Callable[[], None] | None] | None] = ContextVar(
+    "elastic_abortable_groups", default=None)
+
+
+@contextmanager
+def abortable_groups(aborted: Callable[[], str | None], timeout_s: float,
+                     before: Callable[[], None] | None = None) -> Iterator[None]:
+    """Groups built inside hold a roll call first (:func:`before_group`), given up when ``aborted()``
+    names a reason. ``before``: called before each one (fault injection for tests)."""
+    token = _GROUPS.set((aborted, timeout_s, before))
+    try:
+        yield
+    finally:
+        _GROUPS.reset(token)
+
+
+def before_group(store: Any, rank: int, world: int) -> None:
+    """Called by a group's builder before its rendezvous, on a store of that group's own: inside
+    :func:`abortable_groups` a roll call of its ``world`` members; elsewhere nothing."""
+    ctx = _GROUPS.get()
+    if ctx is None or world <= 1:
+        return
+    aborted, timeout_s, before = ctx
+    if before is not None:
+        before()
+    roll_call(store, "roll-call", rank, world, aborted, timeout_s)
 
 
 class RendezvousAborted(RuntimeError):

@@ -630,8 +630,13 @@ class WorkerAgent:
             if d.hold:  # a keeper: hold the state as received, build nothing, step nothing
                 engine: Engine = HeldState(new_state)
             else:
-                engine = self.factory(self.config, layout, rank,
-                                      new_state if d.old_ranks else self._initial_state(d, layout, rank))
+                from elastic.train.abortable import abortable_groups
+
+                # the engine's own groups (TP, DP, PP) hold a roll call each, given up on a lost peer
+                with abortable_groups(self._aborter(d), self.opts.pg_timeout_s,
+                                      before=lambda: self._maybe_die(d, "groups")):
+                    engine = self.factory(self.config, layout, rank,
+                                          new_state if d.old_ranks else self._initial_state(d, layout, rank))
                 if d.give_up_checks and hasattr(engine, "give_up_checks"):
                     engine.give_up_checks = True  # type: ignore[attr-defined]
         except Exception as e:
@@ -920,6 +925,11 @@ class WorkerAgent:
         would wait for the dead peer's key until ``pg_timeout_s``). See ``elastic.train.abortable``."""
         from elastic.train.abortable import roll_call
 
+        roll_call(store, "roll-call", rank, world, self._aborter(d), self.opts.pg_timeout_s)
+
+    def _aborter(self, d: Directive) -> Callable[[], str | None]:
+        """``aborted()`` for the roll calls of generation ``d``'s groups: the reason the coordinator
+        gave that generation up (a peer lost), or None; it asks at most every ROLL_CALL_ASK_S."""
         asked = [time.monotonic()]
 
         def aborted() -> str | None:
@@ -941,7 +951,7 @@ class WorkerAgent:
                         "their rendezvous up (%s)", self.worker, d.generation, why)
             return why
 
-        roll_call(store, "roll-call", rank, world, aborted, self.opts.pg_timeout_s)
+        return aborted
 
     def _store_for(self, d: Directive) -> Any:
         if self._store is None:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.model import Layout, SpecError
+from elastic.train.abortable import before_group
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 """A peer silent this long fails the collective (a dead worker surfaces as an error, not a hang)."""
@@ -225,6 +226,8 @@ def _check_parent(layout: Layout, rank: int, pg: dist.ProcessGroup | None) -> di
 
 
 def _new_backend(store: dist.Store, index: int, size: int, timeout: timedelta, device: str) -> dist.ProcessGroup:
+    # a worker's agent may have made this rendezvous abortable (its peers' loss is told, not waited out)
+    before_group(store, index, size)
     if device.startswith("cuda"):
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout

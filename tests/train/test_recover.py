@@ -278,6 +278,9 @@ def test_a_joiner_lost_inside_gloos_rendezvous_costs_its_peers_pg_timeout_not_th
 @pytest.mark.parametrize("fault", [
     "w3:2:engine",  # once its engine is built: its peers are in their first step with it
     "w3:2:init_pg",  # before it joins the new default group: its peers give that rendezvous up at once
+    # after the default group, before the engine's own (DP) group: its peers give that up at once too
+    # (each group a new engine builds holds a roll call; seen by the soak as a 120 s wait for a dead joiner)
+    "w3:2:groups",
 ])
 def test_a_worker_lost_in_the_first_step_after_a_committed_rescale_is_recovered_from_the_new_generation(
         tmp_path, monkeypatch, fault) -> None:
