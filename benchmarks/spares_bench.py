@@ -12,8 +12,18 @@ same Ray and the same job, ``--rounds`` times:
 * ``scale_up_s``: ``set_service_gpus`` from one replica to two (until the new one is in the
   balancer), with ``spare_replicas=0`` and ``=1``; then back to one, untimed.
 
+Then the GPU changing hands (``elastic.ray_gpu_lease.LeaseDesk``), spares on, ``--rounds`` times
+alternately with the leaver's lease given back to Ray first (``new lease``: the next holder asks
+Ray for one, as before the handover existed) and handed over (``handover``):
+
+* ``grow_after_scale_down_s``: a replica holding GPU 6 through a lease leaves (untimed), then
+  ``set_job_gpus`` grows the job from ``dp2`` onto GPU 6 (decision to the first step on ``dp3``);
+* ``scale_up_after_shrink_s``: the job shrinks back off GPU 6 (untimed), then ``set_service_gpus``
+  starts a replica there (until it is in the balancer).
+
 Before each timed spare round the spare has finished warming up (in the demo the time between
-rescales does that). Prints medians and ``fresh / spare``; writes ``benchmarks/results/spares.json``.
+rescales does that). Prints medians and the ratio of the columns; writes
+``benchmarks/results/spares.json``.
 Run: ``make bench`` (all benchmarks) or ``.venv/bin/python benchmarks/spares_bench.py``.
 """
 
@@ -62,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
                          trainer_config=_trainer_config,
                          train_options=LaunchOptions(heartbeat_timeout_s=60.0, join_timeout_s=90.0))
     out: dict[str, dict[str, list[float]]] = {"grow_s": {"fresh": [], "spare": []},
-                                              "scale_up_s": {"fresh": [], "spare": []}}
+                                              "scale_up_s": {"fresh": [], "spare": []},
+                                              "grow_after_scale_down_s": {"new lease": [], "handover": []},
+                                              "scale_up_after_shrink_s": {"new lease": [], "handover": []}}
     dp2, dp3 = Layout.parse("tp1.pp1.dp2"), Layout.parse("tp1.pp1.dp3")
     try:
         backend.set_job_gpus(job, gpus[:2], dp2)
@@ -80,10 +92,12 @@ def main(argv: list[str] | None = None) -> int:
                 if aside:
                     handle.spares, backend._spare_reps[svc.name] = [], []
                     handle.spares_wanted, backend.spare_replicas = 0, 0
+                backend.leases.release()  # this section compares starts: no lease handed over
                 t0 = time.perf_counter()
                 backend.set_job_gpus(job, gpus[:3], dp3)
                 out["grow_s"][kind].append(time.perf_counter() - t0)
                 backend.set_job_gpus(job, gpus[:2], dp2)
+                backend.leases.release()
                 t0 = time.perf_counter()
                 backend.set_service_gpus(svc, gpus[6:])
                 out["scale_up_s"][kind].append(time.perf_counter() - t0)
@@ -91,22 +105,53 @@ def main(argv: list[str] | None = None) -> int:
                 if aside:
                     handle.spares, backend._spare_reps[svc.name] = aside
                     handle.spares_wanted, backend.spare_replicas = 1, 1
+        backend.leases.release()
+        g6, handed_before = gpus[6], backend.leases.handed_over
+        for _ in range(a.rounds):
+            for kind in ("new lease", "handover"):
+                for _, ref in handle.spares + backend._spare_reps[svc.name]:
+                    ray.get(ref, timeout=120)
+                backend.set_service_gpus(svc, gpus[6:])  # a spare replica on GPU 6, holding it by a lease
+                assert any(r.gpu == g6 and r.lease is not None for r in backend.replicas[svc.name])
+                for _, ref in handle.spares:
+                    ray.get(ref, timeout=120)
+                backend.set_service_gpus(svc, gpus[7:])  # it leaves: its lease parked for GPU 6's next holder
+                if kind == "new lease":
+                    backend.leases.release()
+                t0 = time.perf_counter()
+                backend.set_job_gpus(job, (*gpus[:2], g6), dp3)
+                out["grow_after_scale_down_s"][kind].append(time.perf_counter() - t0)
+                for _, ref in backend._spare_reps[svc.name]:
+                    ray.get(ref, timeout=120)
+                backend.set_job_gpus(job, gpus[:2], dp2)  # the joiner leaves: its lease parked
+                if kind == "new lease":
+                    backend.leases.release()
+                t0 = time.perf_counter()
+                backend.set_service_gpus(svc, gpus[6:])
+                out["scale_up_after_shrink_s"][kind].append(time.perf_counter() - t0)
+                backend.set_service_gpus(svc, gpus[7:])
+                backend.leases.release()
+        handed = backend.leases.handed_over - handed_before
     finally:
         backend.shutdown()
         ray.shutdown()
-    rows = {}
-    print(f"{'':12} {'fresh s':>9} {'spare s':>9} {'fresh/spare':>12}   (medians of {a.rounds})")
+    rows: dict[str, dict[str, object]] = {}
     for what, d in out.items():
-        f, s = statistics.median(d["fresh"]), statistics.median(d["spare"])
-        rows[what] = {"fresh": d["fresh"], "spare": d["spare"], "fresh_median": f, "spare_median": s,
-                      "ratio": f / s}
-        print(f"{what:12} {f:9.2f} {s:9.2f} {f / s:12.2f}")
+        (ka, va), (kb, vb) = d.items()
+        if what in ("grow_s", "grow_after_scale_down_s"):
+            print(f"\n{'':24} {ka + ' s':>11} {kb + ' s':>11} {ka + '/' + kb:>20}   (medians of {a.rounds})")
+        ma, mb = statistics.median(va), statistics.median(vb)
+        rows[what] = {ka: va, kb: vb, f"{ka}_median": ma, f"{kb}_median": mb, "ratio": ma / mb}
+        print(f"{what:24} {ma:11.2f} {mb:11.2f} {ma / mb:20.2f}")
+    print(f"leases handed over: {handed} (one per handover round: {2 * a.rounds} expected)")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "spares.json").write_text(json.dumps(rows, indent=2))
-    # the goal: a spare is faster than a fresh start, for a joiner and for a replica
-    ok = all(r["ratio"] > 1.0 for r in rows.values())
+    # the goals: a spare is faster than a fresh start, for a joiner and for a replica; a GPU handed over
+    # with its lease reaches its next holder faster than through a new lease
+    ok = all(r["ratio"] > 1.0 for r in rows.values()) and handed == 2 * a.rounds
     if not ok:
-        print("!! a spare was not faster than a fresh start", file=sys.stderr)
+        print("!! a spare was not faster than a fresh start, or a handover not faster than a new lease",
+              file=sys.stderr)
     return 0 if ok else 1
 
 

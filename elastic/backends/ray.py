@@ -136,8 +136,10 @@ class RayBackend:
     def __init__(self, pool: PoolSpec, *, replica_config: Any = None, train_options: Any = None,
                  trainer_config: Callable[[TrainingSpec], Any] | None = None, local: bool = True,
                  drain_seconds: float = 30.0, detached: bool = False, namespace: str | None = None,
-                 spare_workers: int = 0, spare_replicas: int = 0) -> None:
+                 spare_workers: int = 0, spare_replicas: int = 0, lease_hold_seconds: float = 30.0) -> None:
         import ray
+
+        from elastic.ray_gpu_lease import LeaseDesk
 
         self.pool = pool
         self.detached = detached
@@ -152,6 +154,9 @@ class RayBackend:
         # balancer) for the next scale-up: a GPU lease and it serves (see _claim_spare_replica)
         self.spare_replicas = spare_replicas
         self._spare_reps: dict[str, list[tuple[Any, Any]]] = {}  # service -> [(actor, start() ref)]
+        # GPU leases between two holders: a leaving replica's or worker's lease waits here (at most
+        # lease_hold_seconds) for whoever starts next on its GPU (elastic.ray_gpu_lease.LeaseDesk)
+        self.leases = LeaseDesk(hold_seconds=lease_hold_seconds)
         if not ray.is_initialized():
             if not local:
                 raise BackendUnavailable("Ray is not initialised; call ray.init(address=...) first")
@@ -194,6 +199,7 @@ class RayBackend:
             raise BackendUnavailable(f"Ray unreachable: {e}") from e
 
     def inventory(self) -> dict[str, int]:
+        self.leases.expire()  # asked every tick: no lease stays parked much past its time
         return {name: gpus for name, (_, gpus) in self._nodes.items()}
 
     def _ray_node(self, node: str) -> str | None:
@@ -207,6 +213,8 @@ class RayBackend:
         is later given."""
         if len(self._nodes) > 1:
             handle.placement = {w: self._nodes[g.node][0] for g, w in workers.items()}
+        if hasattr(handle, "gpu_of"):  # which GPU's lease a worker takes and, when it leaves, parks
+            handle.gpu_of.update({w: g for g, w in workers.items()})
 
     # ---- inference ------------------------------------------------------------------------------
     def service_gpus(self, service: str) -> tuple[GPU, ...]:
@@ -270,18 +278,21 @@ class RayBackend:
             moved = hand_off([r.url for r in leave])
             log.info("%s: leaving replicas handed off %s", spec.name, moved)
         self._drain(leave)
+        given_back = 0
         for r in leave:
             try:
                 ray.get(r.actor.stop.remote(), timeout=10)
             except Exception:  # noqa: BLE001 - the actor is killed below anyway
                 pass
             ray.kill(r.actor, no_restart=True)
-            if r.lease is not None:
-                ray.kill(r.lease, no_restart=True)
+            if r.lease is not None:  # for the next holder of this GPU (a joiner, usually this tick)
+                self.leases.park(r.gpu, r.lease, spec.gpus_per_replica)
+            else:  # the actor held the GPU itself: Ray frees it when the process is gone
+                given_back += spec.gpus_per_replica
             with self._lock:
                 self.draining[spec.name] = [d for d in self.draining.get(spec.name, []) if d is not r]
-        if leave:
-            self._wait_gpus_free(len(leave) * spec.gpus_per_replica)
+        if given_back:
+            self._wait_gpus_free(given_back)
         # 2. start the missing replicas: warm spares serve once their GPU leases are granted (asked
         #    for all at once); the others start in parallel (each loads its model) and each joins the
         #    balancer's targets as soon as it is up, so a scale-up by two with one spare serves on
@@ -292,6 +303,7 @@ class RayBackend:
         claimed = {c[0] for c in claims}
         cold = [g for g in missing if g not in claimed]
         cold += self._await_spare_replicas(spec, claims)  # a spare that could not serve: start one cold
+        self.leases.release(cold)  # a cold replica asks Ray for its GPU: one parked there goes back first
         starting: list[tuple[GPU, Any, Any]] = []  # (gpu, actor, start() ref -> url)
         for g in cold:
             opts: dict[str, Any] = {"num_gpus": spec.gpus_per_replica, "num_cpus": 0}
@@ -386,9 +398,12 @@ class RayBackend:
             return None
         (actor, url), lease = spare, None
         try:
+            # the lease of whoever left this GPU (a worker of a shrink, usually this tick), else a new one:
             # several nodes: `fits` has just checked the spare is on `node`; one node: ask where it is
-            where = node if node is not None else ray.get(actor.node_id.remote(), timeout=10)
-            lease = lease_actor(spec.gpus_per_replica, where)
+            lease = self.leases.take(g, spec.gpus_per_replica)
+            if lease is None:
+                where = node if node is not None else ray.get(actor.node_id.remote(), timeout=10)
+                lease = lease_actor(spec.gpus_per_replica, where)
             return g, actor, url, lease, lease.gpu_ids.remote()
         except Exception as e:  # noqa: BLE001 - a spare that died or no lease: start one the usual way
             _drop_spare(spec, g, actor, lease, e)
@@ -538,6 +553,7 @@ class RayBackend:
         handle = _embedded_handle_class()(spec.name, self.trainer_config(spec),
                                           host=ray.util.get_node_ip_address(), **kw)
         handle.spares_wanted = self.spare_workers
+        handle.desk = self.leases
         return handle
 
     def _start_job(self, spec: TrainingSpec, gpus: tuple[GPU, ...], layout: Layout) -> RescaleOutcome:
@@ -650,6 +666,7 @@ class RayBackend:
         self._spare_reps.clear()
         self.replicas.clear()
         self.jobs.clear()
+        self.leases.release()  # the stopped workers' leases, parked on their way out
 
     def detach(self) -> None:
         """Forget the actors without stopping them (detached mode): a successor adopts them."""
@@ -798,7 +815,14 @@ def _embedded_handle_class() -> type:
     with no GPU, torch and the trainer imported. A joiner takes one: a :mod:`elastic.ray_gpu_lease`
     lease holds its GPUs in Ray's books (pinned to the spare's node) and the spare starts
     training once the lease is granted, so a grow does not wait for a process to start and
-    import torch. The lease is killed with the worker; a used spare is replaced in the background.
+    import torch. A used spare is replaced in the background.
+
+    Every worker with a GPU holds it through a lease, a worker started cold too (its actor asks
+    Ray for no GPU; the lease is asked for at the same time, so the start is no slower). When a
+    worker leaves, its lease is parked on the backend's :class:`~elastic.ray_gpu_lease.LeaseDesk`
+    (``desk``) under the worker's GPU (``gpu_of``, from ``RayBackend._place``) for the next
+    holder of that GPU (the replica a scale-up starts there, usually in the same tick); a worker
+    starting on a GPU takes the lease parked there, if any, instead of asking Ray for one.
     """
     from elastic.train.ray_handle import TrainingJobHandle
 
@@ -807,7 +831,10 @@ def _embedded_handle_class() -> type:
 
         def __init__(self, *a: Any, **kw: Any) -> None:
             super().__init__(*a, **kw)
-            self.leases: dict[str, Any] = {}  # worker -> its GPU lease (a worker started from a spare)
+            self.leases: dict[str, Any] = {}  # worker -> its GPU lease (every worker that holds a GPU)
+            self.desk: Any = None  # RayBackend.leases: where leavers' leases wait for the GPU's next holder
+            self.gpu_of: dict[str, Any] = {}  # worker -> the pool's GPU it holds (RayBackend._place)
+            self.parked_workers: set[str] = set()  # workers whose lease was parked, not given back to Ray
             self.spares: list[tuple[Any, Any]] = []  # (actor, warm() ref -> node id), oldest first
             self.placement: dict[str, str] = {}  # worker -> the Ray node it must run on (RayBackend._place)
 
@@ -824,30 +851,44 @@ def _embedded_handle_class() -> type:
             # up is no faster); a keeper goes anywhere
             node = None if keeper else self.placement.get(worker)
             fits = None if node is None else (lambda _a, at: at == node)
-            spare = None if keeper or self._gpus_per_worker <= 0 else _pop_warm(self.spares, fits)
-            if spare is not None:
-                from elastic.ray_gpu_lease import lease_actor
+            from elastic.ray_gpu_lease import lease_actor, on_node
 
-                actor, node = spare
-                lease = lease_actor(self._gpus_per_worker, node)
-                self.leases[worker] = lease
+            if keeper or self._gpus_per_worker <= 0:
+                actor = _worker_actor(0).options(**on_node(node)).remote()
                 self.actors[worker] = actor
-                self._runs[worker] = actor.run_leased.remote(lease.gpu_ids.remote(), env)
-                self.keep_spares()
+                self._runs[worker] = actor.run.remote(env)
                 return
-            from elastic.ray_gpu_lease import on_node
-
-            actor = _worker_actor(0 if keeper else self._gpus_per_worker).options(**on_node(node)).remote()
+            spare = _pop_warm(self.spares, fits)
+            if spare is not None:
+                actor, node = spare
+            else:  # started cold: its process starts while Ray grants the lease
+                actor = _worker_actor(0).options(**on_node(node)).remote()
+            # the lease the GPU's last holder parked (a replica of a scale-down, usually this tick), else a new one
+            lease = self.desk.take(self.gpu_of.get(worker), self._gpus_per_worker) if self.desk is not None else None
+            if lease is None:
+                lease = lease_actor(self._gpus_per_worker, node)
+            self.leases[worker] = lease
             self.actors[worker] = actor
-            self._runs[worker] = actor.run.remote(env)
+            self._runs[worker] = actor.run_leased.remote(lease.gpu_ids.remote(), env)
+            if spare is not None:
+                self.keep_spares()
 
         def _kill(self, worker: str) -> None:
             import ray
 
             super()._kill(worker)
             lease = self.leases.pop(worker, None)
-            if lease is not None:
+            if lease is None:
+                return
+            gpu = self.gpu_of.get(worker)
+            if self.desk is not None and gpu is not None:  # for the next holder of its GPU
+                self.desk.park(gpu, lease, self._gpus_per_worker)
+                self.parked_workers.add(worker)
+            else:
                 ray.kill(lease, no_restart=True)
+
+        def _handed_on(self, workers: Sequence[str]) -> float:
+            return sum(self._gpus_per_worker for w in workers if w in self.parked_workers)
 
         def _exit_reason(self, worker: str) -> str | None:
             if worker not in self._runs:

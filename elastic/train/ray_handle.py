@@ -138,6 +138,11 @@ class TrainingJobHandle(JobHandle):
         """``run()`` returned: the actor only holds its GPU now; end it (an intended kill, not a crash)."""
         self._kill(worker)
 
+    def _handed_on(self, workers: Sequence[str]) -> float:
+        """GPUs of ``workers`` (gone) that stay booked in Ray for their next holder instead of being
+        freed (a subclass that hands GPU leases over, see ``elastic.backends.ray``); none here."""
+        return 0.0
+
     def _before_directive(self) -> None:
         import ray
 
@@ -164,7 +169,9 @@ class TrainingJobHandle(JobHandle):
             self._observe_exit(w)
             self.actors.pop(w, None)
             self._runs.pop(w, None)
-        target = self._gpus_free_before + len(gpu_workers(workers, self.keepers)) * self._gpus_per_worker
+        # (a leaver whose GPU lease is kept for the GPU's next holder leaves it booked: _handed_on)
+        target = (self._gpus_free_before + len(gpu_workers(workers, self.keepers)) * self._gpus_per_worker
+                  - self._handed_on(workers))
         while ray.available_resources().get("GPU", 0.0) < target - 1e-9:
             if time.monotonic() > deadline:
                 log.warning("job %s: Ray shows %.1f GPUs free, expected >= %.1f after %d workers left",

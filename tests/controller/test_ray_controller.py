@@ -428,8 +428,9 @@ def test_a_scale_down_with_handoff_frees_the_gpu_at_once_and_the_balancer_resume
 def test_a_joiner_taken_from_a_spare_holds_its_gpu_through_a_lease_that_ends_with_it(ray_local) -> None:
     """``spare_workers=1``: the job keeps one worker actor started without a GPU (torch imported); a
     grow's joiner is that actor, its GPU held in Ray's books by a lease granted before it trains,
-    and the spare is replaced. When the joiner leaves (shrink) or dies, its lease goes with it:
-    Ray counts exactly the GPUs the job holds, so inference can have them back."""
+    and the spare is replaced. When the joiner leaves (shrink) or dies, its lease is parked for the
+    next holder of its GPU (a joiner there takes it: no new lease) and goes back to Ray when
+    released: Ray counts exactly the GPUs the job holds plus those parked."""
     import ray
 
     cfg, backend, gpus = _backend_with_spares(4, spare_workers=1)
@@ -450,19 +451,23 @@ def test_a_joiner_taken_from_a_spare_holds_its_gpu_through_a_lease_that_ends_wit
         assert ray.get(h.leases[joiner].gpu_ids.remote(), timeout=30)  # the lease holds a GPU
         assert len(h.spares) == 1 and h.spares[0][0] != spare  # replaced
         assert _gpus_free(5.0) == 5.0  # three workers' GPUs: the joiner's through its lease
-        # a shrink: the joiner leaves, its lease is killed, its GPU is free in Ray's books again
+        # a shrink: the joiner leaves, its lease waits for the next holder of its GPU
+        lease = h.leases[joiner]
         backend.set_job_gpus(spec, gpus[:2], Layout.parse("tp1.pp1.dp2"))
-        assert joiner not in h.leases and _gpus_free(6.0) == 6.0
-        # grow again from the new spare, then that joiner dies: recovered on dp2, its lease reaped
+        assert joiner not in h.leases and backend.leases.parked() == {gpus[2]} and _gpus_free(5.0) == 5.0
+        # grow again from the new spare onto that GPU: the joiner takes the parked lease
         ray.get(h.spares[0][1], timeout=120)
         backend.set_job_gpus(spec, gpus[:3], Layout.parse("tp1.pp1.dp3"))
         joiner = backend.jobs[spec.name].workers[gpus[2]]
-        assert joiner in h.leases and _gpus_free(5.0) == 5.0
+        assert h.leases[joiner] is lease and backend.leases.handed_over == 1 and backend.leases.parked() == set()
+        assert _gpus_free(5.0) == 5.0
+        # that joiner dies: recovered on dp2, its lease reaped (parked), then given back to Ray
         ray.kill(h.actors[joiner], no_restart=True)
         deadline = time.monotonic() + 60
         while joiner in h.leases and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert joiner not in h.leases and _gpus_free(6.0) == 6.0
+        assert joiner not in h.leases and backend.leases.parked() == {gpus[2]}
+        assert backend.leases.release() == 1 and _gpus_free(6.0) == 6.0
     finally:
         backend.shutdown()
     assert _gpus_free(8.0) == 8.0  # spares hold no GPU and are gone too
@@ -471,7 +476,7 @@ def test_a_joiner_taken_from_a_spare_holds_its_gpu_through_a_lease_that_ends_wit
 def test_a_scale_up_takes_a_spare_replica_whose_lease_holds_the_gpu_until_it_leaves(ray_local) -> None:
     """``spare_replicas=1``: a replica started ahead without a GPU (model loaded, server up, out of the
     balancer) serves on a scale-up once a lease holds its GPU in Ray's books; it is replaced in the
-    background, and its lease ends with it on a scale-down."""
+    background; on a scale-down its lease is parked for its GPU's next holder, then given back."""
     import httpx
     import ray
 
@@ -491,8 +496,75 @@ def test_a_scale_up_takes_a_spare_replica_whose_lease_holds_the_gpu_until_it_lea
         r = httpx.post(f"{spare_url}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=10)
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
         assert len(backend._spare_reps["chat"]) == 1 and backend._spare_reps["chat"][0][0] != spare  # replaced
-        backend.set_service_gpus(spec, gpus[:2])  # it leaves, and its lease with it
-        assert spare_url not in backend.service_targets("chat") and _gpus_free(6.0) == 6.0
+        backend.set_service_gpus(spec, gpus[:2])  # it leaves; its lease waits for the GPU's next holder
+        assert spare_url not in backend.service_targets("chat") and backend.leases.parked() == {gpus[2]}
+        assert _gpus_free(5.0) == 5.0
+        assert backend.leases.release() == 1 and _gpus_free(6.0) == 6.0
+    finally:
+        backend.shutdown()
+    assert _gpus_free(8.0) == 8.0
+
+
+def test_a_gpu_changes_hands_between_a_replica_and_a_training_worker_on_the_same_lease(ray_local) -> None:
+    """The handover: a scale-down's replica parks its lease and the grow's joiner on that GPU takes
+    it (no new lease actor, no Ray scheduling round); a shrink's leaver parks its lease and the
+    scale-up's replica on that GPU takes it. Ray's books never count a GPU twice or lose one, and
+    the job trains on through both (same step counter)."""
+    import ray
+
+    cfg, backend, gpus = _backend_with_spares(8, spare_workers=1, spare_replicas=1)
+    svc, job = cfg.services[0], cfg.jobs[0]
+    try:
+        backend.set_service_gpus(svc, gpus[:1])
+        ray.get(backend._spare_reps["chat"][0][1], timeout=60)
+        backend.set_service_gpus(svc, gpus[:2])  # the replica on GPU 1 is the spare, holding a lease
+        replica = [r for r in backend.replicas["chat"] if r.gpu == gpus[1]][0]
+        assert replica.lease is not None
+        backend.set_job_gpus(job, gpus[2:4], Layout.parse("tp1.pp1.dp2"))
+        h = backend.jobs[job.name].handle
+        ray.get(h.spares[0][1], timeout=120)
+        assert _gpus_free(4.0) == 4.0
+        step0 = h.status().step
+        # 1. replica -> joiner
+        backend.set_service_gpus(svc, gpus[:1])
+        assert backend.leases.parked() == {gpus[1]} and _gpus_free(4.0) == 4.0  # booked, for the joiner
+        out = backend.set_job_gpus(job, gpus[1:4], Layout.parse("tp1.pp1.dp3"))
+        joiner = backend.jobs[job.name].workers[gpus[1]]
+        assert out.to_layout == "tp1.pp1.dp3" and out.step >= step0
+        assert h.leases[joiner] is replica.lease and backend.leases.handed_over == 1
+        assert backend.leases.parked() == set() and _gpus_free(4.0) == 4.0
+        # 2. leaver -> replica: the shrink gives GPU 1 back, the scale-up's spare replica takes its lease
+        ray.get(backend._spare_reps["chat"][0][1], timeout=60)
+        backend.set_job_gpus(job, gpus[2:4], Layout.parse("tp1.pp1.dp2"))
+        assert backend.leases.parked() == {gpus[1]} and _gpus_free(4.0) == 4.0
+        backend.set_service_gpus(svc, gpus[:2])
+        again = [r for r in backend.replicas["chat"] if r.gpu == gpus[1]][0]
+        assert again.lease is replica.lease and backend.leases.handed_over == 2
+        assert backend.leases.parked() == set() and _gpus_free(4.0) == 4.0
+        assert h.status().step > step0 and h.status().layout == "tp1.pp1.dp2"
+    finally:
+        backend.shutdown()
+    assert _gpus_free(8.0) == 8.0
+
+
+def test_a_replica_started_cold_on_a_gpu_whose_lease_is_parked_gets_that_gpu_back_from_ray(ray_local) -> None:
+    """No spare replica: the scale-up starts an actor that asks Ray for a GPU, so the lease a leaver
+    parked on that GPU goes back to Ray first (else, on a full node, the actor would wait for the
+    lease to expire)."""
+    cfg, backend, gpus = _backend_with_spares(8)
+    svc, job = cfg.services[0], cfg.jobs[0]
+    try:
+        backend.set_service_gpus(svc, gpus[:4])
+        backend.set_job_gpus(job, gpus[4:8], Layout.parse("tp1.pp1.dp4"))  # every GPU of the node in use
+        assert _gpus_free(0.0) == 0.0
+        backend.set_job_gpus(job, gpus[5:8], Layout.parse("tp1.pp1.dp3"))
+        assert backend.leases.parked() == {gpus[4]} and _gpus_free(0.0) == 0.0
+        t0 = time.monotonic()
+        backend.set_service_gpus(svc, gpus[:5])
+        assert time.monotonic() - t0 < backend.leases.hold_seconds  # did not wait for the lease to expire
+        assert backend.leases.parked() == set() and backend.leases.handed_over == 0
+        assert backend.leases.given_back == 1
+        assert len(backend.service_targets("chat")) == 5 and _gpus_free(0.0) == 0.0
     finally:
         backend.shutdown()
     assert _gpus_free(8.0) == 8.0
@@ -621,17 +693,19 @@ def test_a_job_still_starting_can_be_called_off_and_gives_every_gpu_back(ray_loc
         assert isinstance(out.get("error"), GrowCancelled), out
         assert "called off" in str(out["error"])
         assert backend.job_runtime("tiny-job") is None and "tiny-job" not in backend._starting
-        ray = ray_local
-        deadline = time.monotonic() + 20
-        while ray.available_resources().get("GPU", 0) < 8 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert ray.available_resources().get("GPU", 0) == 8  # every GPU back, nothing left running
+        # every GPU back: its workers' leases wait for the GPUs' next holders, nothing else holds one
+        gpus = {GPU("local", i) for i in range(4)}
+        assert backend.leases.parked() == gpus and _gpus_free(4.0) == 4.0
         assert backend.cancel_grow("tiny-job") is False  # nothing in flight any more
         # it starts again on fewer GPUs, from step 0: nothing had been trained
+        parked = backend.leases.parked()
         res = backend.set_job_gpus(spec, (GPU("local", 0), GPU("local", 1)), Layout.parse("tp1.pp1.dp2"))
         assert res.to_layout == "tp1.pp1.dp2"
         rt = backend.job_runtime("tiny-job")
         assert rt is not None and len(rt.gpus) == 2 and rt.phase in ("Running", "Rescaling")
+        assert backend.leases.handed_over == len(parked & {GPU("local", 0), GPU("local", 1)})
+        assert backend.leases.release() == len(parked - {GPU("local", 0), GPU("local", 1)})
+        assert _gpus_free(6.0) == 6.0  # the two workers'; nothing else booked
     finally:
         backend.shutdown()
 
