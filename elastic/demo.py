@@ -93,14 +93,15 @@ def demo_config(minutes: float, tick_seconds: float) -> dict[str, Any]:
             "behavior": {
                 "scaleUp": {"stabilizationWindowSeconds": 0,
                             "policies": [{"type": "Pods", "value": 2, "periodSeconds": 1}]},
-                # 4 s: longer than a scale-up takes to land (a shrink that gives its step up, the GPU
-                # handed over with its lease: 0.2-0.4 s; 1.2-1.8 s before the handover), so a replica
-                # started for a ramp is not drained on the next dip before the ramp arrives. The window
-                # counts from when a scale-up landed (policy.replicas.landed); before that, when it
-                # counted from the decision and a scale-up took 4-11 s, 6 s missed the SLO and 8 s was
-                # used. 6 s until 2026-12-03: each evening step-down held a replica 2 s longer (the
-                # replay over 12 seeds: utilisation -0.6 points); 3 s drained the evening's third
-                # replica on a dip: 14 requests missed their TTFT on 2 replicas in a run (SLO 0.9886)
+                # 4 s: longer than a scale-up takes to land (a shrink that gives its step up, 0.2-0.4 s,
+                # then the replica on the GPU handed over with its lease, 0.2-0.4 s; 1.5-2.3 s in all
+                # before the handover), so a replica started for a ramp is not drained on the next dip
+                # before the ramp arrives. The window counts from when a scale-up landed
+                # (policy.replicas.landed); before that, when it counted from the decision and a
+                # scale-up took 4-11 s, 6 s missed the SLO and 8 s was used. 6 s until 2026-12-03: each
+                # evening step-down held a replica 2 s longer (the replay over 12 seeds: utilisation
+                # -0.6 points); 3 s drained the evening's third replica on a dip: 14 requests missed
+                # their TTFT on 2 replicas in a run (SLO 0.9886)
                 "scaleDown": {"stabilizationWindowSeconds": int(max(4, 2 * tick_seconds)),
                               "policies": [{"type": "Pods", "value": 1, "periodSeconds": 1}]},
             },
