@@ -43,10 +43,15 @@ stop. A rescale directive is always applied at a step boundary:
    and every engine of that generation checks before each micro-batch):
    the heartbeat (or the ``go`` of a member that had not begun it yet) says ``give_up``; the
    engine gives the step up at its next micro-batch, on every rank alike (``StepGivenUp``:
-   nothing changed, gradients dropped), and the agent asks for the same step again with
-   ``gave_up``: the coordinator switches the shrink there and the new layout redoes the
-   step on the same samples. A step already past its last micro-batch's check completes,
-   and the shrink switches after it as usual.
+   nothing of the state changed), and the agent asks for the same step again with
+   ``gave_up``: the coordinator switches the shrink there and the new layout computes the
+   step on the same samples. The work of the micro-batches done is kept (``PartialStep``:
+   their gradients summed over the replicas, one DP all-reduce, and their losses): when every
+   member of the new layout holds the parameter boxes it held before (one pipeline stage, the
+   same TP split and TP coordinate: a DP shrink), the new engine computes only the samples
+   not done yet and adds the kept work; otherwise (or when a recovery intervenes) the step
+   is redone whole. A step already past its last micro-batch's check completes, and the
+   shrink switches after it as usual.
 
 Failures are reported, never hung on. A step whose collective breaks because a peer died
 (gloo sees the closed socket, or times out after ``pg_timeout_s``) is *broken*, not failed
@@ -279,6 +284,7 @@ class WorkerAgent:
         self._interrupted_gen = -1  # the generation we were last told to interrupt (logged once)
         self._given_up: tuple[int, int] | None = None  # (generation, step) last given up: asked once
         self._gave_up: dict[str, Any] | None = None  # reported with the next step request
+        self._carry: Any = None  # a given-up step's kept work (engine.PartialStep) for the next layout
         # a group's roll call (elastic.train.abortable) asks the coordinator on a line of its own
         # whether the generation it is for was given up (a peer lost: recovered or rolled back)
         self._asker: RendezvousClient | None = None
@@ -386,6 +392,7 @@ class WorkerAgent:
                     # every rank gave it up at the same micro-batch: ask for the same step again, and
                     # the coordinator switches the pending shrink there (nothing of the state changed)
                     log.info("worker %s: %s", self.worker, e)
+                    self._carry = getattr(e, "carry", None)
                     last, self._gave_up = None, {"step": step, "seconds": round(e.seconds, 4)}
                     continue
                 except Exception as e:
@@ -559,6 +566,7 @@ class WorkerAgent:
         # what the step loop spent on the plan and buffers at the switch (the rest was done beside
         # the step before it); for an old member inside the pause, for a joiner before it
         clock.seconds["prepare_wait"] = prep.waited
+        carry, self._carry = self._carry, None  # a given-up step's work: only this transition may use it
         # 1. meet: the coordinator decides go / abandoned before any byte moves
         decision, reason = self._meet(d, prep)
         clock.mark("meet")
@@ -639,6 +647,11 @@ class WorkerAgent:
                                           new_state if d.old_ranks else self._initial_state(d, layout, rank))
                 if d.give_up_checks and hasattr(engine, "give_up_checks"):
                     engine.give_up_checks = True  # type: ignore[attr-defined]
+                    if hasattr(engine, "keep_given_up"):
+                        engine.keep_given_up = True  # type: ignore[attr-defined]
+                if carry is not None and _can_keep(d, carry, new_ranks) and hasattr(engine, "resume_partial"):
+                    engine.resume_partial(carry)  # type: ignore[attr-defined]
+                    stats = {**stats, "kept_micro_batches": carry.micro}
         except Exception as e:
             # past a transactional commit the new state is whole on every member: a peer lost while
             # the groups are built is recovered from the new generation, like one lost in a step
@@ -865,6 +878,7 @@ class WorkerAgent:
             info.update(self.engine.recovery_state())  # type: ignore[union-attr]
         self._drop_communicators()
         self._broken = True
+        self._carry = None  # a given-up step's work is not used by a recovery (a survivor may lack it)
         self.client.call("broken", generation=self.generation, step=step, applied=self._applied, error=error,
                          **info)
 
@@ -1185,6 +1199,21 @@ def _early_alloc_budget(device: str | torch.device) -> int | None:
         return None
     free, _total = torch.cuda.mem_get_info(dev)
     return int(free * EARLY_PREPARE_HEADROOM)
+
+
+def _can_keep(d: Directive, carry: Any, new_ranks: dict[str, int]) -> bool:
+    """Whether the new layout of ``d`` finishes the given-up step ``carry`` from its kept work: the
+    same answer on every member (it reads only the directive and the agreed plan's ranks). It does
+    when ``d`` switches at that step, is no recovery and no hold, and every member of the new layout
+    held the same parameter boxes before: one pipeline stage on both sides, the same TP split, and
+    each worker at its old TP coordinate (its kept gradients are then exactly its new boxes')."""
+    if (d.hold or d.commit_step is not None or not d.old_layout or carry.step != d.switch_step
+            or not set(new_ranks) <= set(d.old_ranks)):
+        return False
+    old, new = Layout.parse(d.old_layout), Layout.parse(d.layout)
+    if old.pp != 1 or new.pp != 1 or old.tp != new.tp or old.ep != 1 or new.ep != 1:
+        return False
+    return all(old.coords(d.old_ranks[w])[0] == new.coords(r)[0] for w, r in new_ranks.items())
 
 
 def _same_rescale(a: Directive | None, b: Directive) -> bool:

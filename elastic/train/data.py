@@ -63,6 +63,11 @@ class SyntheticData:
         seqs = torch.stack([self.sample(step, start + j) for j in range(count)])
         return seqs[:, :-1].to(device), seqs[:, 1:].to(device)
 
+    def samples(self, step: int, indices: list[int], device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), each ``[len(indices), seq_len]``, of the global samples ``indices``."""
+        seqs = torch.stack([self.sample(step, i) for i in indices])
+        return seqs[:, :-1].to(device), seqs[:, 1:].to(device)
+
     def entropy_floor(self) -> float:
         """The lowest expected loss (nats/token) any model can reach on this stream."""
         v, e = self.vocab, self.noise

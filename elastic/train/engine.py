@@ -32,7 +32,15 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic.model import Layout, ModelSpec, SpecError
-from elastic.reshard.spec import FP32_KINDS, MIXED_KINDS, Kind, ShardingSpec, box_shape, sharding_spec
+from elastic.reshard.spec import (
+    FP32_KINDS,
+    MIXED_KINDS,
+    Kind,
+    ShardingSpec,
+    box_shape,
+    sharding_spec,
+    split_range,
+)
 from elastic.train.data import SyntheticData, _mix
 from elastic.train.groups import DEFAULT_TIMEOUT, ParallelGroups, StepGivenUp, StepInterrupted, build_groups
 from elastic.train.model import GPTStage, check_supported
@@ -120,6 +128,36 @@ class StepResult:
     extra: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass
+class PartialStep:
+    """The work of a step given up part-way by a shrink, kept for the next layout (``StepGivenUp.carry``).
+
+    Every replica of the old layout (``dp`` replicas of ``grad_accum`` micro-batches of
+    ``micro_batch`` samples) had run its first ``micro`` micro-batches of ``step``. ``grads``: this
+    rank's gradient of those samples, summed over the replicas and in the step's final units
+    (1 / global batch per sample), so identical on every DP replica of the same TP coordinate and
+    shaped like this rank's parameters; ``loss_sum``: the sum of those samples' mean losses, over
+    every replica. A layout whose ranks hold the same parameter boxes finishes the step from it
+    (:meth:`TrainEngine.resume_partial`): only the samples not yet computed are.
+    """
+
+    step: int
+    micro: int
+    dp: int
+    grad_accum: int
+    micro_batch: int
+    grads: dict[str, torch.Tensor]
+    loss_sum: float
+
+    def remaining(self) -> list[int]:
+        """Global sample indices of the step not computed yet, in replica-major order (every rank alike)."""
+        out: list[int] = []
+        per_replica = self.grad_accum * self.micro_batch
+        for d in range(self.dp):
+            out.extend(range(d * per_replica + self.micro * self.micro_batch, (d + 1) * per_replica))
+        return out
+
+
 def init_global_tensor(name: str, kind: str, shape: tuple[int, ...], cfg: TrainConfig) -> torch.Tensor:
     """The full (unsharded) initial value of ``(name, kind)``: the same on every layout.
 
@@ -184,7 +222,11 @@ class TrainEngine:
         # A rescale may ask for the step in progress (give_up()): every rank must have this on, or
         # none (the agent sets it from its generation's directive); pp = 1 only (see can_give_up)
         self.give_up_checks = False
+        # ... and keep the work of the micro-batches done (StepGivenUp.carry) for the next layout,
+        # at the cost of one DP all-reduce of the gradients (every rank alike, like the checks)
+        self.keep_given_up = False
         self._give_up_step: int | None = None
+        self._carry: PartialStep | None = None  # a given-up step's work to finish from (resume_partial)
         self._step_started = 0.0
         self.act = P2PShape((self.micro_batch, cfg.model.seq_len, cfg.model.hidden), cfg.dtype, cfg.device)
 
@@ -225,6 +267,8 @@ class TrainEngine:
         # 1. forget the previous step's gradients
         for p in self.params.values():
             p.grad = None
+        if self._carry is not None and self._carry.step == step:
+            return self._finish_partial(step, self._carry, t0)
         # 2. forward/backward of this replica's micro-batches through the pipeline
         losses: list[torch.Tensor] = []
         one_f_one_b(lambda m, x: self._forward_step(step, m, x, losses), self.grad_accum, self.groups.pp, self.act)
@@ -273,29 +317,120 @@ class TrainEngine:
         stages run theirs at different times)."""
         return self.give_up_checks and self.layout.pp == 1
 
+    def resume_partial(self, carry: PartialStep) -> None:
+        """Finish ``carry.step`` from the work a given-up try of it kept (every rank of the layout must
+        be given the same carry, or none): its next ``train_step(carry.step)`` computes only the
+        samples not done yet, split over this layout's replicas, and adds the kept gradients and
+        losses; the result is the step's, up to float reduction order. Needs one pipeline stage
+        and, on this rank, the parameter boxes the carry's gradients have."""
+        if self.layout.pp != 1:
+            raise SpecError(f"layout {self.layout}: a given-up step's work is kept on one pipeline stage only (pp=1)")
+        if set(carry.grads) != set(self.params):
+            missing, extra = sorted(set(self.params) - set(carry.grads)), sorted(set(carry.grads) - set(self.params))
+            raise SpecError(f"rank {self.rank}: the kept gradients of step {carry.step} do not match this rank's "
+                            f"parameters (missing {missing[:4]}, unexpected {extra[:4]})")
+        for name, g in carry.grads.items():
+            if tuple(g.shape) != tuple(self.params[name].shape):
+                raise SpecError(f"rank {self.rank}: kept gradient {name} has shape {tuple(g.shape)}, the parameter "
+                                f"{tuple(self.params[name].shape)}: the layouts shard it differently")
+        if carry.dp * carry.grad_accum * carry.micro_batch != self.cfg.global_batch:
+            raise SpecError(f"step {carry.step} was given up on dp={carry.dp} x {carry.grad_accum} micro-batches x "
+                            f"{carry.micro_batch} samples, not the global batch {self.cfg.global_batch}")
+        self._carry = carry
+
     def give_up(self, step: int) -> None:
         """Ask (from any thread) that ``step`` be given up at its next micro-batch, on every rank
         (:class:`StepGivenUp`). Past its last micro-batch's check the step completes as usual."""
         self._give_up_step = step
 
-    def _check_give_up(self, step: int, micro: int) -> None:
+    def _check_give_up(self, step: int, micro: int, losses: list[torch.Tensor]) -> None:
         """The give-up decision before micro-batch ``micro``: the MAX of every rank's wish, so all
-        give up at the same micro-batch or none does (on the CPU gloo group of the commit)."""
+        give up at the same micro-batch or none does (on the CPU gloo group of the commit).
+        With ``keep_given_up`` the work of the ``micro`` micro-batches done goes with it."""
         flag = torch.tensor([1.0 if self._give_up_step == step else 0.0])
         if self.groups.world is not None:
             self.groups.world.all_reduce(flag, "max")
         if flag.item() > 0:
             self._give_up_step = None
+            carry = self._keep_partial(step, micro, losses) if self.keep_given_up and micro > 0 else None
             for p in self.params.values():
                 p.grad = None
-            raise StepGivenUp(step, micro, time.perf_counter() - self._step_started, self.rank)
+            raise StepGivenUp(step, micro, time.perf_counter() - self._step_started, self.rank, carry=carry)
+
+    def _keep_partial(self, step: int, micro: int, losses: list[torch.Tensor]) -> PartialStep:
+        """The work of the first ``micro`` micro-batches of every replica: gradients summed over the
+        replicas (one DP all-reduce, as at the end of a step) and losses over every rank."""
+        flat = self._flat_grads()
+        self.groups.dp.all_reduce(flat)
+        flat.div_(self.layout.dp)  # per sample: 1 / (grad_accum * micro_batch) / dp = 1 / global batch
+        grads, off = {}, 0
+        for name, p in self.params.items():
+            grads[name] = flat[off:off + p.numel()].view(p.shape)
+            off += p.numel()
+        t = torch.zeros(1, dtype=torch.float64)
+        if self.tp_rank == 0 and losses:  # pp = 1: every rank is a last stage; one per replica counts
+            t += (torch.stack([v.double() for v in losses]).sum() * self.micro_batch).cpu()
+        assert self.groups.world is not None
+        self.groups.world.all_reduce(t)
+        return PartialStep(step, micro, self.layout.dp, self.grad_accum, self.micro_batch, grads, float(t.item()))
+
+    def _flat_grads(self) -> torch.Tensor:
+        """Every gradient in one flat tensor (fp32 on the wire for bf16 weights; zeros for none)."""
+        wire = torch.float32 if self.cfg.dtype == torch.bfloat16 else self.cfg.dtype
+        return torch.cat([p.grad.reshape(-1).to(wire) if p.grad is not None
+                          else torch.zeros(p.numel(), dtype=wire, device=p.device) for p in self.params.values()])
+
+    def _finish_partial(self, step: int, carry: PartialStep, t0: float) -> StepResult:
+        """``step`` from a given-up try's kept work: this replica's share of the samples not done yet
+        (the rest split evenly over the replicas, in micro-batches of at most ``micro_batch``),
+        weighted 1 / global batch per sample, reduced over DP and added to the kept gradients.
+        No give-up checks here (replicas may run different numbers of micro-batches)."""
+        gb = self.cfg.global_batch
+        todo = carry.remaining()
+        lo, hi = split_range(len(todo), self.layout.dp, self.dp_rank)
+        mine = todo[lo:hi]
+        weighted: list[torch.Tensor] = []  # each micro-batch's mean loss x its samples (on the device)
+        for i in range(0, len(mine), self.micro_batch):
+            if self._interrupted.is_set():
+                raise StepInterrupted(f"rank {self.rank}: step {step} (finishing a given-up try) stopped: "
+                                      "a peer was lost")
+            idx = mine[i:i + self.micro_batch]
+            inputs, targets = self.data.samples(step, idx, self.cfg.device)
+            loss = self.stage.loss(self.stage(inputs), targets)
+            (loss * (len(idx) / gb)).backward()
+            weighted.append(loss.detach().double() * len(idx))
+        flat = self._flat_grads()
+        self.groups.dp.all_reduce(flat)  # a sum: each sample already weighs 1 / global batch
+        kept = torch.cat([carry.grads[name].reshape(-1) for name in self.params]).to(flat.device, flat.dtype)
+        flat.add_(kept)
+        off = 0
+        for p in self.params.values():
+            n = p.numel()
+            if p.grad is None:
+                p.grad = torch.empty_like(p)
+            p.grad.copy_(flat[off:off + n].view_as(p.grad))
+            off += n
+        # the commit, as in train_step: every rank passing it has its gradients reduced
+        self.ready_step = step
+        t = torch.zeros(1, dtype=torch.float64)
+        if self.tp_rank == 0 and weighted:
+            t += torch.stack(weighted).sum().cpu()
+        if self.rank == 0:
+            t += carry.loss_sum
+        assert self.groups.world is not None
+        self.groups.world.all_reduce(t)
+        self._carry = None
+        self.apply_ready(step)
+        tokens = gb * self.cfg.model.seq_len
+        return StepResult(step, float(t.item()) / gb, tokens, time.perf_counter() - t0,
+                          {"kept_micro_batches": float(carry.micro)})
 
     def _forward_step(self, step: int, micro: int, x: torch.Tensor | None, losses: list[torch.Tensor]) -> torch.Tensor:
         if self._interrupted.is_set():
             raise StepInterrupted(f"rank {self.rank}: step {step} given up at micro-batch {micro} of "
                                   f"{self.grad_accum}: a peer was lost")
         if self.can_give_up:
-            self._check_give_up(step, micro)
+            self._check_give_up(step, micro, losses)
         mb = self.micro_batch
         # global sample index of this micro-batch: replica-major, so every layout reads the same set
         start = (self.dp_rank * self.grad_accum + micro) * mb

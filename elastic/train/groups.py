@@ -55,13 +55,15 @@ class StepGivenUp(RuntimeError):
     one-float MAX all-reduce over every rank before each micro-batch makes the decision the
     same on all of them, so none waits in a collective for a peer that stopped. Nothing of
     the state has changed (gradients are dropped); the step is redone on the next layout.
-    ``seconds``: how long this rank had computed on it (work thrown away).
+    ``seconds``: how long this rank had computed on it; ``carry``: the work of the ``micro``
+    micro-batches done, when the engine keeps it (``TrainEngine.keep_given_up``; an
+    ``elastic.train.engine.PartialStep``), else None: that work is thrown away.
     """
 
-    def __init__(self, step: int, micro: int, seconds: float, rank: int) -> None:
+    def __init__(self, step: int, micro: int, seconds: float, rank: int, carry: object | None = None) -> None:
         super().__init__(f"rank {rank}: step {step} given up at micro-batch {micro} after {seconds:.2f} s "
-                         "(a shrink did not wait for it)")
-        self.step, self.micro, self.seconds = step, micro, seconds
+                         f"(a shrink did not wait for it; its work {'kept' if carry is not None else 'dropped'})")
+        self.step, self.micro, self.seconds, self.carry = step, micro, seconds, carry
 
 
 class Comm:

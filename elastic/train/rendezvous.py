@@ -25,7 +25,10 @@ see identically:
    generation posted with ``Directive.give_up_checks`` agrees there through a one-float
    all-reduce) and ask for it again with ``gave_up``; the coordinator then moves the switch to
    that step (nobody has switched yet and a shrink has no joiners, so the directive can still
-   change) and counts the pause from the step's begin: its work is lost.
+   change). The members keep the work of the micro-batches they had done and the new layout
+   finishes the step from it when it can (every new member reports ``kept_micro_batches``): the
+   pause counts from the boundary then; else the step is redone whole and the pause counts
+   from the step's begin, its work lost.
 2. **Whether the rescale goes ahead.** Members of old and new layout arrive at ``/v1/arrive``
    with a digest of the reshard plan they computed, or the error that kept them from
    planning or preparing it. ``go`` once all have arrived with equal digests; ``abandoned``
@@ -249,6 +252,9 @@ class RescaleRecord:
     # the members had computed on it (the longest; counted in pause_seconds: work thrown away)
     gave_up_step: int | None = None
     gave_up_seconds: float = 0.0
+    # of the given-up step, the micro-batches per replica whose work the new layout kept and
+    # finished from (0: none, the step was redone whole and gave_up_seconds were thrown away)
+    kept_micro_batches: int = 0
 
 
 @dataclass
@@ -295,6 +301,7 @@ class _Pending:
     arrived: dict[str, str] = field(default_factory=dict)  # worker -> plan digest
     decision: str | None = None  # None | "go" | "abandoned"
     stopped_at: float | None = None  # every old member reached the boundary
+    boundary_at: float | None = None  # when they had (stopped_at is earlier for a given-up step)
     boundary: set[str] = field(default_factory=set)
     resumed: set[str] = field(default_factory=set)
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -829,7 +836,8 @@ class Coordinator:
         elif self._history and d.old_ranks:
             self.metrics.record_rescale(rec.pause_seconds or 0.0, rec.bytes_moved, rec.planned_bytes,
                                         rec.lower_bound_bytes,
-                                        rec.gave_up_seconds if rec.gave_up_step is not None else None)
+                                        rec.gave_up_seconds if rec.gave_up_step is not None else None,
+                                        kept=rec.kept_micro_batches > 0)
         if d.hold:
             self._reason = (f"paused at step {d.switch_step}: generation {d.generation} holds the state as {d.layout} "
                             f"on {len(d.workers)} keeper(s) off-GPU ({rec.bytes_moved} bytes moved in "
@@ -1242,7 +1250,9 @@ class Coordinator:
         p.boundary.add(w)
         if p.stopped_at is None and set(p.directive.old_ranks) <= p.boundary:
             # a given-up step stopped training when it began: its work is lost, not paused over
-            p.stopped_at = p.give_up_begun_at if p.record.gave_up_step is not None else self._clock()
+            # (unless the new layout keeps it: see _note_resumed_locked)
+            p.boundary_at = self._clock()
+            p.stopped_at = p.give_up_begun_at if p.record.gave_up_step is not None else p.boundary_at
 
     def _note_resumed_locked(self, w: str, gen: int, step: int) -> None:
         """Pause ends when the last new member asks to begin the first step of the new generation."""
@@ -1254,7 +1264,13 @@ class Coordinator:
             if self._recovery is not None and p.record.recovery:  # from the loss to training again
                 p.record.pause_seconds = self._clock() - self._recovery.started_at
             elif p.stopped_at is not None:
-                p.record.pause_seconds = self._clock() - p.stopped_at
+                kept = [int(p.results.get(m, {}).get("kept_micro_batches") or 0) for m in p.directive.workers]
+                if p.record.gave_up_step is not None and p.boundary_at is not None and min(kept) > 0:
+                    # the given-up step's work was kept: training stopped at the boundary, not before
+                    p.record.kept_micro_batches = min(kept)
+                    p.record.pause_seconds = self._clock() - p.boundary_at
+                else:
+                    p.record.pause_seconds = self._clock() - p.stopped_at
             self._cv.notify_all()  # wait_resumed
 
     def _h_arrive(self, b: dict[str, Any]) -> dict[str, Any]:

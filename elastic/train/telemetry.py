@@ -40,6 +40,7 @@ class _Families:
     rescale_failures: Counter
     steps_given_up: Counter
     given_up_seconds: Counter
+    steps_kept: Counter
     pause_seconds: Histogram
     last_pause_seconds: Gauge
     reshard_bytes: Counter
@@ -87,6 +88,9 @@ def _families(registry: CollectorRegistry) -> _Families:
             given_up_seconds=Counter("elastic_training_given_up_seconds",
                                      "Compute of given-up steps thrown away (wall seconds, not x GPUs)", L,
                                      registry=r),
+            steps_kept=Counter("elastic_training_given_up_steps_kept",
+                               "Given-up steps the new layout finished from their kept work (none thrown away)",
+                               L, registry=r),
             pause_seconds=Histogram("elastic_training_rescale_pause_seconds",
                                     "Training paused by a rescale (step boundary, or the begin of a step a "
                                     "shrink gave up, to first new step)", L,
@@ -141,13 +145,17 @@ class TrainingMetrics:
         self._f.world_size.labels(self.job).set(world_size)
 
     def record_rescale(self, pause_seconds: float, bytes_moved: int, planned_bytes: int,
-                       lower_bound_bytes: int, gave_up_seconds: float | None = None) -> None:
-        """A rescale done; ``gave_up_seconds``: it gave the step in progress up after that long (None: not)."""
+                       lower_bound_bytes: int, gave_up_seconds: float | None = None, *, kept: bool = False) -> None:
+        """A rescale done; ``gave_up_seconds``: it gave the step in progress up after that long (None: not);
+        ``kept``: the new layout finished that step from its work (nothing thrown away)."""
         f, j = self._f, self.job
         f.rescales.labels(j).inc()
         if gave_up_seconds is not None:
             f.steps_given_up.labels(j).inc()
-            f.given_up_seconds.labels(j).inc(gave_up_seconds)
+            if kept:
+                f.steps_kept.labels(j).inc()
+            else:
+                f.given_up_seconds.labels(j).inc(gave_up_seconds)
         f.pause_seconds.labels(j).observe(pause_seconds)
         f.last_pause_seconds.labels(j).set(pause_seconds)
         f.reshard_bytes.labels(j).inc(bytes_moved)

@@ -182,19 +182,23 @@ def test_a_shrink_that_need_not_wait_its_first_step_returns_with_its_leavers_gon
         assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step}"
 
 
-@pytest.mark.parametrize("layout, workers, after, kept, gives_up", [
-    ("tp1.pp1.dp2", ["w0", "w1"], "tp1.pp1.dp1", ["w0"], True),
+@pytest.mark.parametrize("layout, workers, after, kept, gives_up, keeps_work", [
+    ("tp1.pp1.dp2", ["w0", "w1"], "tp1.pp1.dp1", ["w0"], True, True),
     # tensor parallel: both ranks of a replica meet at every micro-batch's check as well
-    ("tp2.pp1.dp2", ["w0", "w1", "w2", "w3"], "tp2.pp1.dp1", ["w0", "w1"], True),
+    ("tp2.pp1.dp2", ["w0", "w1", "w2", "w3"], "tp2.pp1.dp1", ["w0", "w1"], True, True),
+    # the TP split changes: no survivor holds its new boxes' gradients, the step is redone whole
+    ("tp2.pp1.dp2", ["w0", "w1", "w2", "w3"], "tp1.pp1.dp2", ["w0", "w2"], True, False),
     # 1F1B stages run their micro-batches at different times: the step is finished, then the switch
-    ("tp1.pp2.dp2", ["w0", "w1", "w2", "w3"], "tp1.pp2.dp1", ["w0", "w1"], False),
+    ("tp1.pp2.dp2", ["w0", "w1", "w2", "w3"], "tp1.pp2.dp1", ["w0", "w1"], False, False),
 ])
-def test_a_shrink_gives_up_the_step_in_progress_and_the_new_layout_redoes_it_on_the_same_loss_curve(
-        tmp_path, monkeypatch, layout, workers, after, kept, gives_up) -> None:
+def test_a_shrink_gives_up_the_step_in_progress_and_the_new_layout_finishes_it_on_the_same_loss_curve(
+        tmp_path, monkeypatch, layout, workers, after, kept, gives_up, keeps_work) -> None:
     """``shrink_gives_up_step`` (the launch default): a step is 4 micro-batches of >= 0.6 s; a shrink
     posted just after a step began switches at that step (given up, not finished) on one pipeline
-    stage, after it with two, and the step counter and loss curve are those of a job never
-    rescaled: the new layout redid the step on the same samples."""
+    stage, after it with two. A DP shrink keeps the work of the micro-batches done (the new layout
+    computes only the rest; the pause counts from the boundary); a TP change redoes the step whole
+    (the pause counts from the step's begin). Either way the step counter and loss curve are those
+    of a job never rescaled."""
     monkeypatch.setenv("ELASTIC_TEST_MICRO_SECONDS", "0.6")
     opts = replace(OPTS, engine_factory="tests.train._agent_engines:slow_micro_batches")
     assert opts.shrink_gives_up_step
@@ -203,11 +207,16 @@ def test_a_shrink_gives_up_the_step_in_progress_and_the_new_layout_redoes_it_on_
         h.start(layout, workers, timeout=180)
         h.wait_step(1, timeout=120)  # step 1 done: step 2 is being computed (>= 2.4 s)
         in_progress = h.status().step + 1
+        time.sleep(0.9)  # into its second micro-batch: the first one's work is there to keep
         shrink = h.rescale(after, kept, timeout=120, wait_first_step=False)
         rec = shrink.record
         if gives_up:
             assert (shrink.switch_step, rec.gave_up_step) == (in_progress, in_progress), rec
-            assert 0.0 < rec.gave_up_seconds < 2.4 and shrink.pause_seconds >= rec.gave_up_seconds
+            assert 0.0 < rec.gave_up_seconds < 2.4, rec
+            if keeps_work:  # given up at micro-batch 1..3 of 4: that many kept, the pause from the boundary
+                assert 1 <= rec.kept_micro_batches <= 3 and shrink.pause_seconds < rec.gave_up_seconds, rec
+            else:
+                assert rec.kept_micro_batches == 0 and shrink.pause_seconds >= rec.gave_up_seconds, rec
         else:
             assert (shrink.switch_step, rec.gave_up_step, rec.gave_up_seconds) == (in_progress + 1, None, 0.0), rec
         assert all(h.procs[w].poll() == 0 for w in workers if w not in kept)  # the leavers are gone

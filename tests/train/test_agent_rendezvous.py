@@ -881,10 +881,13 @@ def test_past_the_commit_a_lost_leaver_costs_nothing_and_a_lost_member_is_recove
         3, "tp1.pp1.dp1", "tp1.pp1.dp2")
 
 
-def test_a_shrink_that_gives_up_the_step_in_progress_switches_there_and_counts_the_lost_work_as_pause() -> None:
+@pytest.mark.parametrize("kept", [0, 2])
+def test_a_shrink_that_gives_up_the_step_in_progress_switches_there_and_counts_the_lost_work_as_pause(kept) -> None:
     """``shrink_gives_up_step``: members computing step 1 hear ``give_up`` on their heartbeat at once
     (a long poll woken by the post); once they gave it up (the step asked for again, ``gave_up``) the
-    shrink switches at step 1, not 2, and its pause counts from step 1's begin."""
+    shrink switches at step 1, not 2, and its pause counts from step 1's begin: its work was lost.
+    When the new layout finished the step from its kept work (its members report
+    ``kept_micro_batches``), the pause counts from the boundary and nothing counts as thrown away."""
     c, clock, reg = started(shrink_lookahead_steps=0, shrink_gives_up_step=True)
     begun = clock.t  # step 1 was begun at this time (started())
     clock.t += 2.0
@@ -903,18 +906,24 @@ def test_a_shrink_that_gives_up_the_step_in_progress_switches_there_and_counts_t
     assert "give_up" not in call(c, "heartbeat", "w0", generation=1)  # said until they gave it up
     for w in ("w0", "w1"):
         call(c, "arrive", w, generation=2, digest="d", plan={"new_ranks": {"w0": 0}})
+    boundary = clock.t
     for w, sent in (("w0", 0), ("w1", 70)):
-        call(c, "result", w, generation=2, ok=True, stats={"bytes_sent": sent})
+        call(c, "result", w, generation=2, ok=True,
+             stats={"bytes_sent": sent, **({"kept_micro_batches": kept} if kept and w == "w0" else {})})
     clock.t += 0.25
     assert call(c, "step", "w0", generation=2, step=1)["action"] == "go"  # the new layout redoes step 1
     rec = c.rescale_record(2)
-    assert (rec.switch_step, rec.gave_up_step, rec.gave_up_seconds) == (1, 1, 2.5)
-    assert rec.pause_seconds == pytest.approx(clock.t - begun)  # 2.75: the lost step and the reshard
+    assert (rec.switch_step, rec.gave_up_step, rec.gave_up_seconds, rec.kept_micro_batches) == (1, 1, 2.5, kept)
+    if kept:  # 0.25: the reshard only
+        assert rec.pause_seconds == pytest.approx(clock.t - boundary)
+    else:  # 2.75: the lost step and the reshard
+        assert rec.pause_seconds == pytest.approx(clock.t - begun)
     call(c, "step", "w0", generation=2, step=2, result={"step": 1, "loss": 1.5, "tokens": 256, "seconds": 0.2})
     assert c.wait_generation(2, timeout=1).ok is True
     assert [r.step for r in c.history()] == [0, 1]  # step 1 once: the given-up try left no result
     assert (metric(reg, "elastic_training_steps_given_up_total"), metric(reg, "elastic_training_given_up_seconds_total"),
-            metric(reg, "elastic_training_rescales_total")) == (1.0, 2.5, 1.0)
+            metric(reg, "elastic_training_given_up_steps_kept_total"),
+            metric(reg, "elastic_training_rescales_total")) == (1.0, 0.0 if kept else 2.5, 1.0 if kept else 0.0, 1.0)
 
 
 @pytest.mark.parametrize("layout, workers, new, new_workers, why", [
