@@ -51,7 +51,10 @@ stop. A rescale directive is always applied at a step boundary:
    same TP split and TP coordinate: a DP shrink), the new engine computes only the samples
    not done yet and adds the kept work; otherwise (or when a recovery intervenes) the step
    is redone whole. A step already past its last micro-batch's check completes, and the
-   shrink switches after it as usual.
+   shrink switches after it as usual. A *grow* does the same (the coordinator's
+   ``grow_gives_up_step``): one old member per TP coordinate adds the kept work and the new
+   DP all-reduce hands it to the joiners, which learn the amended switch step and whether the
+   work was kept from the ``go``.
 
 Failures are reported, never hung on. A step whose collective breaks because a peer died
 (gloo sees the closed socket, or times out after ``pg_timeout_s``) is *broken*, not failed
@@ -393,7 +396,8 @@ class WorkerAgent:
                     # the coordinator switches the pending shrink there (nothing of the state changed)
                     log.info("worker %s: %s", self.worker, e)
                     self._carry = getattr(e, "carry", None)
-                    last, self._gave_up = None, {"step": step, "seconds": round(e.seconds, 4)}
+                    last, self._gave_up = None, {"step": step, "seconds": round(e.seconds, 4), "micro": e.micro,
+                                                 "kept": self._carry is not None}
                     continue
                 except Exception as e:
                     if not (self.opts.recover and _is_comm_error(e) and hasattr(self.engine, "recovery_state")):
@@ -568,8 +572,11 @@ class WorkerAgent:
         clock.seconds["prepare_wait"] = prep.waited
         carry, self._carry = self._carry, None  # a given-up step's work: only this transition may use it
         # 1. meet: the coordinator decides go / abandoned before any byte moves
-        decision, reason = self._meet(d, prep)
+        decision, reason, told = self._meet(d, prep)
         clock.mark("meet")
+        if decision == "go" and told.get("switch_step") not in (None, d.switch_step):
+            # a joiner: the members gave the step in progress up, and the switch moved there
+            d = dataclasses.replace(d, switch_step=int(told["switch_step"]))
         if decision != "go":
             log.warning("worker %s: rescale to generation %d abandoned: %s", self.worker, d.generation, reason)
             if self.engine is None:  # a joiner: nothing to continue
@@ -649,9 +656,10 @@ class WorkerAgent:
                     engine.give_up_checks = True  # type: ignore[attr-defined]
                     if hasattr(engine, "keep_given_up"):
                         engine.keep_given_up = True  # type: ignore[attr-defined]
-                if carry is not None and _can_keep(d, carry, new_ranks) and hasattr(engine, "resume_partial"):
-                    engine.resume_partial(carry)  # type: ignore[attr-defined]
-                    stats = {**stats, "kept_micro_batches": carry.micro}
+                finish = self._kept_step(d, told, carry, new_ranks)
+                if finish is not None and hasattr(engine, "resume_partial"):
+                    engine.resume_partial(finish[0], contribute=finish[1])  # type: ignore[attr-defined]
+                    stats = {**stats, "kept_micro_batches": finish[0].micro}
         except Exception as e:
             # past a transactional commit the new state is whole on every member: a peer lost while
             # the groups are built is recovered from the new generation, like one lost in a step
@@ -809,14 +817,39 @@ class WorkerAgent:
                     "state, waiting for the recovery", self.worker, d.generation, what, error, snapshot.generation)
         return self._stand_broken(snapshot, d.switch_step, f"rescale to generation {d.generation} {what}: {error}")
 
-    def _meet(self, d: Directive, prep: _Prep) -> tuple[str, str]:
-        """Arrive with the plan digest (or the preparation error) and long-poll for the decision."""
+    def _meet(self, d: Directive, prep: _Prep) -> tuple[str, str, dict[str, Any]]:
+        """Arrive with the plan digest (or the preparation error) and long-poll for the decision;
+        returns it, the reason and the whole answer (a ``go`` says the switch step as it stands and
+        whether the step given up for it was kept)."""
         while True:
             resp = self.client.call("arrive", generation=d.generation, digest=prep.digest, plan=prep.plan_info,
                                     error=prep.error, wait_s=self.opts.long_poll_s)
             if resp["decision"] != "wait":
-                return resp["decision"], resp.get("reason", "")
+                return resp["decision"], resp.get("reason", ""), resp
             time.sleep(_REASK_S)
+
+    def _kept_step(self, d: Directive, told: dict[str, Any], carry: Any,
+                   new_ranks: dict[str, int]) -> tuple[Any, bool] | None:
+        """(the given-up step's kept work, whether this worker adds it) when the new layout finishes
+        that step from it, else None. Every member agrees: the ``go`` said every old member kept it
+        (``gave_up.kept``) and :func:`_kept_contributors` reads the directive and the agreed plan.
+        A joiner holds no kept work: it computes its share of the samples left and adds nothing."""
+        gave = told.get("gave_up") or {}
+        if not gave.get("kept") or int(gave.get("step", -1)) != d.switch_step:
+            return None
+        contributors = _kept_contributors(d, new_ranks)
+        if contributors is None:
+            return None
+        if self.worker in contributors:
+            if carry is None or carry.step != d.switch_step:  # cannot be: the coordinator saw it kept
+                raise RuntimeError(f"worker {self.worker}: told to finish step {d.switch_step} from its kept work, "
+                                   "which it does not hold")
+            return carry, True
+        from elastic.train.engine import PartialStep
+
+        cfg, old = train_config(self.config), Layout.parse(d.old_layout or "")
+        return PartialStep(d.switch_step, int(gave["micro"]), old.dp, cfg.grad_accum(old), cfg.micro_batch_for(old),
+                           None, 0.0), False
 
     def _old_group_is_members(self, d: Directive, prep: _Prep) -> bool:
         """Every member of the reshard is an old member (no joiner) and the old default group exists."""
@@ -1201,19 +1234,27 @@ def _early_alloc_budget(device: str | torch.device) -> int | None:
     return int(free * EARLY_PREPARE_HEADROOM)
 
 
-def _can_keep(d: Directive, carry: Any, new_ranks: dict[str, int]) -> bool:
-    """Whether the new layout of ``d`` finishes the given-up step ``carry`` from its kept work: the
-    same answer on every member (it reads only the directive and the agreed plan's ranks). It does
-    when ``d`` switches at that step, is no recovery and no hold, and every member of the new layout
-    held the same parameter boxes before: one pipeline stage on both sides, the same TP split, and
-    each worker at its old TP coordinate (its kept gradients are then exactly its new boxes')."""
-    if (d.hold or d.commit_step is not None or not d.old_layout or carry.step != d.switch_step
-            or not set(new_ranks) <= set(d.old_ranks)):
-        return False
+def _kept_contributors(d: Directive, new_ranks: dict[str, int]) -> set[str] | None:
+    """Who adds a given-up step's kept work when the new layout of ``d`` finishes it: per TP
+    coordinate, the old member at that coordinate on both sides with the lowest new rank (its kept
+    gradients are exactly its new boxes', summed over the old replicas already); the new DP
+    all-reduce hands them to everyone, joiners included. None: the work cannot be used (no
+    directive switching from one stage to one stage with the same TP split, a recovery or a hold,
+    or a TP coordinate no such old member holds). The same answer on every member: it reads
+    only the directive and the agreed plan's ranks."""
+    if d.hold or d.commit_step is not None or not d.old_layout:
+        return None
     old, new = Layout.parse(d.old_layout), Layout.parse(d.layout)
     if old.pp != 1 or new.pp != 1 or old.tp != new.tp or old.ep != 1 or new.ep != 1:
-        return False
-    return all(old.coords(d.old_ranks[w])[0] == new.coords(r)[0] for w, r in new_ranks.items())
+        return None
+    chosen: dict[int, tuple[int, str]] = {}
+    for w, r in new_ranks.items():
+        t = new.coords(r)[0]
+        if w in d.old_ranks and old.coords(d.old_ranks[w])[0] == t and (t not in chosen or r < chosen[t][0]):
+            chosen[t] = (r, w)
+    if len(chosen) != new.tp:
+        return None
+    return {w for _, w in chosen.values()}
 
 
 def _same_rescale(a: Directive | None, b: Directive) -> bool:

@@ -130,15 +130,16 @@ class StepResult:
 
 @dataclass
 class PartialStep:
-    """The work of a step given up part-way by a shrink, kept for the next layout (``StepGivenUp.carry``).
+    """The work of a step given up part-way by a rescale, kept for the next layout (``StepGivenUp.carry``).
 
     Every replica of the old layout (``dp`` replicas of ``grad_accum`` micro-batches of
     ``micro_batch`` samples) had run its first ``micro`` micro-batches of ``step``. ``grads``: this
     rank's gradient of those samples, summed over the replicas and in the step's final units
     (1 / global batch per sample), so identical on every DP replica of the same TP coordinate and
     shaped like this rank's parameters; ``loss_sum``: the sum of those samples' mean losses, over
-    every replica. A layout whose ranks hold the same parameter boxes finishes the step from it
-    (:meth:`TrainEngine.resume_partial`): only the samples not yet computed are.
+    every replica. A new layout finishes the step from it (:meth:`TrainEngine.resume_partial`):
+    only the samples not yet computed are; one rank per TP coordinate holding the same parameter
+    boxes adds the kept work. A rank that adds nothing (a joiner) holds ``grads=None``.
     """
 
     step: int
@@ -146,7 +147,7 @@ class PartialStep:
     dp: int
     grad_accum: int
     micro_batch: int
-    grads: dict[str, torch.Tensor]
+    grads: dict[str, torch.Tensor] | None
     loss_sum: float
 
     def remaining(self) -> list[int]:
@@ -227,6 +228,7 @@ class TrainEngine:
         self.keep_given_up = False
         self._give_up_step: int | None = None
         self._carry: PartialStep | None = None  # a given-up step's work to finish from (resume_partial)
+        self._contribute = False  # ... and whether this rank adds it
         self._step_started = 0.0
         self.act = P2PShape((self.micro_batch, cfg.model.seq_len, cfg.model.hidden), cfg.dtype, cfg.device)
 
@@ -317,14 +319,25 @@ class TrainEngine:
         stages run theirs at different times)."""
         return self.give_up_checks and self.layout.pp == 1
 
-    def resume_partial(self, carry: PartialStep) -> None:
-        """Finish ``carry.step`` from the work a given-up try of it kept (every rank of the layout must
-        be given the same carry, or none): its next ``train_step(carry.step)`` computes only the
-        samples not done yet, split over this layout's replicas, and adds the kept gradients and
-        losses; the result is the step's, up to float reduction order. Needs one pipeline stage
-        and, on this rank, the parameter boxes the carry's gradients have."""
+    def resume_partial(self, carry: PartialStep, *, contribute: bool = True) -> None:
+        """Finish ``carry.step`` from the work a given-up try of it kept: its next
+        ``train_step(carry.step)`` computes only the samples not done yet, split over this layout's
+        replicas, and the kept gradients and losses are added; the result is the step's, up to
+        float reduction order. Every rank of the layout must be given the step (or none), and
+        exactly one rank per TP coordinate ``contribute`` (it holds the kept gradients of this
+        rank's parameter boxes, summed over the old replicas; the DP all-reduce hands them on).
+        Needs one pipeline stage."""
         if self.layout.pp != 1:
             raise SpecError(f"layout {self.layout}: a given-up step's work is kept on one pipeline stage only (pp=1)")
+        if carry.dp * carry.grad_accum * carry.micro_batch != self.cfg.global_batch:
+            raise SpecError(f"step {carry.step} was given up on dp={carry.dp} x {carry.grad_accum} micro-batches x "
+                            f"{carry.micro_batch} samples, not the global batch {self.cfg.global_batch}")
+        if not contribute:
+            self._carry, self._contribute = carry, False
+            return
+        if carry.grads is None:
+            raise SpecError(f"rank {self.rank}: asked to add the kept work of step {carry.step} but holds none "
+                            "(a joiner never does)")
         if set(carry.grads) != set(self.params):
             missing, extra = sorted(set(self.params) - set(carry.grads)), sorted(set(carry.grads) - set(self.params))
             raise SpecError(f"rank {self.rank}: the kept gradients of step {carry.step} do not match this rank's "
@@ -333,10 +346,7 @@ class TrainEngine:
             if tuple(g.shape) != tuple(self.params[name].shape):
                 raise SpecError(f"rank {self.rank}: kept gradient {name} has shape {tuple(g.shape)}, the parameter "
                                 f"{tuple(self.params[name].shape)}: the layouts shard it differently")
-        if carry.dp * carry.grad_accum * carry.micro_batch != self.cfg.global_batch:
-            raise SpecError(f"step {carry.step} was given up on dp={carry.dp} x {carry.grad_accum} micro-batches x "
-                            f"{carry.micro_batch} samples, not the global batch {self.cfg.global_batch}")
-        self._carry = carry
+        self._carry, self._contribute = carry, True
 
     def give_up(self, step: int) -> None:
         """Ask (from any thread) that ``step`` be given up at its next micro-batch, on every rank
@@ -400,9 +410,10 @@ class TrainEngine:
             (loss * (len(idx) / gb)).backward()
             weighted.append(loss.detach().double() * len(idx))
         flat = self._flat_grads()
+        if self._contribute:  # one rank per TP coordinate: the DP sum hands the kept work to every replica
+            assert carry.grads is not None
+            flat.add_(torch.cat([carry.grads[name].reshape(-1) for name in self.params]).to(flat.device, flat.dtype))
         self.groups.dp.all_reduce(flat)  # a sum: each sample already weighs 1 / global batch
-        kept = torch.cat([carry.grads[name].reshape(-1) for name in self.params]).to(flat.device, flat.dtype)
-        flat.add_(kept)
         off = 0
         for p in self.params.values():
             n = p.numel()
@@ -415,11 +426,11 @@ class TrainEngine:
         t = torch.zeros(1, dtype=torch.float64)
         if self.tp_rank == 0 and weighted:
             t += torch.stack(weighted).sum().cpu()
-        if self.rank == 0:
+        if self._contribute and self.tp_rank == 0:  # once over all ranks
             t += carry.loss_sum
         assert self.groups.world is not None
         self.groups.world.all_reduce(t)
-        self._carry = None
+        self._carry, self._contribute = None, False
         self.apply_ready(step)
         tokens = gb * self.cfg.model.seq_len
         return StepResult(step, float(t.item()) / gb, tokens, time.perf_counter() - t0,

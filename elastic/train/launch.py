@@ -93,6 +93,11 @@ class LaunchOptions:
     # part of the step computed is lost (counted in the rescale's pause). Layouts with one pipeline
     # stage only (1F1B stages run their micro-batches at different times): others finish the step.
     shrink_gives_up_step: bool = True
+    # A grow neither (one pipeline stage, the same TP split): its members give the step in progress up
+    # at their next micro-batch keeping its work, and the new layout, joiners included, finishes it.
+    # The joiners' GPUs train a micro-batch after they are ready instead of at the step's end. Needs
+    # shrink_gives_up_step (the engines' checks).
+    grow_gives_up_step: bool = True
     # Members hear of a rescale the moment it is posted (their heartbeat long-polls) and plan and
     # allocate their receive buffers beside the step in progress: only what that step leaves undone
     # lands in the pause. False: they prepare at the switch (the lookahead steps, if any, still help).
@@ -124,7 +129,8 @@ def coordinator_settings(o: LaunchOptions) -> dict[str, Any]:
     return {"heartbeat_interval_s": o.heartbeat_interval_s, "heartbeat_timeout_s": o.heartbeat_timeout_s,
             "join_timeout_s": o.join_timeout_s, "max_steps": o.max_steps, "recover": o.recover,
             "lookahead_steps": o.lookahead_steps, "shrink_lookahead_steps": o.shrink_lookahead_steps,
-            "shrink_gives_up_step": o.shrink_gives_up_step, "transactional": o.transactional_rescale,
+            "shrink_gives_up_step": o.shrink_gives_up_step,
+            "grow_gives_up_step": o.grow_gives_up_step, "transactional": o.transactional_rescale,
             "prepare_beside_step": o.prepare_beside_step,
             "checkpoint": o.checkpoint, "rendezvous_timeout_s": o.pg_timeout_s}
 

@@ -28,7 +28,10 @@ see identically:
    change). The members keep the work of the micro-batches they had done and the new layout
    finishes the step from it when it can (every new member reports ``kept_micro_batches``): the
    pause counts from the boundary then; else the step is redone whole and the pause counts
-   from the step's begin, its work lost.
+   from the step's begin, its work lost. A grow does the same (``grow_gives_up_step``; one
+   stage and the same TP split, so the work can be kept): its joiners' GPUs would idle until
+   the step's end. They hold a copy of the directive from before the amendment: the ``go`` of
+   ``/v1/arrive`` tells them the switch step as it stands and whether the work was kept.
 2. **Whether the rescale goes ahead.** Members of old and new layout arrive at ``/v1/arrive``
    with a digest of the reshard plan they computed, or the error that kept them from
    planning or preparing it. ``go`` once all have arrived with equal digests; ``abandoned``
@@ -312,6 +315,8 @@ class _Pending:
     # and when it was begun (the pause of a shrink that gives it up counts from there)
     give_up_step: int | None = None
     give_up_begun_at: float = 0.0
+    gave_up_micro: int = 0  # the micro-batch its members gave the step up at
+    kept_by: set[str] = field(default_factory=set)  # members that kept the given-up step's work
     # which post this is (a rescale abandoned before its switch leaves its generation number to the
     # next try): a member's heartbeat says the last one it was told of, so each is told once
     seq: int = 0
@@ -358,6 +363,7 @@ class Coordinator:
         rendezvous_timeout_s: float | None = None,
         checkpoint: CheckpointSettings | None = None,
         shrink_gives_up_step: bool = False,
+        grow_gives_up_step: bool = False,
         prepare_beside_step: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -384,6 +390,11 @@ class Coordinator:
         # a shrink (with no lookahead, on one pipeline stage) asks its members to give the step in
         # progress up instead of finishing it: the GPUs go a step sooner, the partial step is lost
         self.shrink_gives_up_step = shrink_gives_up_step
+        # a grow (same: no lookahead, one pipeline stage; and the same TP split, so the work is
+        # kept) asks the same: its joiners' GPUs idle until the switch; the members keep the step's
+        # work and the new layout, joiners included, finishes it. Needs engines that check
+        # (generations posted with shrink_gives_up_step)
+        self.grow_gives_up_step = grow_gives_up_step
         # members hear of a posted rescale on their heartbeat and prepare beside the step in
         # progress (False: at the switch, or during the lookahead steps; for A/B measurements)
         self.prepare_beside_step = prepare_beside_step
@@ -499,11 +510,13 @@ class Coordinator:
         out as ``layout`` and run no step until the next directive, which switches at the step
         the job paused at. The validator (GPU memory) does not apply to keepers.
 
-        ``give_up_step`` (a shrink; None: ``shrink_gives_up_step``): ask the members to give the
-        step in progress up at their next micro-batch instead of finishing it; the shrink then
-        switches at that step. Only where the current generation's engines check (posted with
-        ``shrink_gives_up_step`` on), with one pipeline stage and no shrink lookahead; elsewhere,
-        or when the step gets past its last micro-batch first, it switches after the step.
+        ``give_up_step`` (a shrink, None: ``shrink_gives_up_step``; a grow, None:
+        ``grow_gives_up_step``): ask the members to give the step in progress up at their next
+        micro-batch instead of finishing it, keeping its work; the rescale then switches at that
+        step, which the new layout finishes. Only where the current generation's engines check
+        (posted with ``shrink_gives_up_step`` on), with one pipeline stage and no lookahead, and
+        for a grow (only old members and joiners) with one stage and the same TP split after it;
+        elsewhere, or when the step gets past its last micro-batch first, it switches after the step.
 
         Refused (SpecError) before anything changes when the generation is out of sequence,
         another rescale is in flight, the member list does not match the layout, the job is
@@ -545,8 +558,11 @@ class Coordinator:
             self._post_seq += 1
             self._pending = _Pending(d, rec, self._clock(), seq=self._post_seq)
             self._alarm.notify_all()  # heartbeats tell the members in the step, who prepare meanwhile
-            asks = self.shrink_gives_up_step if give_up_step is None else give_up_step
-            if shrink and asks and self._gives_up_locked(cur, switch):
+            grow = (cur is not None and not hold and not cur.hold and set(cur.ranks) < set(members)
+                    and _keeps_work(Layout.parse(cur.layout), lay))
+            asks = ((self.shrink_gives_up_step if shrink else self.grow_gives_up_step if grow else False)
+                    if give_up_step is None else give_up_step)
+            if (shrink or grow) and asks and self._gives_up_locked(cur, switch):
                 self._pending.give_up_step, self._pending.give_up_begun_at = switch - 1, self._max_begun_at
                 # (the heartbeats woken above carry the request too: they answer once the lock is free)
             self._rescales[generation] = rec
@@ -570,12 +586,12 @@ class Coordinator:
         return max(self._max_begun + 1 + ahead, cur.start_step)
 
     def _gives_up_locked(self, cur: _Gen, switch: int) -> bool:
-        """Whether a shrink switching at ``switch`` can ask for the step in progress: no lookahead
-        (the step before the switch is the one in progress), engines that check (the generation was
-        posted with them), one pipeline stage (members meet at every micro-batch), and a step of
-        this generation in progress."""
-        return (self.shrink_lookahead_steps == 0 and cur.give_up_checks and Layout.parse(cur.layout).pp == 1
-                and switch - 1 == self._max_begun >= cur.start_step)
+        """Whether a shrink or grow switching at ``switch`` can ask for the step in progress: no
+        lookahead (the step before the switch is the one in progress), engines that check (the
+        generation was posted with them), one pipeline stage (members meet at every micro-batch),
+        and a step of this generation in progress."""
+        return (min(self.shrink_lookahead_steps, self.lookahead_steps) == 0 and cur.give_up_checks
+                and Layout.parse(cur.layout).pp == 1 and switch - 1 == self._max_begun >= cur.start_step)
 
     def _begin_step_locked(self, step: int) -> None:
         if step > self._max_begun:
@@ -1075,7 +1091,8 @@ class Coordinator:
         p = self._pending
         if p is not None and p.decision is None and w in p.directive.old_ranks:
             if b.get("gave_up") and int(b["gave_up"]["step"]) == step:
-                self._gave_up_locked(p, w, step, float(b["gave_up"].get("seconds") or 0.0))
+                self._gave_up_locked(p, w, step, float(b["gave_up"].get("seconds") or 0.0),
+                                     int(b["gave_up"].get("micro") or 0), bool(b["gave_up"].get("kept")))
             if step >= p.directive.switch_step:
                 self._note_boundary_locked(p, w)
                 return {"action": "switch", "directive": p.directive.to_json()}
@@ -1231,10 +1248,13 @@ class Coordinator:
             return None
         return p.give_up_step
 
-    def _gave_up_locked(self, p: _Pending, w: str, step: int, seconds: float) -> None:
-        """Member ``w`` gave ``step`` up for the pending shrink (every rank did, at the same
-        micro-batch): the shrink switches there. Nobody has been told to switch before it (all
-        were computing the step), and a shrink has no joiners: amending the switch step is safe."""
+    def _gave_up_locked(self, p: _Pending, w: str, step: int, seconds: float, micro: int = 0,
+                        kept: bool = False) -> None:
+        """Member ``w`` gave ``step`` up for the pending rescale (every rank did, at micro-batch
+        ``micro``; ``kept``: with that work) : it switches there. No member has been told to switch
+        before it (all were computing the step), and a grow's joiners learn the amended step with
+        the ``go`` (nobody hears ``go`` before every old member arrived, after giving the step up):
+        amending the switch step is safe."""
         if p.give_up_step != step or p.directive.switch_step not in (step, step + 1):
             log.warning("job %s: worker %s gave up step %d, which generation %d did not ask for",
                         self.job, w, step, p.directive.generation)
@@ -1245,6 +1265,9 @@ class Coordinator:
             log.info("job %s: generation %d switches at step %d, which its members gave up (shrink, "
                      "not waiting for it)", self.job, p.directive.generation, step)
         p.record.gave_up_seconds = max(p.record.gave_up_seconds, seconds)
+        p.gave_up_micro = micro
+        if kept:
+            p.kept_by.add(w)
 
     def _note_boundary_locked(self, p: _Pending, w: str) -> None:
         p.boundary.add(w)
@@ -1294,7 +1317,16 @@ class Coordinator:
             self._cv.wait_for(lambda: gen in self._decisions or self._closing.is_set(), wait_s)
         if gen in self._decisions:
             decision, reason = self._decisions[gen]
-            return {"decision": decision, "reason": reason}
+            out: dict[str, Any] = {"decision": decision, "reason": reason}
+            p = self._pending
+            if decision == "go" and p is not None and p.directive.generation == gen:
+                # the switch step as it stands (a joiner's copy predates a give-up's amendment) and
+                # whether every old member kept the given-up step's work (the new layout finishes it)
+                out["switch_step"] = p.directive.switch_step
+                if p.record.gave_up_step is not None:
+                    out["gave_up"] = {"step": p.record.gave_up_step, "micro": p.gave_up_micro,
+                                      "kept": set(p.directive.old_ranks) <= p.kept_by}
+            return out
         return {"decision": "wait", "reason": ""}
 
     def _arrive_locked(self, w: str, b: dict[str, Any]) -> None:
@@ -1785,6 +1817,12 @@ _ROUTES: dict[str, Callable[[Coordinator, dict[str, Any]], dict[str, Any]]] = {
     f"{API}/exit": Coordinator._h_exit,
     f"{API}/status": Coordinator._h_status,
 }
+
+
+def _keeps_work(old: Layout, new: Layout) -> bool:
+    """Whether ``new`` can finish a step ``old`` gave up from its kept work (the agent decides for
+    good with the plan's ranks): one pipeline stage on both sides and the same TP split."""
+    return old.pp == new.pp == 1 and old.tp == new.tp and old.ep == new.ep == 1
 
 
 def _check_members(layout: Layout, members: list[str]) -> None:

@@ -82,3 +82,24 @@ def slow_micro_batches(config: dict[str, Any], layout: Layout, rank: int, state:
 
     engine._forward_step = padded  # type: ignore[attr-defined]
     return engine
+
+
+def slow_checked_micro_batches(config: dict[str, Any], layout: Layout, rank: int, state: State | None) -> Any:
+    """The real engine, each micro-batch padded by ``ELASTIC_TEST_MICRO_SECONDS``: before its give-up
+    check from the second on, after it on the first. A rescale posted at any time inside a step is
+    then caught at a micro-batch >= 1 with work done (the windows before the first check and after
+    the last are milliseconds)."""
+    engine = default_engine_factory(config, layout, rank, state, timeout_s=60)
+    seconds = float(os.environ.get("ELASTIC_TEST_MICRO_SECONDS", "0.5"))
+    forward = engine._forward_step  # type: ignore[attr-defined]
+
+    def padded(step: int, micro: int, x: Any, losses: list[Any]) -> Any:
+        if micro > 0:
+            time.sleep(seconds)
+        out = forward(step, micro, x, losses)  # its give-up check comes first
+        if micro == 0:
+            time.sleep(seconds)
+        return out
+
+    engine._forward_step = padded  # type: ignore[attr-defined]
+    return engine

@@ -231,6 +231,42 @@ def test_a_shrink_gives_up_the_step_in_progress_and_the_new_layout_finishes_it_o
         assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step}"
 
 
+@pytest.mark.parametrize("layout, workers, after, grown", [
+    ("tp1.pp1.dp1", ["w0"], "tp1.pp1.dp2", ["w0", "w1"]),
+    # tensor parallel: the joiners are a whole replica; each TP rank's kept work reaches its coordinate
+    ("tp2.pp1.dp1", ["w0", "w1"], "tp2.pp1.dp2", ["w0", "w1", "w2", "w3"]),
+])
+def test_a_grow_gives_up_the_step_in_progress_and_the_joiners_finish_it_from_the_kept_work_on_the_same_curve(
+        tmp_path, monkeypatch, layout, workers, after, grown) -> None:
+    """``grow_gives_up_step`` (the launch default): a step is 8 micro-batches of >= 0.4 s; a grow posted
+    inside one (once its joiners registered) switches at that step: the members give it up at their
+    next micro-batch keeping the work done, and the new layout, joiners included, computes only the
+    samples left. The pause counts from the boundary, and the step counter and loss curve are those
+    of a job never rescaled."""
+    monkeypatch.setenv("ELASTIC_TEST_MICRO_SECONDS", "0.4")
+    opts = replace(OPTS, engine_factory="tests.train._agent_engines:slow_checked_micro_batches")
+    assert opts.grow_gives_up_step
+    h = ProcessJobHandle("growkeep", CFG, options=opts, log_dir=str(tmp_path))
+    try:
+        h.start(layout, workers, timeout=180)
+        h.wait_step(1, timeout=120)
+        grow = h.rescale(after, grown, timeout=120)
+        rec = grow.record
+        assert rec.ok and rec.joiners == [w for w in grown if w not in workers], rec
+        assert rec.gave_up_step == grow.switch_step and 1 <= rec.kept_micro_batches <= 7, rec
+        assert grow.pause_seconds < rec.gave_up_seconds, rec  # from the boundary: the work done was kept
+        assert {s.get("kept_micro_batches") for s in rec.worker_stats.values()} == {rec.kept_micro_batches}, rec
+        h.wait_step(grow.switch_step + 1, timeout=120)
+    finally:
+        final = h.stop()
+    assert final.error is None
+    hist = h.history()
+    assert [r.step for r in hist] == list(range(len(hist)))  # the given-up try left no result
+    assert [r.generation for r in hist] == [1] * grow.switch_step + [2] * (len(hist) - grow.switch_step)
+    for r, want in zip(hist, reference_losses(len(hist)), strict=True):
+        assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step}"
+
+
 def test_frozen_worker_fails_the_job_by_heartbeat_loss(tmp_path) -> None:
     job = ProcessJobHandle("frozen", CFG, options=NO_RECOVER, log_dir=str(tmp_path))
     job.start("tp1.pp1.dp2", ["w0", "w1"], timeout=180)

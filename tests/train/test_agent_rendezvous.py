@@ -928,7 +928,7 @@ def test_a_shrink_that_gives_up_the_step_in_progress_switches_there_and_counts_t
 
 @pytest.mark.parametrize("layout, workers, new, new_workers, why", [
     ("tp1.pp2.dp1", ("w0", "w1"), "tp1.pp1.dp1", ["w0"], "1F1B stages cannot meet at every micro-batch"),
-    ("tp1.pp1.dp1", ("w0",), "tp1.pp1.dp2", ["w0", "w1"], "a grow: its joiners were told the switch step"),
+    ("tp1.pp1.dp1", ("w0",), "tp1.pp1.dp2", ["w0", "w1"], "a grow asks only with grow_gives_up_step"),
 ])
 def test_only_a_shrink_on_one_pipeline_stage_asks_for_the_step_in_progress(layout, workers, new, new_workers,
                                                                            why) -> None:
@@ -939,6 +939,38 @@ def test_only_a_shrink_on_one_pipeline_stage_asks_for_the_step_in_progress(layou
     assert d.switch_step == 2
     # a member that says it gave a step up anyway is switched only at the posted step
     assert call(c, "step", workers[0], generation=1, step=1, gave_up={"step": 1, "seconds": 1.0})["action"] == "go"
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_a_grow_gives_up_the_step_in_progress_and_its_joiner_hears_the_amended_switch_with_the_go(kept) -> None:
+    """``grow_gives_up_step``: the member computing step 1 is told to give it up; the joiner, which
+    holds the directive as posted (switch at 2) and arrived first, hears with the ``go`` that the
+    switch moved to 1 and whether every old member kept the work; a new layout that finished the
+    step from it (its members report ``kept_micro_batches``) paused from the boundary only."""
+    c, clock, _ = started(("w0",), "tp1.pp1.dp1", shrink_lookahead_steps=0, lookahead_steps=0,
+                          shrink_gives_up_step=True, grow_gives_up_step=True)
+    call(c, "register", "w1")
+    begun = clock.t
+    d = c.directive(2, "tp1.pp1.dp2", ["w0", "w1"], remap=False)
+    assert d.switch_step == 2 and call(c, "heartbeat", "w0", generation=1)["give_up"] == {"generation": 1, "step": 1}
+    joined = call(c, "poll", "w1")
+    assert joined["action"] == "join" and joined["directive"]["switch_step"] == 2
+    plan = {"new_ranks": {"w0": 0, "w1": 1}}
+    assert call(c, "arrive", "w1", generation=2, digest="d", plan=plan)["decision"] == "wait"
+    clock.t += 0.8
+    out = call(c, "step", "w0", generation=1, step=1, gave_up={"step": 1, "seconds": 0.8, "micro": 3, "kept": kept})
+    assert out["action"] == "switch" and out["directive"]["switch_step"] == 1
+    boundary = clock.t
+    go = call(c, "arrive", "w0", generation=2, digest="d", plan=plan)
+    assert (go["decision"], go["switch_step"], go["gave_up"]) == ("go", 1, {"step": 1, "micro": 3, "kept": kept})
+    assert call(c, "arrive", "w1", generation=2, digest="d", plan=plan) == go  # the joiner hears the same
+    for w in ("w0", "w1"):
+        call(c, "result", w, generation=2, ok=True, stats={"kept_micro_batches": 3} if kept else {})
+    clock.t += 0.3
+    assert [call(c, "step", w, generation=2, step=1)["action"] for w in ("w0", "w1")] == ["go", "go"]
+    rec = c.rescale_record(2)
+    assert (rec.switch_step, rec.gave_up_step, rec.kept_micro_batches) == (1, 1, 3 if kept else 0)
+    assert rec.pause_seconds == pytest.approx(clock.t - (boundary if kept else begun))
 
 
 def test_a_step_that_ended_before_its_give_up_switches_the_shrink_after_it() -> None:

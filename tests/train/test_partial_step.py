@@ -3,8 +3,9 @@
 Real multi-process gloo engines: a ``tp1.pp1.dp3`` job gives step 2 up at micro-batch 1 of 2 (every
 rank agrees through the give-up check), keeps the work of that micro-batch (``PartialStep``), and a
 ``tp1.pp1.dp2`` engine built on two of its ranks' states finishes step 2 from it: the remaining six
-samples split 3 + 3, in micro-batches of 2 and 1 (uneven). Losses and weights then match a single
-process that never rescaled, to float64 round-off.
+samples split 3 + 3, in micro-batches of 2 and 1 (uneven), and one of the two ranks adds the kept
+work while the other is given only what a grow's joiner knows. Losses and weights then match a
+single process that never rescaled, to float64 round-off.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ def _shrink_keeping_work(rank: int, world: int) -> dict[str, Any]:
         return {"left": True}
     new = TrainEngine(CFG, Layout.parse("tp1.pp1.dp2"), rank, state=state, pg=pair)
     new.give_up_checks = new.keep_given_up = True
-    new.resume_partial(carry)
+    # one rank per TP coordinate adds the kept work (the DP sum hands it on); the other is given only
+    # what a joiner knows, which step and where it was given up, and adds nothing
+    new.resume_partial(carry if rank == 0 else replace(carry, grads=None, loss_sum=0.0), contribute=rank == 0)
     finished = new.train_step(GIVE_UP)
     losses.append(finished.loss)
     losses += [new.train_step(s).loss for s in range(GIVE_UP + 1, STEPS)]
@@ -94,3 +97,6 @@ def test_a_carry_that_does_not_fit_the_layout_is_refused_with_the_reason() -> No
         eng.resume_partial(replace(ok, grads={**grads, name: torch.zeros(3)}))
     with pytest.raises(SpecError, match="not the global batch"):
         eng.resume_partial(replace(ok, dp=2))
+    with pytest.raises(SpecError, match="holds none"):
+        eng.resume_partial(replace(ok, grads=None))
+    eng.resume_partial(replace(ok, grads=None), contribute=False)  # a joiner: accepted
