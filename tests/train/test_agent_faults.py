@@ -36,6 +36,23 @@ def reference_losses(steps: int) -> list[float]:
     return _mp.reference_losses(CFG, steps)
 
 
+def padded_job(tmp_path, monkeypatch, name: str, factory: str, micro_seconds: float) -> ProcessJobHandle:
+    """A live job (not started) whose engines pad each micro-batch (``tests.train._agent_engines.<factory>``)."""
+    monkeypatch.setenv("ELASTIC_TEST_MICRO_SECONDS", str(micro_seconds))
+    opts = replace(OPTS, engine_factory=f"tests.train._agent_engines:{factory}")
+    return ProcessJobHandle(name, CFG, options=opts, log_dir=str(tmp_path))
+
+
+def assert_one_switch_on_the_reference_curve(h: ProcessJobHandle, switch_step: int) -> None:
+    """Every step once (a given-up try left no result), generation 2 from ``switch_step`` on, and the
+    losses of a job never rescaled."""
+    hist = h.history()
+    assert [r.step for r in hist] == list(range(len(hist)))
+    assert [r.generation for r in hist] == [1] * switch_step + [2] * (len(hist) - switch_step)
+    for r, want in zip(hist, reference_losses(len(hist)), strict=True):
+        assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step}"
+
+
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     h = ProcessJobHandle("faults", CFG, options=OPTS, log_dir=str(tmp_path_factory.mktemp("logs")))
@@ -199,10 +216,8 @@ def test_a_shrink_gives_up_the_step_in_progress_and_the_new_layout_finishes_it_o
     computes only the rest; the pause counts from the boundary); a TP change redoes the step whole
     (the pause counts from the step's begin). Either way the step counter and loss curve are those
     of a job never rescaled."""
-    monkeypatch.setenv("ELASTIC_TEST_MICRO_SECONDS", "0.6")
-    opts = replace(OPTS, engine_factory="tests.train._agent_engines:slow_micro_batches")
-    assert opts.shrink_gives_up_step
-    h = ProcessJobHandle("giveup", CFG, options=opts, log_dir=str(tmp_path))
+    assert OPTS.shrink_gives_up_step
+    h = padded_job(tmp_path, monkeypatch, "giveup", "slow_micro_batches", 0.6)
     try:
         h.start(layout, workers, timeout=180)
         h.wait_step(1, timeout=120)  # step 1 done: step 2 is being computed (>= 2.4 s)
@@ -224,11 +239,7 @@ def test_a_shrink_gives_up_the_step_in_progress_and_the_new_layout_finishes_it_o
     finally:
         final = h.stop()
     assert final.error is None
-    hist = h.history()
-    assert [r.step for r in hist] == list(range(len(hist)))  # a given-up try left no result
-    assert [r.generation for r in hist] == [1] * shrink.switch_step + [2] * (len(hist) - shrink.switch_step)
-    for r, want in zip(hist, reference_losses(len(hist)), strict=True):
-        assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step}"
+    assert_one_switch_on_the_reference_curve(h, shrink.switch_step)
 
 
 @pytest.mark.parametrize("layout, workers, after, grown", [
@@ -243,10 +254,8 @@ def test_a_grow_gives_up_the_step_in_progress_and_the_joiners_finish_it_from_the
     next micro-batch keeping the work done, and the new layout, joiners included, computes only the
     samples left. The pause counts from the boundary, and the step counter and loss curve are those
     of a job never rescaled."""
-    monkeypatch.setenv("ELASTIC_TEST_MICRO_SECONDS", "0.4")
-    opts = replace(OPTS, engine_factory="tests.train._agent_engines:slow_checked_micro_batches")
-    assert opts.grow_gives_up_step
-    h = ProcessJobHandle("growkeep", CFG, options=opts, log_dir=str(tmp_path))
+    assert OPTS.grow_gives_up_step
+    h = padded_job(tmp_path, monkeypatch, "growkeep", "slow_checked_micro_batches", 0.4)
     try:
         h.start(layout, workers, timeout=180)
         h.wait_step(1, timeout=120)
@@ -260,11 +269,7 @@ def test_a_grow_gives_up_the_step_in_progress_and_the_joiners_finish_it_from_the
     finally:
         final = h.stop()
     assert final.error is None
-    hist = h.history()
-    assert [r.step for r in hist] == list(range(len(hist)))  # the given-up try left no result
-    assert [r.generation for r in hist] == [1] * grow.switch_step + [2] * (len(hist) - grow.switch_step)
-    for r, want in zip(hist, reference_losses(len(hist)), strict=True):
-        assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step}"
+    assert_one_switch_on_the_reference_curve(h, grow.switch_step)
 
 
 def test_frozen_worker_fails_the_job_by_heartbeat_loss(tmp_path) -> None:
