@@ -60,8 +60,7 @@ class SyntheticData:
 
     def batch(self, step: int, start: int, count: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), each ``[count, seq_len]``, of samples ``start .. start+count-1``."""
-        seqs = torch.stack([self.sample(step, start + j) for j in range(count)])
-        return seqs[:, :-1].to(device), seqs[:, 1:].to(device)
+        return self.samples(step, list(range(start, start + count)), device)
 
     def samples(self, step: int, indices: list[int], device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), each ``[len(indices), seq_len]``, of the global samples ``indices``."""

@@ -390,6 +390,16 @@ class TrainEngine:
         return torch.cat([p.grad.reshape(-1).to(wire) if p.grad is not None
                           else torch.zeros(p.numel(), dtype=wire, device=p.device) for p in self.params.values()])
 
+    def _set_grads(self, flat: torch.Tensor) -> None:
+        """Write ``flat`` (in parameter order, as :meth:`_flat_grads` packs it) into the gradients."""
+        off = 0
+        for p in self.params.values():
+            n = p.numel()
+            if p.grad is None:
+                p.grad = torch.empty_like(p)
+            p.grad.copy_(flat[off:off + n].view_as(p.grad))
+            off += n
+
     def _finish_partial(self, step: int, carry: PartialStep, t0: float) -> StepResult:
         """``step`` from a given-up try's kept work: this replica's share of the samples not done yet
         (the rest split evenly over the replicas, in micro-batches of at most ``micro_batch``),
@@ -414,13 +424,7 @@ class TrainEngine:
             assert carry.grads is not None
             flat.add_(torch.cat([carry.grads[name].reshape(-1) for name in self.params]).to(flat.device, flat.dtype))
         self.groups.dp.all_reduce(flat)  # a sum: each sample already weighs 1 / global batch
-        off = 0
-        for p in self.params.values():
-            n = p.numel()
-            if p.grad is None:
-                p.grad = torch.empty_like(p)
-            p.grad.copy_(flat[off:off + n].view_as(p.grad))
-            off += n
+        self._set_grads(flat)
         # the commit, as in train_step: every rank passing it has its gradients reduced
         self.ready_step = step
         t = torch.zeros(1, dtype=torch.float64)
@@ -470,15 +474,10 @@ class TrainEngine:
         if any(g is None for g in grads):
             missing = [n for n, p in self.params.items() if p.grad is None]
             raise RuntimeError(f"no gradient for {missing[:4]} on rank {self.rank}")
-        wire = torch.float32 if self.cfg.dtype == torch.bfloat16 else self.cfg.dtype
-        flat = torch.cat([g.reshape(-1).to(wire) for g in grads])  # type: ignore[union-attr]
+        flat = self._flat_grads()
         dp.all_reduce(flat)
         flat.div_(dp.size)
-        off = 0
-        for g in grads:
-            n = g.numel()  # type: ignore[union-attr]
-            g.copy_(flat[off:off + n].view_as(g))  # type: ignore[union-attr]
-            off += n
+        self._set_grads(flat)
 
     def _commit_loss(self, losses: list[torch.Tensor]) -> float:
         """The global-batch mean loss on every rank, from one all-reduce over all ranks (the commit):
