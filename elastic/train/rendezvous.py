@@ -1251,7 +1251,7 @@ class Coordinator:
     def _gave_up_locked(self, p: _Pending, w: str, step: int, seconds: float, micro: int = 0,
                         kept: bool = False) -> None:
         """Member ``w`` gave ``step`` up for the pending rescale (every rank did, at micro-batch
-        ``micro``; ``kept``: with that work) : it switches there. No member has been told to switch
+        ``micro``; ``kept``: with that work): it switches there. No member has been told to switch
         before it (all were computing the step), and a grow's joiners learn the amended step with
         the ``go`` (nobody hears ``go`` before every old member arrived, after giving the step up):
         amending the switch step is safe."""
@@ -1262,8 +1262,8 @@ class Coordinator:
         if p.directive.switch_step == step + 1:
             p.directive = replace(p.directive, switch_step=step)
             p.record.switch_step, p.record.gave_up_step = step, step
-            log.info("job %s: generation %d switches at step %d, which its members gave up (shrink, "
-                     "not waiting for it)", self.job, p.directive.generation, step)
+            log.info("job %s: generation %d switches at step %d, which its members gave up (not waiting "
+                     "for it)", self.job, p.directive.generation, step)
         p.record.gave_up_seconds = max(p.record.gave_up_seconds, seconds)
         p.gave_up_micro = micro
         if kept:
