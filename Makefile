@@ -13,12 +13,15 @@ venv: $(STAMP)
 # local disk); on Linux, plain PyPI serves the multi-GB CUDA build. For the CPU build from
 # elsewhere, name PyTorch's CPU wheel index: make test TORCH_INDEX_URL=<that index>.
 TORCH_INDEX_URL ?=
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements-torchtitan.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0 \
 		$(if $(TORCH_INDEX_URL),--extra-index-url $(TORCH_INDEX_URL))
 	$(BIN)/pip install -q -e '.[dev]'
+	@# torchtitan and its few pure-Python deps for the tests that reshard its real llama3 model;
+	@# --no-deps so that nothing replaces the pinned torch.
+	$(BIN)/pip install -q --no-deps -r requirements-torchtitan.txt
 	@touch $(STAMP)
 
 # Three pytest processes, all of which always run; the target fails if any failed (exit 5
@@ -32,7 +35,7 @@ $(STAMP): pyproject.toml
 # servers, subprocesses and timeouts far more than it computes (a serial run used 36% of two
 # cores), so the rest's output is kept in .pytest-1.out and printed when the trainer's run ends.
 # A pytest process that crashes (exit >= 128) has its fault dump printed again at the end.
-MP_TESTS = tests/reshard tests/train
+MP_TESTS = tests/reshard tests/train tests/torch
 test: venv
 	@ELASTIC_FAULT_LOG=$(CURDIR)/.pytest-fault-1.log $(BIN)/python -m pytest -m "not ray" $(addprefix --ignore=,$(MP_TESTS)) $(PYTEST_ARGS) >.pytest-1.out 2>&1 & p1=$$!; \
 	echo "== pytest run 1 (everything but the trainer, reshard and Ray tests) runs alongside; its output follows run 2's"; \

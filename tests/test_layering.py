@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN = ["sqlalchemy", "ray", "kubernetes", "kopf", "httpx", "fastapi", "uvicorn", "torch.distributed",
              "alembic", "psycopg", "requests"]
 PURE_PACKAGES = ["elastic.parallel", "elastic.policy", "elastic.scheduler", "elastic.sim"]
-PURE_MODULES = ["elastic.model", "elastic.reshard.spec", "elastic.reshard.types"]
+PURE_MODULES = ["elastic.model", "elastic.reshard.spec", "elastic.reshard.types", "elastic.reshard.regions"]
 
 
 def _pure_modules() -> list[str]:

@@ -182,10 +182,16 @@ class Prepared:
     # A leaver's old tensors after execute: still referenced, so they are not freed one by one
     # inside the pause; its exit unmaps them at once (or drop the Prepared to free them).
     leftover: State = field(default_factory=dict)
+    # Position of each of my messages in its (sender, receiver) pair's plan order: both ends
+    # derive the same numbering, so checksums are matched without a global message index.
+    seq: dict[Message, int] = field(default_factory=dict)
+    pair_sent: dict[str, int] = field(default_factory=dict)  # receiver -> messages I send it
+    pair_recv: dict[str, int] = field(default_factory=dict)  # sender -> messages I receive from it
+    into: bool = False  # the new tensors are the caller's (prepare(into=...))
 
     @property
     def is_leaver(self) -> bool:
-        return self.me not in self.plan.new_ranks
+        return not self.plan.is_new(self.me)
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -210,6 +216,7 @@ def prepare(
     recycle_dropped: bool = True,
     pack_below_bytes: int = PACK_BELOW_BYTES,
     max_alloc_bytes: int | None = None,
+    into: State | None = None,
 ) -> Prepared:
     """Check the plan against ``old_state``, allocate the new tensors, build the schedule.
 
@@ -228,26 +235,36 @@ def prepare(
     ``max_alloc_bytes``: raise :class:`AllocBudgetExceeded` before allocating anything when the
     new tensors and the staging pool need more (preparing beside a running step on a GPU whose
     free memory the step's own peak may need: the caller prepares after the step instead).
+    ``into``: the new tensors already exist (a model built on the new mesh): every new shard of
+    this worker is ``into[(tensor, kind)]``, of its local shape, kind dtype and device (any
+    strides). Receives and local copies land straight in them; nothing is allocated but staging,
+    no old tensor is reused or recycled, and old tensors may be strided (sends copy them).
     """
     t0 = time.perf_counter()
     dev = torch.device(device)
     # 1. the plan must describe this worker and agree with its state
     sends, recvs, copies, shards = _my_part(plan, me)
     kind_dtypes = _resolve_dtypes(plan, me, old_state, dtype, dtypes)
-    _check_state(plan, me, old_state, sends, copies, dev, kind_dtypes)
+    _check_state(plan, me, old_state, sends, copies, dev, kind_dtypes, strided_ok=into is not None)
     new_shapes = _check_new(plan, me, shards, recvs, copies)
+    strided: set[Key] = set()
+    if into is not None:
+        _check_into(me, into, new_shapes, dev, kind_dtypes)
+        strided = {k for k in new_shapes if not into[k].is_contiguous()}
+        strided |= {k for k in old_state if not old_state[k].is_contiguous()}
     # 2. which new tensors are old tensors untouched (zero copy), which old ones are dropped
-    reused = _identity_keys(old_state, new_shapes, recvs, copies)
+    reused = _identity_keys(old_state, new_shapes, recvs, copies) if into is None else set()
     pending_copies = tuple(c for c in copies if (c.tensor, c.kind) not in reused)
     sources = {(m.tensor, m.kind) for m in sends} | {(c.tensor, c.kind) for c in pending_copies}
-    to_place = [k for k in new_shapes if k not in reused]
+    to_place = [k for k in new_shapes if k not in reused] if into is None else []
     recycled: dict[Key, tuple[Key, int]] = {}
-    if recycle_dropped:
+    if recycle_dropped and into is None:
         donors = [k for k in old_state if k not in reused and k not in sources and k not in new_shapes]
         recycled = _place_in_donors(to_place, new_shapes, donors, old_state, kind_dtypes)
     # 3. the round schedule and the (byte) staging pool its largest round needs
     old_shapes = {k: tuple(t.shape) for k, t in old_state.items()}
-    rounds, staging_bytes = _schedule(plan, sends, recvs, old_shapes, new_shapes, kind_dtypes, pack_below_bytes)
+    rounds, staging_bytes = _schedule(plan, sends, recvs, old_shapes, new_shapes, kind_dtypes, pack_below_bytes,
+                                      strided)
     nbytes = _bytes_of(kind_dtypes)
     if max_alloc_bytes is not None:
         need = sum(nbytes(k, _numel(new_shapes[k])) for k in to_place if k not in recycled) + staging_bytes
@@ -268,22 +285,54 @@ def prepare(
             readers[key] += 1
     for c in pending_copies:
         readers[(c.tensor, c.kind)] += 1
+    seq, pair_sent, pair_recv = _pair_order(sends, recvs)
     stats.prepare_seconds = time.perf_counter() - t0
-    return Prepared(plan, me, dev, kind_dtypes, old_state, fresh, tuple(sorted(reused)), recycled, new_shapes,
-                    pending_copies, rounds, staging, dict(readers), stats)
+    return Prepared(plan, me, dev, kind_dtypes, old_state, dict(into) if into is not None else fresh,
+                    tuple(sorted(reused)), recycled, new_shapes, pending_copies, rounds, staging, dict(readers),
+                    stats, seq=seq, pair_sent=pair_sent, pair_recv=pair_recv, into=into is not None)
 
 
 def _my_part(plan: ReshardPlan, me: str) -> tuple[list[Message], list[Message], list[LocalCopy], list]:
-    if me not in plan.old_ranks and me not in plan.new_ranks:
+    if not (plan.is_old(me) or plan.is_new(me)):
+        members = [str(w) for w in plan.members]
         raise ReshardError(
-            f"worker '{me}' is not a member of the plan {plan.old_layout} -> {plan.new_layout} "
-            f"(members: {', '.join(plan.members)}); call prepare with one of them"
+            f"worker '{me}' is not a member of the plan {plan.describe()} "
+            f"(members: {', '.join(members[:16])}{' ...' if len(members) > 16 else ''}); call prepare with one of them"
         )
-    sends = [m for m in plan.messages if m.src == me]
-    recvs = [m for m in plan.messages if m.dst == me]
-    copies = [c for c in plan.local_copies if c.worker == me]
-    shards = [s for s in plan.new_shards if s.worker == me]
-    return sends, recvs, copies, shards
+    sends, recvs = plan.messages_for(me)
+    return sends, recvs, plan.local_copies_for(me), plan.new_shards_for(me)
+
+
+def _pair_order(sends: Sequence[Message], recvs: Sequence[Message]) -> tuple[dict[Message, int], dict, dict]:
+    seq: dict[Message, int] = {}
+    sent: dict[str, int] = defaultdict(int)
+    got: dict[str, int] = defaultdict(int)
+    for m in sends:
+        seq[m] = sent[m.dst]
+        sent[m.dst] += 1
+    for m in recvs:
+        seq[m] = got[m.src]
+        got[m.src] += 1
+    return seq, dict(sent), dict(got)
+
+
+def _check_into(me: str, into: State, new_shapes: dict[Key, tuple[int, ...]], dev: torch.device,
+                dtypes: Mapping[str, torch.dtype]) -> None:
+    """The caller's new tensors are exactly the plan's new shards of this worker."""
+    missing = [k for k in new_shapes if k not in into]
+    extra = [k for k in into if k not in new_shapes]
+    if missing or extra:
+        raise ReshardError(
+            f"worker '{me}': into= has {len(into)} tensors but the plan gives it {len(new_shapes)} new shards"
+            + (f"; missing {missing[:3]}" if missing else "") + (f"; not in the plan {extra[:3]}" if extra else "")
+        )
+    for key, shape in new_shapes.items():
+        t = into[key]
+        if tuple(t.shape) != tuple(shape) or t.dtype != dtypes[key[1]] or t.device.type != dev.type:
+            raise ReshardError(
+                f"worker '{me}': into[{key[0]!r}] is {list(t.shape)} {t.dtype} on {t.device}; the plan needs "
+                f"{list(shape)} {dtypes[key[1]]} on {dev}"
+            )
 
 
 def _resolve_dtypes(plan: ReshardPlan, me: str, old_state: State, dtype: torch.dtype | None,
@@ -343,7 +392,7 @@ def wire_bytes(plan: ReshardPlan, dtypes: Mapping[str, torch.dtype]) -> int:
 
 def _check_state(
     plan: ReshardPlan, me: str, old_state: State, sends: Sequence[Message], copies: Sequence[LocalCopy],
-    dev: torch.device, dtypes: Mapping[str, torch.dtype],
+    dev: torch.device, dtypes: Mapping[str, torch.dtype], strided_ok: bool = False,
 ) -> None:
     """Every tensor this worker reads must exist, have its kind's dtype, the device and contain the box."""
     for item in (*sends, *copies):
@@ -353,8 +402,7 @@ def _check_state(
         if t is None:
             raise ReshardError(
                 f"worker '{me}': the plan has it send/copy {key[0]} [{key[1]}] but its old state has no such "
-                f"tensor ({len(old_state)} tensors held); the state does not match layout {plan.old_layout} "
-                f"at rank {plan.old_ranks.get(me)}"
+                f"tensor ({len(old_state)} tensors held); the state does not match the plan {plan.describe()}"
             )
         dtype = dtypes[key[1]]
         if t.dtype != dtype or t.device.type != dev.type:
@@ -362,7 +410,7 @@ def _check_state(
                 f"worker '{me}': {key[0]} [{key[1]}] is {t.dtype} on {t.device}, the reshard moves {key[1]} as "
                 f"{dtype} on {dev}; pass dtype=/dtypes={{'{key[1]}': ...}}/device= matching the state"
             )
-        if not t.is_contiguous():
+        if not t.is_contiguous() and not strided_ok:
             raise ReshardError(f"worker '{me}': {key[0]} [{key[1]}] is not contiguous; the state must be row-major")
         _check_box(me, what, item.src_box, tuple(t.shape), "old")
 
@@ -384,7 +432,7 @@ def _check_new(plan: ReshardPlan, me: str, shards: Sequence, recvs: Sequence[Mes
         key = (s.tensor, s.kind)
         if key in new_shapes:
             raise ReshardError(f"plan lists new shard {key[0]} [{key[1]}] twice for worker '{me}'")
-        new_shapes[key] = box_shape(s.region)
+        new_shapes[key] = s.local_shape
     written = 0
     for item in (*recvs, *copies):
         key = (item.tensor, item.kind)
@@ -458,10 +506,13 @@ def _alloc(shape: tuple[int, ...], dev: torch.device, dtype: torch.dtype) -> tor
 def _schedule(
     plan: ReshardPlan, sends: Sequence[Message], recvs: Sequence[Message],
     old_shapes: dict[Key, tuple[int, ...]], new_shapes: dict[Key, tuple[int, ...]],
-    dtypes: Mapping[str, torch.dtype], pack_below_bytes: int,
+    dtypes: Mapping[str, torch.dtype], pack_below_bytes: int, strided: set[Key] = frozenset(),  # type: ignore[assignment]
 ) -> tuple[tuple[_Round, ...], int]:
-    """Wires per round (same grouping and byte layout on both ends) and the staging bytes the biggest round needs."""
-    n_rounds = 1 + max((m.round for m in plan.messages), default=0)
+    """Wires per round (same grouping and byte layout on both ends) and the staging bytes the biggest round needs.
+
+    ``strided``: this worker's tensors that are not row-major; their ends of a wire always stage.
+    """
+    n_rounds = max(1, plan.rounds, 1 + max((m.round for m in (*sends, *recvs)), default=0))
     nbytes = _bytes_of(dtypes)
 
     def size(m: Message) -> int:
@@ -478,7 +529,8 @@ def _schedule(
                 for tag, part in enumerate(_split_wire(group, pack_below_bytes, size)):
                     part, offsets, total = _layout(part, dtypes)
                     box = part[0].src_box if side == "send" else part[0].dst_box
-                    direct = len(part) == 1 and _contiguous(shapes[(part[0].tensor, part[0].kind)], box)
+                    key = (part[0].tensor, part[0].kind)
+                    direct = len(part) == 1 and key not in strided and _contiguous(shapes[key], box)
                     kinds = {dtypes[m.kind] for m in part}
                     dt = kinds.pop() if len(kinds) == 1 else torch.uint8
                     wires.append(_Wire(peer, tag, total, part, offsets, dt, direct, -1 if direct else offset))
@@ -565,7 +617,7 @@ def execute(
     p = prepared
     if p.used:
         raise ReshardError(f"worker '{p.me}': this Prepared was already executed; call prepare again")
-    missing = [w for w in p.plan.members if w not in group_rank]
+    missing = [w for w in p.plan.members if w not in group_rank][:8]
     if missing:
         raise ReshardError(f"group_rank lacks members {missing}; every member of the plan needs a rank in pg")
     p.used = True
@@ -581,7 +633,7 @@ def execute(
     checks: dict[tuple[str, str, int], int] = {}  # (src, dst, message index) -> crc
     local_bad: list[str] = []
     # 2. rounds: post receives and sends, do local copies while they fly, unpack
-    index = {m: i for i, m in enumerate(p.plan.messages)} if verify else {}
+    index = p.seq
     release = _Releaser(p)
     for r, rnd in enumerate(p.rounds):
         works = _post(p, comm, rnd, new_state, checks if verify else None, index, release)
@@ -777,29 +829,23 @@ def _crc(t: torch.Tensor) -> int:
 
 def _verify(p: Prepared, comm: _Comm, checks: dict[tuple[str, str, int], int]) -> list[str]:
     """Senders ship their checksums to each receiver (one small message per pair); compare."""
-    mine_sent: dict[str, list[int]] = defaultdict(list)
-    mine_recv: dict[str, list[int]] = defaultdict(list)
-    for i, m in enumerate(p.plan.messages):
-        if m.src == p.me:
-            mine_sent[m.dst].append(i)
-        elif m.dst == p.me:
-            mine_recv[m.src].append(i)
     ops, inbox = [], {}
     dev = comm.sync_device
-    for dst, idx in sorted(mine_sent.items()):
-        ops.append((True, torch.tensor([checks[(p.me, dst, i)] for i in idx], dtype=torch.int64, device=dev), dst, 0))
-    for src, idx in sorted(mine_recv.items()):
-        inbox[src] = torch.zeros(len(idx), dtype=torch.int64, device=dev)
+    for dst, n in sorted(p.pair_sent.items()):
+        ops.append((True, torch.tensor([checks[(p.me, dst, i)] for i in range(n)], dtype=torch.int64, device=dev),
+                    dst, 0))
+    for src, n in sorted(p.pair_recv.items()):
+        inbox[src] = torch.zeros(n, dtype=torch.int64, device=dev)
         ops.append((False, inbox[src], src, 0))
     for w in comm.post(ops):
         w.wait()
+    received = {(m.src, i): m for m, i in p.seq.items() if m.dst == p.me}
     bad = []
-    for src, idx in sorted(mine_recv.items()):
-        theirs = inbox[src].tolist()
-        for i, c in zip(idx, theirs, strict=True):
+    for src in sorted(p.pair_recv):
+        for i, c in enumerate(inbox[src].tolist()):
             mine = checks[(src, p.me, i)]
             if mine != c:
-                m = p.plan.messages[i]
+                m = received[(src, i)]
                 why = "" if mine >> _CRC_BITS == c >> _CRC_BITS else (
                     f" (the sender moves [{m.kind}] as another dtype than {p.dtypes[m.kind]}: pass the same "
                     "dtypes= on every member)")

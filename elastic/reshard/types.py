@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from elastic.reshard.spec import Box, Kind, box_numel
+from elastic.reshard.spec import Box, Kind, box_numel, box_shape
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,12 @@ class NewShard:
     worker: str
     tensor: str
     kind: Kind
-    region: Box  # global box; the local tensor has this box's shape
+    region: Box  # global box; the local tensor has this box's shape unless ``shape`` says otherwise
+    shape: tuple[int, ...] | None = None  # local shape when the region is not one box (a strided shard)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return self.shape if self.shape is not None else box_shape(self.region)
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,7 @@ class ReshardPlan:
     recv_bytes: dict[str, int] = field(default_factory=dict)
     staging_cap_bytes: int | None = None
     plan_seconds: float = 0.0  # measured by the caller, not the pure planner
+    _index: dict = field(default_factory=dict, compare=False, repr=False)  # per-worker views, filled on first use
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -100,6 +106,46 @@ class ReshardPlan:
         worst = max(self.max_send_bytes, self.max_recv_bytes)
         return worst / bandwidth_bytes_per_s if bandwidth_bytes_per_s > 0 else float("inf")
 
+    # The executor's interface (shared with ``plan_regions.RegionPlan``): per-worker views, built
+    # from one pass over the plan on first use instead of one scan per question.
+
+    def describe(self) -> str:
+        return f"{self.old_layout} -> {self.new_layout}"
+
+    def is_new(self, worker: str) -> bool:
+        return worker in self.new_ranks
+
+    def is_old(self, worker: str) -> bool:
+        return worker in self.old_ranks
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_index"] = {}  # rebuilt on first use where the plan lands
+        return state
+
+    def _by_worker(self) -> dict[str, tuple[list, list, list, list]]:
+        index = self._index
+        if not index:
+            for w in self.members:
+                index[w] = ([], [], [], [])
+            for m in self.messages:
+                index[m.src][0].append(m)
+                index[m.dst][1].append(m)
+            for c in self.local_copies:
+                index[c.worker][2].append(c)
+            for s in self.new_shards:
+                index[s.worker][3].append(s)
+        return index
+
     def messages_for(self, worker: str) -> tuple[list[Message], list[Message]]:
-        """(messages ``worker`` sends, messages it receives)."""
-        return [m for m in self.messages if m.src == worker], [m for m in self.messages if m.dst == worker]
+        """(messages ``worker`` sends, messages it receives), each in plan order."""
+        got = self._by_worker().get(worker)
+        return (list(got[0]), list(got[1])) if got else ([], [])
+
+    def local_copies_for(self, worker: str) -> list[LocalCopy]:
+        got = self._by_worker().get(worker)
+        return list(got[2]) if got else []
+
+    def new_shards_for(self, worker: str) -> list[NewShard]:
+        got = self._by_worker().get(worker)
+        return list(got[3]) if got else []

@@ -1,0 +1,447 @@
+"""Reshard any DTensor training state between two device meshes, in memory, collectively.
+
+What it is for: ``DTensor.redistribute`` cannot change meshes and ``torch.distributed.checkpoint``
+reshards only through storage. :func:`reshard` moves a model's parameters and optimizer state
+from the layout they have (``src``, this worker's state on the old mesh) straight into the
+tensors of the new layout (``dst``, already built on the new mesh), sending over the network
+only the bytes that no local copy holds.
+
+Steps (every rank of ``group`` calls it; old and new workers together):
+
+1. **describe** this worker's ``src`` and ``dst``: per key the global shape, dtype, mesh and
+   placements, and this worker's coordinate in each mesh; 0-d tensors (Adam's ``step``) as values;
+2. **exchange** the descriptions once over ``group``: coordinates from everyone, key tables only
+   from the first worker of each distinct table (every worker of a pipeline stage has the
+   same one), so the exchange stays small at a thousand workers;
+3. **plan** (``elastic/reshard/plan_regions.py``, pure): every worker derives every region from
+   mesh + placements and computes the same plan; any problem (a key only one side has, a shape
+   or dtype mismatch, a ``Partial`` placement, state no live worker holds) is raised here, on
+   every worker alike, before a byte moves;
+4. **execute** (``elastic/reshard/execute.py``): batched point-to-point sends and receives
+   straight into ``dst``'s local shards, local copies for what a worker keeps; scalars are set.
+
+Worker ids are ranks in ``group``. Must not: build meshes or models, or free ``src`` (the caller
+drops the old model when it is done with it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic.reshard import execute as ex
+from elastic.reshard.plan import ReshardError
+from elastic.reshard.plan_regions import Placed, RegionPlan, assign_slots, plan_regions
+from elastic.reshard.regions import Region, full_region, shard_region
+from elastic.torch.regions import is_dtensor, local_region, local_tensor, mesh_fingerprint, placements_of
+from elastic.torch.state import SEP
+
+__all__ = ["ReshardStats", "describe", "mesh_order", "plan", "reshard"]
+
+State = Mapping[str, torch.Tensor]
+
+
+@dataclass
+class ReshardStats:
+    """One reshard, as seen by one worker. ``bytes_*`` and ``messages`` cover every worker (the plan);
+    ``bytes_sent``/``bytes_received`` and the seconds are this worker's."""
+
+    bytes_moved: int = 0  # what the messages carry, all workers
+    bytes_lower_bound: int = 0  # what the new layout needs minus what is already local
+    bytes_needed: int = 0
+    bytes_local: int = 0
+    messages: int = 0
+    keys: int = 0
+    scalars: int = 0
+    templates: int = 0
+    rounds: int = 0
+    leavers: tuple[int, ...] = ()
+    joiners: tuple[int, ...] = ()
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0  # the whole call on this worker
+    exchange_seconds: float = 0.0  # describe + the metadata exchange
+    plan_seconds: float = 0.0
+    execute_seconds: float = 0.0
+    executor: ex.ReshardStats = field(default_factory=ex.ReshardStats)
+
+
+# --------------------------------------------------------------------------------------------
+# 1. describe
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Side:
+    """One worker's description of one side (``src`` or ``dst``)."""
+
+    table: dict[str, tuple]  # key -> ("t", shape, dtype, mesh fp | None, placements | None) | ("s", dtype, value)
+    coords: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]  # mesh fp -> (mesh shape, my coordinate)
+    locals: dict[str, torch.Tensor]  # key -> this worker's local tensor (not exchanged)
+    scalars: dict[str, torch.Tensor]  # key -> the live 0-d tensor (not exchanged)
+    errors: list[str]
+    device: str | None
+
+    @property
+    def digest(self) -> str:
+        return hashlib.blake2b(repr(sorted(self.table.items())).encode(), digest_size=16).hexdigest()
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def describe(state: State | None) -> _Side | None:
+    """What this worker holds of each key of ``state``; problems are collected, not raised, so that
+    every worker hears of them in the exchange and refuses together."""
+    if state is None:
+        return None
+    side = _Side({}, {}, {}, {}, [], None)
+    devices: set[str] = set()
+    for key, t in state.items():
+        if not isinstance(key, str):
+            side.errors.append(f"key {key!r} is a {type(key).__name__}; keys are strings (training_state's names)")
+            continue
+        if not isinstance(t, torch.Tensor):
+            side.errors.append(f"{key}: a {type(t).__name__}, not a tensor")
+            continue
+        try:
+            local = local_tensor(t)
+            devices.add(local.device.type)
+            if t.dim() == 0:
+                value = local.item()
+                side.table[key] = ("s", _dtype_name(t.dtype), value)
+                side.scalars[key] = t
+                continue
+            if is_dtensor(t):
+                mesh = t.device_mesh
+                fp = mesh_fingerprint(mesh)
+                side.coords[fp] = (tuple(mesh.shape), tuple(mesh.get_coordinate() or ()))
+                pl = placements_of(t)
+                local_region(t)  # checks our region against the shard torch holds
+                side.table[key] = ("t", tuple(t.shape), _dtype_name(t.dtype), fp, pl)
+            else:
+                side.table[key] = ("t", tuple(t.shape), _dtype_name(t.dtype), None, None)
+            side.locals[key] = local
+        except ReshardError as e:
+            side.errors.append(f"{key}: {e}")
+    if len(devices) > 1:
+        side.errors.append(f"the state spans devices {sorted(devices)}; move it to one device type first")
+    side.device = next(iter(devices), None)
+    return side
+
+
+# --------------------------------------------------------------------------------------------
+# 2. exchange
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _World:
+    """Every worker's descriptions, as every worker sees them after the exchange."""
+
+    n: int
+    src_hash: list[str | None]
+    dst_hash: list[str | None]
+    src_coords: list[dict]
+    dst_coords: list[dict]
+    tables: dict[str, dict[str, tuple]]  # digest -> key table
+    errors: list[tuple[int, str]]
+    devices: set[str]
+
+
+def _exchange(src: _Side | None, dst: _Side | None, group: Any) -> _World:
+    n = dist.get_world_size(group)
+    first = (src.digest if src else None, src.coords if src else {}, dst.digest if dst else None,
+             dst.coords if dst else {}, (src.errors if src else []) + (dst.errors if dst else []),
+             [s.device for s in (src, dst) if s is not None and s.device])
+    got: list[Any] = [None] * n
+    dist.all_gather_object(got, first, group=group)
+    me = dist.get_rank(group)
+    owner: dict[str, int] = {}
+    for r, (sh, _, dh, _, _, _) in enumerate(got):
+        for h in (sh, dh):
+            if h is not None and h not in owner:
+                owner[h] = r
+    mine = {}
+    for side in (src, dst):
+        if side is not None and owner.get(side.digest) == me:
+            mine[side.digest] = side.table
+    tables_by: list[Any] = [None] * n
+    dist.all_gather_object(tables_by, mine, group=group)
+    tables: dict[str, dict[str, tuple]] = {}
+    for t in tables_by:
+        tables.update(t)
+    return _World(n, [g[0] for g in got], [g[2] for g in got], [g[1] for g in got], [g[3] for g in got],
+                  tables, [(r, e) for r, g in enumerate(got) for e in g[4]], {d for g in got for d in g[5]})
+
+
+# --------------------------------------------------------------------------------------------
+# 3. plan
+# --------------------------------------------------------------------------------------------
+
+
+def _placed(world: _World, which: str) -> tuple[dict[str, Placed], dict[str, tuple[str, Any]], list[int]]:
+    """Every key of one side with every holder's region; scalars apart; the members of that side."""
+    hashes = world.src_hash if which == "src" else world.dst_hash
+    coords = world.src_coords if which == "src" else world.dst_coords
+    by_hash: dict[str, list[int]] = {}
+    for r, h in enumerate(hashes):
+        if h is not None:
+            by_hash.setdefault(h, []).append(r)
+    entries: dict[str, tuple] = {}
+    holders: dict[str, list[str]] = {}
+    for h in by_hash:  # in order of each table's first worker: the same on every worker
+        for key, e in world.tables[h].items():
+            prev = entries.get(key)
+            if prev is None:
+                entries[key] = e
+                holders[key] = [h]
+            elif prev[:-1] != e[:-1] if e[0] == "s" else prev != e:
+                raise ReshardError(
+                    f"{key}: workers {by_hash[holders[key][0]][0]} and {by_hash[h][0]} describe it differently in "
+                    f"the {which} state ({_what(prev)} vs {_what(e)}); every worker must build the same model"
+                )
+            elif e[0] == "s" and prev[2] != e[2]:
+                raise ReshardError(
+                    f"{key}: workers {by_hash[holders[key][0]][0]} and {by_hash[h][0]} hold different values "
+                    f"({prev[2]!r} vs {e[2]!r}) in the {which} state; replicas must agree"
+                )
+            else:
+                holders[key].append(h)
+    placed: dict[str, Placed] = {}
+    scalars: dict[str, tuple[str, Any]] = {}
+    maps: dict[tuple, dict[int, Region]] = {}
+    for key, e in entries.items():
+        if e[0] == "s":
+            scalars[key] = (e[1], e[2])
+            continue
+        _, shape, dtype, fp, pl = e
+        sig = (shape, fp, pl, tuple(holders[key]))
+        m = maps.get(sig)
+        if m is None:
+            m = maps[sig] = {}
+            for h in holders[key]:
+                for r in by_hash[h]:
+                    if fp is None:
+                        m[r] = full_region(shape)
+                    else:
+                        mesh_shape, coord = coords[r][fp]
+                        m[r] = shard_region(shape, mesh_shape, coord, pl)
+        placed[key] = Placed(shape, m, dtype, _itemsize(dtype))
+    return placed, scalars, sorted(r for rs in by_hash.values() for r in rs)
+
+
+def _what(e: tuple) -> str:
+    if e[0] == "s":
+        return f"a {e[1]} scalar"
+    return f"{e[2]} {list(e[1])} {'placements ' + str(e[4]) if e[3] else 'plain'}"
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def _check_sides(world: _World, old: Mapping[str, Placed], new: Mapping[str, Placed], old_s: Mapping, new_s: Mapping,
+                 old_members: Sequence[int], new_members: Sequence[int]) -> None:
+    if world.errors:
+        lines = "; ".join(f"rank {r}: {e}" for r, e in world.errors[:6])
+        more = f" (and {len(world.errors) - 6} more)" if len(world.errors) > 6 else ""
+        raise ReshardError(f"the state cannot be resharded: {lines}{more}")
+    idle = sorted(set(range(world.n)) - set(old_members) - set(new_members))
+    if idle:
+        raise ReshardError(
+            f"ranks {idle[:8]} of the group pass neither src nor dst; every rank of the group takes part "
+            "(old workers pass src, new workers dst): reshard over a group of exactly the old and new workers"
+        )
+    if len(world.devices) > 1:
+        raise ReshardError(f"workers hold their state on different device types {sorted(world.devices)}")
+    if not new_members:
+        raise ReshardError("no rank passes dst: there is no new layout to reshard into")
+    for name, a, b in (("tensor", old, new), ("scalar", old_s, new_s)):
+        only_new = [k for k in b if k not in a and k not in (old if name == "scalar" else old_s)]
+        if only_new:
+            raise ReshardError(
+                f"the new state has {len(only_new)} {name} key(s) that no worker's old state holds, e.g. "
+                f"{only_new[:3]}: the model or optimizer changed between the meshes; build the new one with the "
+                "same parameter names and optimizer"
+            )
+    lost = [k for k in list(old) + list(old_s) if k not in new and k not in new_s]
+    if lost:
+        hint = (" (the new optimizer has no state yet: take dst = training_state(model, optimizer, "
+                "init_optimizer=True))") if any(SEP in k for k in lost) else ""
+        raise ReshardError(
+            f"the new state lacks {len(lost)} key(s) of the old one, e.g. {lost[:3]}; they would be lost{hint}"
+        )
+    for k in old_s:
+        if k in new:
+            raise ReshardError(f"{k}: a scalar (0-d) in the old state but a tensor in the new one")
+    for k in new_s:
+        if k in old:
+            raise ReshardError(f"{k}: a tensor in the old state but a scalar (0-d) in the new one")
+
+
+def plan(src: State | None, dst: State | None, *, group: Any = None,
+         staging_cap_bytes: int | None = None) -> tuple[RegionPlan, dict[str, tuple[str, Any]], _Side | None,
+                                                        _Side | None, float]:
+    """Steps 1-3 of :func:`reshard` (collective): the plan every worker agrees on, the scalar values,
+    this worker's two descriptions and the seconds the exchange took."""
+    t0 = time.perf_counter()
+    s, d = describe(src), describe(dst)
+    world = _exchange(s, d, group)
+    t_exchange = time.perf_counter() - t0
+    old, old_s, old_members = _placed(world, "src")
+    new, new_s, new_members = _placed(world, "dst")
+    _check_sides(world, old, new, old_s, new_s, old_members, new_members)
+    p = plan_regions(old, new, old_members=old_members, new_members=new_members,
+                     staging_cap_bytes=staging_cap_bytes)
+    return p, old_s, s, d, t_exchange
+
+
+# --------------------------------------------------------------------------------------------
+# 4. execute
+# --------------------------------------------------------------------------------------------
+
+
+def reshard(src: State | None, dst: State | None, *, group: Any = None, verify: bool = False,
+            staging_cap_bytes: int | None = None) -> ReshardStats:
+    """Fill ``dst``'s local shards from ``src``'s, across workers; collective over ``group``.
+
+    ``src``: this worker's state on the old mesh (``training_state(model, optimizer)``), ``None``
+    for a joiner. ``dst``: this worker's state already built on the new mesh
+    (``training_state(new_model, new_optimizer, init_optimizer=True)``), ``None`` for a leaver.
+    Every rank of ``group`` (default: the world) calls it, and is an old worker, a new worker or
+    both. ``verify=True`` checksums every message and local copy on both ends. Raises
+    :class:`ReshardError` on every worker, before any byte moves, when the state cannot be
+    moved; ``src`` is never modified.
+    """
+    t0 = time.perf_counter()
+    tp = time.perf_counter()
+    p, scalars, s, d, t_exchange = plan(src, dst, group=group, staging_cap_bytes=staging_cap_bytes)
+    t_plan = time.perf_counter() - tp - t_exchange
+    me = dist.get_rank(group)
+    te = time.perf_counter()
+    device = (s.device if s and s.device else None) or (d.device if d and d.device else None) or "cpu"
+    old_state = {(k, p_kind(t)): t for k, t in (s.locals.items() if s else ())}
+    into = {(k, p_kind(t)): t for k, t in (d.locals.items() if d else ())}
+    dtypes = {kind: getattr(torch, kind) for kind in p.kinds}
+    prepared = ex.prepare(p, me, old_state, device=device, dtypes=dtypes, into=into)  # type: ignore[arg-type]
+    ex.execute(prepared, group, {w: w for w in p.members}, verify=verify)
+    if d is not None:
+        with torch.no_grad():
+            for key, t in d.scalars.items():
+                t.fill_(scalars[key][1])
+    done = time.perf_counter()
+    st = prepared.stats
+    return ReshardStats(
+        bytes_moved=p.bytes_planned, bytes_lower_bound=p.bytes_lower_bound, bytes_needed=p.bytes_needed,
+        bytes_local=p.bytes_local, messages=p.n_messages, keys=p.keys, scalars=len(scalars),
+        templates=p.templates, rounds=p.rounds, leavers=tuple(p.leavers), joiners=tuple(p.joiners),  # type: ignore[arg-type]
+        bytes_sent=st.bytes_sent, bytes_received=st.bytes_received, seconds=done - t0,
+        exchange_seconds=t_exchange, plan_seconds=t_plan, execute_seconds=done - te, executor=st,
+    )
+
+
+def p_kind(t: torch.Tensor) -> str:
+    return _dtype_name(t.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Rank assignment for a new mesh
+# --------------------------------------------------------------------------------------------
+
+
+def mesh_order(src: State | None, mesh_shape: Sequence[int], *, new_members: Sequence[int],
+               mesh_dim_names: Sequence[str] | None = None, group: Any = None,
+               placements: Callable[[str, tuple], Sequence[Any]] | None = None) -> list[int]:
+    """Which rank of ``group`` takes each position of a new mesh so that the most bytes stay local.
+
+    Collective over ``group`` (every rank calls it with the same arguments). ``new_members``
+    are the group ranks of the new layout (survivors and joiners: ``src is None``); the result
+    lists them in the new mesh's row-major order, ready for
+    ``DeviceMesh(device, torch.tensor(order).reshape(mesh_shape), mesh_dim_names=...)``.
+
+    The new state's placements are predicted from the old ones: by default each key keeps its
+    placement on every mesh dim of the same name (``Replicate`` on new dims; a ``_StridedShard``
+    split factor follows the new sizes of the later dims sharding the same tensor dim), which
+    is how one parallelize function behaves at another size. ``placements(key, old_entry)`` may
+    say otherwise. A wrong prediction costs locality, never correctness: :func:`reshard` plans
+    from the real new state.
+    """
+    s = describe(src)
+    world = _exchange(s, None, group)
+    if world.errors:
+        raise ReshardError(f"the state cannot be resharded: rank {world.errors[0][0]}: {world.errors[0][1]}")
+    old, _, old_members = _placed(world, "src")
+    shape = tuple(int(x) for x in mesh_shape)
+    n_slots = 1
+    for x in shape:
+        n_slots *= x
+    if len(new_members) != n_slots:
+        raise ReshardError(f"{len(new_members)} new members for a mesh of shape {list(shape)} ({n_slots} positions)")
+    names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
+    entries = {k: e for h in dict.fromkeys(x for x in world.src_hash if x) for k, e in world.tables[h].items()}
+    mesh_names = _old_mesh_names(src)
+    coords = [_unravel(i, shape) for i in range(n_slots)]
+    slots: dict[str, Placed] = {}
+    shared: dict[tuple, dict[int, Region]] = {}
+    for key, o in old.items():
+        e = entries[key]
+        new_pl = tuple(placements(key, e)) if placements else _predict(e, mesh_names.get(e[3]), names, shape)
+        sig = (o.shape, new_pl)
+        m = shared.get(sig)
+        if m is None:
+            m = shared[sig] = {i: shard_region(o.shape, shape, c, new_pl) for i, c in enumerate(coords)}
+        slots[key] = Placed(o.shape, m, o.kind, o.itemsize)
+    survivors = [r for r in new_members if r in set(old_members)]
+    joiners = [r for r in new_members if r not in set(old_members)]
+    return assign_slots(old, slots, survivors, joiners)
+
+
+def _old_mesh_names(src: State | None) -> dict[str, tuple[str, ...] | None]:
+    out: dict[str, tuple[str, ...] | None] = {}
+    for t in (src or {}).values():
+        if is_dtensor(t):
+            out[mesh_fingerprint(t.device_mesh)] = tuple(t.device_mesh.mesh_dim_names or ()) or None
+    return out
+
+
+def _predict(entry: tuple, old_names: tuple[str, ...] | None, new_names: tuple[str, ...] | None,
+             shape: tuple[int, ...]) -> tuple:
+    """The placements a key would have on the new mesh under the same parallelize function."""
+    if entry[3] is None:  # a plain tensor stays replicated
+        return tuple(("replicate",) for _ in shape)
+    pl = entry[4]
+    if new_names is None or old_names is None:
+        if len(pl) != len(shape):
+            return tuple(("replicate",) for _ in shape)
+        by_pos = list(pl)
+    else:
+        by_name = dict(zip(old_names, pl, strict=True))
+        by_pos = [by_name.get(n, ("replicate",)) for n in new_names]
+    out = []
+    for i, p in enumerate(by_pos):
+        if p[0] == "strided":
+            later = [shape[j] for j in range(i + 1, len(by_pos)) if by_pos[j][0] in ("shard", "strided")
+                     and by_pos[j][1] == p[1]]
+            sf = 1
+            for x in later:
+                sf *= x
+            out.append(("strided", p[1], sf) if sf > 1 else ("shard", p[1]))
+        else:
+            out.append(p)
+    return tuple(out)
+
+
+def _unravel(i: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    out = []
+    for s in reversed(shape):
+        out.append(i % s)
+        i //= s
+    return tuple(reversed(out))
