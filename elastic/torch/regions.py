@@ -20,7 +20,7 @@ import torch
 from elastic.reshard.plan import ReshardError
 from elastic.reshard.regions import Region, full_region, normalize_placements, region_shape, shard_region
 
-__all__ = ["is_dtensor", "local_region", "local_tensor", "mesh_fingerprint", "placements_of"]
+__all__ = ["is_dtensor", "local_region", "local_tensor", "mesh_coordinate", "mesh_fingerprint", "placements_of"]
 
 
 def is_dtensor(t: Any) -> bool:
@@ -34,6 +34,32 @@ def mesh_fingerprint(mesh: Any) -> str:
     ranks = mesh.mesh.flatten().tolist()
     text = repr((tuple(mesh.mesh.shape), tuple(mesh.mesh_dim_names or ()), ranks))
     return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
+
+
+def mesh_coordinate(mesh: Any) -> tuple[int, ...] | None:
+    """This process's position on each mesh dim, as torch's collectives and FSDP2 order the dim.
+
+    ``DeviceMesh`` builds each dim's process group with ``new_group``, which sorts its ranks,
+    and the data follows the group's order: ``distribute_tensor`` scatters chunk ``i`` to group
+    rank ``i``, ``full_tensor`` gathers in group order, FSDP2 shards by group rank. So on a mesh
+    whose ranks do not increase along a dim (``DeviceMesh("cpu", torch.tensor([0, 2, 1]))``)
+    rank 1 holds the second chunk and rank 2 the third, whatever ``get_coordinate()`` says.
+    The position is the rank's index among its sorted dim peers; on a mesh whose ranks
+    increase along every dim it is the coordinate.
+    """
+    import torch.distributed as dist
+
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return None
+    rank = dist.get_rank()
+    grid = mesh.mesh
+    out = []
+    for d in range(grid.ndim):
+        idx: list[Any] = list(coord)
+        idx[d] = slice(None)
+        out.append(sorted(grid[tuple(idx)].tolist()).index(rank))
+    return tuple(out)
 
 
 def placements_of(dt: Any) -> tuple:
@@ -61,7 +87,7 @@ def local_region(t: torch.Tensor) -> Region:
     """The global region ``t`` holds on this process (a plain tensor: all of it), checked against torch."""
     if not is_dtensor(t):
         return full_region(tuple(t.shape))
-    coord = t.device_mesh.get_coordinate()
+    coord = mesh_coordinate(t.device_mesh)
     if coord is None:
         raise ReshardError("a DTensor whose mesh does not contain this process; it holds nothing to move")
     region = shard_region(tuple(t.shape), tuple(t.device_mesh.shape), coord, placements_of(t))
@@ -69,7 +95,7 @@ def local_region(t: torch.Tensor) -> Region:
     if region_shape(region) != got:
         raise ReshardError(
             f"a DTensor of global shape {list(t.shape)} with placements {t.placements} on a mesh of shape "
-            f"{list(t.device_mesh.shape)} holds a local shard of shape {list(got)} at coordinate {list(coord)}, "
+            f"{list(t.device_mesh.shape)} holds a local shard of shape {list(got)} at position {list(coord)}, "
             f"but torch's sharding rule gives {list(region_shape(region))}: this torch version shards differently "
             "from the rule elastic follows; the state cannot be resharded safely"
         )

@@ -39,7 +39,14 @@ from elastic.reshard import execute as ex
 from elastic.reshard.plan import ReshardError
 from elastic.reshard.plan_regions import Placed, RegionPlan, assign_slots, plan_regions
 from elastic.reshard.regions import Region, full_region, shard_region
-from elastic.torch.regions import is_dtensor, local_region, local_tensor, mesh_fingerprint, placements_of
+from elastic.torch.regions import (
+    is_dtensor,
+    local_region,
+    local_tensor,
+    mesh_coordinate,
+    mesh_fingerprint,
+    placements_of,
+)
 from elastic.torch.state import SEP
 
 __all__ = ["ReshardStats", "describe", "mesh_order", "plan", "reshard"]
@@ -122,7 +129,7 @@ def describe(state: State | None) -> _Side | None:
             if is_dtensor(t):
                 mesh = t.device_mesh
                 fp = mesh_fingerprint(mesh)
-                side.coords[fp] = (tuple(mesh.shape), tuple(mesh.get_coordinate() or ()))
+                side.coords[fp] = (tuple(mesh.shape), tuple(mesh_coordinate(mesh) or ()))
                 pl = placements_of(t)
                 local_region(t)  # checks our region against the shard torch holds
                 side.table[key] = ("t", tuple(t.shape), _dtype_name(t.dtype), fp, pl)
@@ -331,7 +338,18 @@ def reshard(src: State | None, dst: State | None, *, group: Any = None, verify: 
     old_state = {(k, p_kind(t)): t for k, t in (s.locals.items() if s else ())}
     into = {(k, p_kind(t)): t for k, t in (d.locals.items() if d else ())}
     dtypes = {kind: getattr(torch, kind) for kind in p.kinds}
-    prepared = ex.prepare(p, me, old_state, device=device, dtypes=dtypes, into=into)  # type: ignore[arg-type]
+    problem = None
+    try:
+        prepared = ex.prepare(p, me, old_state, device=device, dtypes=dtypes, into=into)  # type: ignore[arg-type]
+    except (ReshardError, ValueError, RuntimeError) as e:
+        problem = f"{type(e).__name__}: {e}"
+    # a worker that cannot prepare must not leave its peers blocked in their first receive:
+    # everyone hears of it and refuses together, still before any byte moves
+    problems: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(problems, problem, group=group)
+    bad = [(r, x) for r, x in enumerate(problems) if x]
+    if bad:
+        raise ReshardError("the state cannot be resharded: " + "; ".join(f"rank {r}: {x}" for r, x in bad[:4]))
     ex.execute(prepared, group, {w: w for w in p.members}, verify=verify)
     if d is not None:
         with torch.no_grad():

@@ -54,6 +54,16 @@ def _named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return out
 
 
+def _reshard_fsdp(model: nn.Module) -> None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:
     """Create the optimizer's per-parameter state (as its first ``step`` would) without changing a value.
 
@@ -89,8 +99,11 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
 
     ``init_optimizer=True`` first creates the optimizer's state if it has none (a fresh
     optimizer on a new mesh, about to receive the moved state; see :func:`init_optimizer_state`).
-    Parameters the optimizer does not hold contribute their value only.
+    Parameters the optimizer does not hold contribute their value only. FSDP2 modules are
+    resharded first (a module built with ``reshard_after_forward=False``, or one after an eval
+    forward, still holds its gathered parameters), so the state names the sharded DTensors.
     """
+    _reshard_fsdp(model)
     params = _named_parameters(model)
     out: dict[str, torch.Tensor] = dict(params)
     if optimizer is None:
