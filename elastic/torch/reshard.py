@@ -382,8 +382,10 @@ def mesh_order(src: State | None, mesh_shape: Sequence[int], *, new_members: Seq
 
     Collective over ``group`` (every rank calls it with the same arguments). ``new_members``
     are the group ranks of the new layout (survivors and joiners: ``src is None``); the result
-    lists them in the new mesh's row-major order, ready for
-    ``DeviceMesh(device, torch.tensor(order).reshape(mesh_shape), mesh_dim_names=...)``.
+    lists them in the new mesh's row-major order: give rank ``order[i]`` rank ``i`` of the new
+    world's process group and build the mesh over ``range(n)``. Within one group the order
+    cannot be applied by permuting a ``DeviceMesh`` tensor: torch sorts each mesh dim's group,
+    and the data follows the sorted order (see :func:`elastic.torch.regions.mesh_coordinate`).
 
     The new state's placements are predicted from the old ones: by default each key keeps its
     placement on every mesh dim of the same name (``Replicate`` on new dims; a ``_StridedShard``
