@@ -16,8 +16,9 @@ Steps (:func:`plan_regions`):
    identity first, then by content;
 3. **diff** per template: the distinct old regions (*cells*, with their holders) intersected
    with the distinct new ones; a needer that holds the overlapping cell copies locally, the
-   others receive. Every new element must be covered exactly once by the old cells: a hole is
-   state no live worker holds (refused), an overlap a contradiction between workers (refused);
+   others receive. Old cells must not intersect (an overlap is a contradiction between workers,
+   refused, checked blockwise before anything is counted) and must cover every new element (a
+   hole is state no live worker holds, refused);
 4. **senders**: the back half of ``plan.py`` (largest pieces first onto the least-loaded
    replica, big pieces split along dim 0, leavers only when that lowers the makespan), on
    template-level pieces weighted by their bytes over all keys of the template;
@@ -37,7 +38,9 @@ This module must not import torch or anything that does I/O, and never reads the
 from __future__ import annotations
 
 import gc
-from collections.abc import Hashable, Mapping, Sequence
+import math
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +84,19 @@ class Placed:
     itemsize: int = 4
 
 
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """The cyclic GC off for a block that builds many small tuples and no cycles: it would only
+    rescan them, again and again as they pile up. Left on again only if it was on."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 # --------------------------------------------------------------------------------------------
 # Step 1: validation
 # --------------------------------------------------------------------------------------------
@@ -106,10 +122,18 @@ def _validate(old: Mapping[str, Placed], new: Mapping[str, Placed]) -> None:
                 f"{key}: dtype {o.kind} in the old state but {n.kind} in the new one; build the new model "
                 f"and optimizer with the same dtypes (or convert the old state to {n.kind} first)"
             )
+    # Keys placed alike share one regions object: check each (object, shape) once, at its first key
+    # (that key names the error, as a per-key check would).
     for side, state in (("old", old), ("new", new)):
+        checked: set[tuple[int, tuple[int, ...]]] = set()
         for key, p in state.items():
+            shape = tuple(p.shape)
+            ck = (id(p.regions), shape)
+            if ck in checked:
+                continue
+            checked.add(ck)
             for w, region in p.regions.items():
-                _check_region(side, key, w, region, tuple(p.shape))
+                _check_region(side, key, w, region, shape)
 
 
 def _check_region(side: str, key: str, w: Worker, region: Region, shape: tuple[int, ...]) -> None:
@@ -258,6 +282,7 @@ def _diff(t: _Template, old_map: Mapping[Worker, Region], new_map: Mapping[Worke
     """Fill ``t``'s shards, copies, needed and local; return (demands, fixed) in per-key numel."""
     nd = len(t.shape)
     oc, nc = _cells(old_map, widx, nd), _cells(new_map, widx, nd)
+    _check_disjoint(t.keys[0], oc, workers)
     for w, r in sorted(new_map.items(), key=lambda x: widx[x[0]]):
         t.shards.append((widx[w], _bounding(r), region_shape(r)))
     covered = [0] * len(nc.regions)
@@ -285,20 +310,62 @@ def _diff(t: _Template, old_map: Mapping[Worker, Region], new_map: Mapping[Worke
     for j, r in enumerate(nc.regions):
         want = region_numel(r)
         t.needed += want * len(nc.members[j])
-        if covered[j] != want:
+        # Old cells are disjoint (checked above) and a region's runs are, so no element is counted
+        # twice: a shortfall is exactly the elements nobody holds.
+        if covered[j] < want:
             w = workers[nc.members[j][0]]
-            if covered[j] < want:
-                raise ReshardError(
-                    f"{t.keys[0]}: no live worker of the old state holds part of region {_fmt(r)} that worker "
-                    f"{w!r} needs ({want - covered[j]} of {want} elements uncovered): every worker that held it "
-                    "is gone, or the old state was described without it; the new layout cannot be built from "
-                    "the survivors (restore that state from a checkpoint)"
-                )
             raise ReshardError(
-                f"{t.keys[0]}: old workers hold overlapping but different regions of it (inside {_fmt(r)}): "
-                "the old state is inconsistent between workers (two sharding layouts of one tensor?)"
+                f"{t.keys[0]}: no live worker of the old state holds part of region {_fmt(r)} that worker "
+                f"{w!r} needs ({want - covered[j]} of {want} elements uncovered): every worker that held it "
+                "is gone, or the old state was described without it; the new layout cannot be built from "
+                "the survivors (restore that state from a checkpoint)"
             )
     return demands, fixed
+
+
+def _check_disjoint(key: str, oc: _Cells, workers: list[Worker]) -> None:
+    """Refuse two old cells (distinct regions) that share an element.
+
+    Replicas of one region form one cell, so any overlap between cells is two workers disagreeing
+    about who holds what; left in, it would both double-send elements and, in a coverage count,
+    hide a hole of the same size elsewhere. Sweep along the dim that leaves the fewest candidate
+    pairs (pieces sorted by start, each paired with those that start before it ends), then test
+    the candidates blockwise on every dim.
+    """
+    n, nd = oc.lo.shape
+    if len(oc.regions) < 2 or nd == 0:
+        return
+    best: tuple[int, np.ndarray, np.ndarray] | None = None
+    for d in range(nd):
+        order = np.argsort(oc.lo[:, d], kind="stable")
+        end = np.searchsorted(oc.lo[order, d], oc.hi[order, d], side="left")
+        cnt = end - np.arange(n) - 1  # pieces after i (in start order) that start before i ends
+        pairs = int(cnt.sum())
+        if best is None or pairs < best[0]:
+            best = (pairs, order, cnt)
+    assert best is not None
+    _, order, cnt = best
+    cum = np.cumsum(cnt)
+    a = 0
+    while a < n:
+        base = int(cum[a - 1]) if a else 0
+        b = max(a + 1, int(np.searchsorted(cum, base + _BLOCK, side="right")))
+        c = cnt[a:b]
+        i = np.repeat(np.arange(a, b), c)
+        j = i + 1 + np.arange(len(i)) - np.repeat(np.cumsum(c) - c, c)
+        pi, pj = order[i], order[j]
+        hit = (oc.cell[pi] != oc.cell[pj]) & np.all(
+            np.minimum(oc.hi[pi], oc.hi[pj]) > np.maximum(oc.lo[pi], oc.lo[pj]), axis=1)
+        if hit.any():
+            k = int(np.argmax(hit))
+            ca, cb = sorted((int(oc.cell[pi[k]]), int(oc.cell[pj[k]])))
+            wa, wb = workers[oc.members[ca][0]], workers[oc.members[cb][0]]
+            raise ReshardError(
+                f"{key}: old workers hold overlapping but different regions of it ({wa!r} holds "
+                f"{_fmt(oc.regions[ca])}, {wb!r} holds {_fmt(oc.regions[cb])}): the old state is inconsistent "
+                "between workers (two sharding layouts of one tensor?)"
+            )
+        a = b
 
 
 def _fmt(r: Region) -> str:
@@ -363,26 +430,30 @@ class RegionPlan:
 
     def _per_worker(self) -> list[dict[int, tuple[list[int], list[int], list[int], list[int]]]]:
         if self._index is None:
-            index = []
-            for t in self._templates:
-                by: dict[int, tuple[list[int], list[int], list[int], list[int]]] = {}
-
-                def slot(w: int, by=by) -> tuple[list[int], list[int], list[int], list[int]]:
-                    s = by.get(w)
-                    if s is None:
-                        s = by[w] = ([], [], [], [])
-                    return s
-
-                for n, m in enumerate(t.raw):
-                    slot(m[0])[0].append(n)
-                    slot(m[1])[1].append(n)
-                for n, c in enumerate(t.copies):
-                    slot(c[0])[2].append(n)
-                for n, s in enumerate(t.shards):
-                    slot(s[0])[3].append(n)
-                index.append(by)
-            self._index = index
+            with _gc_paused():
+                self._index = self._build_index()
         return self._index
+
+    def _build_index(self) -> list[dict[int, tuple[list[int], list[int], list[int], list[int]]]]:
+        index = []
+        for t in self._templates:
+            by: dict[int, tuple[list[int], list[int], list[int], list[int]]] = {}
+
+            def slot(w: int, by=by) -> tuple[list[int], list[int], list[int], list[int]]:
+                s = by.get(w)
+                if s is None:
+                    s = by[w] = ([], [], [], [])
+                return s
+
+            for n, m in enumerate(t.raw):
+                slot(m[0])[0].append(n)
+                slot(m[1])[1].append(n)
+            for n, c in enumerate(t.copies):
+                slot(c[0])[2].append(n)
+            for n, s in enumerate(t.shards):
+                slot(s[0])[3].append(n)
+            index.append(by)
+        return index
 
     def _mine(self, w: Worker, which: int) -> list[tuple[_Template, list[int]]]:
         i = self._widx.get(w)
@@ -399,29 +470,33 @@ class RegionPlan:
         """(messages ``worker`` sends, messages it receives), each in plan order."""
         ws = self._workers
         out: tuple[list[Message], list[Message]] = ([], [])
-        for which in (0, 1):
-            lst = out[which]
-            for t, idx in self._mine(worker, which):
-                raws = [t.raw[n] for n in idx]
-                for key in t.keys:
-                    lst += [Message(ws[s], ws[d], key, t.kind, reg, sb, db, rnd)  # type: ignore[arg-type]
-                            for s, d, reg, sb, db, _n, rnd in raws]
+        with _gc_paused():
+            for which in (0, 1):
+                lst = out[which]
+                for t, idx in self._mine(worker, which):
+                    raws = [t.raw[n] for n in idx]
+                    for key in t.keys:
+                        lst += [Message(ws[s], ws[d], key, t.kind, reg, sb, db, rnd)  # type: ignore[arg-type]
+                                for s, d, reg, sb, db, _n, rnd in raws]
         return out
 
     def local_copies_for(self, worker: Worker) -> list[LocalCopy]:
         out: list[LocalCopy] = []
-        for t, idx in self._mine(worker, 2):
-            cs = [t.copies[n] for n in idx]
-            for key in t.keys:
-                out += [LocalCopy(worker, key, t.kind, reg, sb, db) for _w, reg, sb, db in cs]  # type: ignore[arg-type]
+        with _gc_paused():
+            for t, idx in self._mine(worker, 2):
+                cs = [t.copies[n] for n in idx]
+                for key in t.keys:
+                    out += [LocalCopy(worker, key, t.kind, reg, sb, db)  # type: ignore[arg-type]
+                            for _w, reg, sb, db in cs]
         return out
 
     def new_shards_for(self, worker: Worker) -> list[NewShard]:
         out: list[NewShard] = []
-        for t, idx in self._mine(worker, 3):
-            ss = [t.shards[n] for n in idx]
-            for key in t.keys:
-                out += [NewShard(worker, key, t.kind, box, shape) for _w, box, shape in ss]  # type: ignore[arg-type]
+        with _gc_paused():
+            for t, idx in self._mine(worker, 3):
+                ss = [t.shards[n] for n in idx]
+                for key in t.keys:
+                    out += [NewShard(worker, key, t.kind, box, shape) for _w, box, shape in ss]  # type: ignore[arg-type]
         return out
 
     @property
@@ -484,13 +559,8 @@ def plan_regions(
     Keys of ``old`` absent from ``new`` are dropped (listed in ``plan.dropped_keys``).
     Raises :class:`ReshardError` before anything moves when the plan is impossible.
     """
-    gc_was_enabled = gc.isenabled()
-    gc.disable()  # many small tuples, no cycles: the cyclic GC would only rescan them
-    try:
+    with _gc_paused():
         return _plan(old, new, old_members, new_members, staging_cap_bytes, split_min_bytes)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
 
 
 def _plan(old: Mapping[str, Placed], new: Mapping[str, Placed], old_members: Sequence[Worker] | None,
@@ -500,14 +570,15 @@ def _plan(old: Mapping[str, Placed], new: Mapping[str, Placed], old_members: Seq
     canon = _Canon()
     olds: set = set(old_members or ())
     news: set = set(new_members or ())
-    for p in old.values():
-        if id(p.regions) not in canon.by_id:
-            olds.update(p.regions)
-        canon(p.regions)
-    for p in new.values():
-        if id(p.regions) not in canon.by_id:
-            news.update(p.regions)
-        canon(p.regions)
+    # Members are gathered per side: one regions object may serve both sides (a key that keeps its
+    # layout), and its workers are then members of both.
+    for members, state in ((olds, old), (news, new)):
+        seen: set[int] = set()
+        for p in state.values():
+            if id(p.regions) not in seen:
+                seen.add(id(p.regions))
+                members.update(p.regions)
+            canon(p.regions)
     workers = sorted(olds | news, key=_sort_key)
     widx = {w: i for i, w in enumerate(workers)}
     # 2. templates, in first-key order
@@ -556,7 +627,7 @@ def _plan(old: Mapping[str, Placed], new: Mapping[str, Placed], old_members: Seq
         k = t.itemsize * len(t.keys)
         t.raw.append((m[0], m[1], m[4], m[5], m[6], m[7] // k, rnd))
     dropped = tuple(k for k in old if k not in new)
-    total = sum(int(np.prod(p.shape, dtype=np.int64)) * p.itemsize for p in new.values())
+    total = sum(math.prod(p.shape) * p.itemsize for p in new.values())
     return RegionPlan(tlist, workers, sorted(olds, key=_sort_key), sorted(news, key=_sort_key),
                       (max(rounds) + 1) if rounds else 0, staging_cap_bytes, dropped, total)
 
@@ -566,16 +637,18 @@ def _cut_for_cap(tlist: list[_Template], cap: int) -> list[_Template]:
     out: list[_Template] = []
     for t in tlist:
         row = int(np.prod(t.shape[1:], dtype=np.int64)) if len(t.shape) > 1 else 1
-        per = max(1, cap // max(1, row * t.itemsize))
-        if per >= len(t.keys):
-            out.append(t)
-            continue
+        # Before the one-group shortcut: a lone key whose row exceeds the cap is otherwise left
+        # to the row split, which then has zero rows per piece.
         if row * t.itemsize > cap:
             raise ReshardError(
                 f"staging cap {cap} bytes is smaller than one row of {t.keys[0]} ({row} elements x {t.itemsize} "
                 f"bytes = {row * t.itemsize} bytes), the smallest piece that can move; raise the staging cap to "
                 f"at least {row * t.itemsize} bytes"
             )
+        per = max(1, cap // max(1, row * t.itemsize))
+        if per >= len(t.keys):
+            out.append(t)
+            continue
         for a in range(0, len(t.keys), per):
             out.append(_Template(t.shape, t.kind, t.itemsize, t.keys[a:a + per], t.old_map, t.new_map))
     return out
@@ -612,16 +685,22 @@ def assign_slots(
     sidx = {w: i for i, w in enumerate(survivors)}
     W = np.zeros((len(survivors), n), dtype=np.float64)
     canon = _Canon()
-    seen: dict[tuple, np.ndarray] = {}
+    # Keys placed alike weigh the same matrix: sum their element sizes per template, then add
+    # each template's matrix once.
+    weight: dict[tuple, int] = {}
+    maps: dict[tuple, tuple[Mapping[Worker, Region], Mapping[Worker, Region], int]] = {}
     for key, s in slots.items():
         o = old.get(key)
         if o is None:
             continue
         tk = (tuple(s.shape), canon(o.regions), canon(s.regions))
-        m = seen.get(tk)
-        if m is None:
-            m = seen[tk] = _overlap_matrix(o.regions, s.regions, sidx, n, len(s.shape))
-        W += m * s.itemsize
+        if tk not in weight:
+            weight[tk] = 0
+            maps[tk] = (o.regions, s.regions, len(s.shape))
+        weight[tk] += s.itemsize
+    for tk, k in weight.items():
+        om, sm, nd = maps[tk]
+        W += _overlap_matrix(om, sm, sidx, n, nd) * k
     # Lexicographic: local bytes first, then keeping survivor i on slot i. The bonus sums to at
     # most len(survivors) < scale, so it never outweighs a single byte kept local.
     scale = float(len(survivors) + 1)

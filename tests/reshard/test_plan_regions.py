@@ -448,11 +448,10 @@ def test_staging_cap_below_one_row_is_refused_with_the_size_to_use() -> None:
         plan_regions(old, new, staging_cap_bytes=16)
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: _cut_for_cap skips the row check for a one-key template, _split_to_cap then steps by 0")
 def test_staging_cap_below_one_row_of_a_lone_key_is_refused_too() -> None:
-    """BUG (plan_regions._cut_for_cap): with a single key per template the row check is skipped
-    (``per >= len(t.keys)``), and ``plan._split_to_cap`` then runs ``range(0, n, 0)``: a bare
-    ValueError instead of the ReshardError naming the key and the cap to use."""
+    """Regression (plan_regions._cut_for_cap): with a single key per template the row check used to
+    be skipped (``per >= len(t.keys)``), and ``plan._split_to_cap`` then ran ``range(0, n, 0)``: a
+    bare ValueError instead of the ReshardError naming the key and the cap to use."""
     keys = [Key("w", (4, 8), COLWISE)]
     old, new = layout(keys, Mesh((2,), "fsdp", ("a", "b"))), layout(keys, Mesh((1,), "fsdp", ("c",)))
     with pytest.raises(ReshardError, match=r"w.*raise the staging cap to at least 32 bytes"):
@@ -509,15 +508,47 @@ def test_overlapping_old_regions_are_refused() -> None:
         plan_regions(old, new)
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: _diff checks coverage by summed overlap counts, so overlapping old regions can hide a hole")
 def test_an_overlap_does_not_hide_a_hole() -> None:
-    """BUG (plan_regions._diff): coverage is checked by counting overlap elements per new cell, so
-    an overlap of old regions can cancel a hole: a holds [0, 2), b [1, 3), nobody [3, 4); 2 + 2 == 4
-    passes, element 1 is sent twice and element 3 never. The docstring promises both are refused."""
+    """Regression (plan_regions._diff): coverage was checked by counting overlap elements per new
+    cell, so an overlap of old regions could cancel a hole: a holds [0, 2), b [1, 3), nobody [3, 4);
+    2 + 2 == 4 passed, element 1 was sent twice and element 3 never. Both must be refused."""
     old = {"x": Placed((4,), {"a": (((0, 2),),), "b": (((1, 3),),)})}
     new = {"x": Placed((4,), {"c": (((0, 4),),)})}
-    with pytest.raises(ReshardError, match=r"^x: "):
+    with pytest.raises(ReshardError, match=r"^x: old workers hold overlapping.*'a' holds \[0:2\), 'b' holds \[1:3\)"):
         plan_regions(old, new)
+
+
+def _random_region(rng: random.Random, shape: tuple[int, ...]) -> Region:
+    """Sorted disjoint runs on every dim (one to three per dim)."""
+    out = []
+    for n in shape:
+        cuts = sorted(rng.sample(range(n + 1), 2 * rng.randint(1, min(3, (n + 1) // 2))))
+        out.append(tuple((cuts[i], cuts[i + 1]) for i in range(0, len(cuts), 2)))
+    return tuple(out)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_old_regions_are_refused_exactly_when_two_different_ones_share_an_element(seed: int) -> None:
+    """Against element masks: any two distinct old regions that intersect are refused (replicas,
+    equal regions, are not), whatever dims they overlap on; disjoint ones are never refused as
+    overlapping (a hole may still be refused)."""
+    rng = random.Random(seed)
+    shape = tuple(rng.randint(2, 7) for _ in range(rng.randint(1, 3)))
+    regions = [_random_region(rng, shape) for _ in range(rng.randint(2, 4))]
+    if rng.random() < 0.3:
+        regions.append(regions[0])  # a replica
+    old = {"x": Placed(shape, {f"o{i}": r for i, r in enumerate(regions)})}
+    new = {"x": Placed(shape, {"n": tuple(((0, n),) for n in shape)})}
+    distinct = list(dict.fromkeys(regions))
+    clash = any((mask(shape, a) & mask(shape, b)).any() for a, b in itertools.combinations(distinct, 2))
+    if clash:
+        with pytest.raises(ReshardError, match=r"^x: old workers hold overlapping"):
+            plan_regions(old, new)
+    else:
+        try:
+            plan_regions(old, new)
+        except ReshardError as e:
+            assert "overlapping" not in str(e)
 
 
 @pytest.mark.parametrize("region, why", [
@@ -548,13 +579,12 @@ def test_partial_placements_are_refused_by_shard_region() -> None:
         shard_region((4, 4), (2,), (0,), [("partial",)])
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: default members come only from maps the canonicaliser has not seen, old side first")
 def test_a_regions_dict_shared_by_both_sides_counts_its_workers_as_new_members() -> None:
-    """BUG (plan_regions._plan): members are gathered only from maps whose id the canonicaliser has
-    not seen, and the old side is seen first, so a regions dict object shared by the old and the
-    new side (a key that keeps its layout, a caller reusing its map) adds no new member: the new
-    workers come out as leavers and ``is_new`` is False for them, though the plan gives them
-    new shards. An equal copy of the dict gives the right answer."""
+    """Regression (plan_regions._plan): members used to be gathered only from maps whose id the
+    canonicaliser had not seen, old side first, so a regions dict object shared by the old and the
+    new side (a key that keeps its layout, a caller reusing its map) added no new member: the new
+    workers came out as leavers and ``is_new`` was False for them, though the plan gave them new
+    shards. It must give the same answer as an equal copy of the dict."""
     same = {"a": (((0, 4),),), "b": (((4, 8),),)}
     plan = plan_regions({"x": Placed((8,), same)}, {"x": Placed((8,), same)})
     copy = plan_regions({"x": Placed((8,), same)}, {"x": Placed((8,), dict(same))})
