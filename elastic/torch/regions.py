@@ -18,7 +18,14 @@ from typing import Any
 import torch
 
 from elastic.reshard.plan import ReshardError
-from elastic.reshard.regions import Region, full_region, normalize_placements, region_shape, shard_region
+from elastic.reshard.regions import (
+    Region,
+    full_region,
+    normalize_placements,
+    region_numel,
+    region_shape,
+    shard_region,
+)
 
 __all__ = ["is_dtensor", "local_region", "local_tensor", "mesh_coordinate", "mesh_fingerprint", "placements_of"]
 
@@ -83,16 +90,23 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return local.detach() if local.requires_grad else local
 
 
-def local_region(t: torch.Tensor) -> Region:
-    """The global region ``t`` holds on this process (a plain tensor: all of it), checked against torch."""
+def local_region(t: torch.Tensor, position: tuple[int, ...] | None = None) -> Region:
+    """The global region ``t`` holds on this process (a plain tensor: all of it), checked against torch.
+
+    ``position`` is :func:`mesh_coordinate` of ``t``'s mesh when the caller already has it (a
+    model's thousand tensors share a few meshes, and ``DeviceMesh.mesh`` rebuilds its tensor on
+    every access)."""
     if not is_dtensor(t):
         return full_region(tuple(t.shape))
-    coord = mesh_coordinate(t.device_mesh)
+    coord = position if position is not None else mesh_coordinate(t.device_mesh)
     if coord is None:
         raise ReshardError("a DTensor whose mesh does not contain this process; it holds nothing to move")
     region = shard_region(tuple(t.shape), tuple(t.device_mesh.shape), coord, placements_of(t))
     got = tuple(local_tensor(t).shape)
-    if region_shape(region) != got:
+    # an empty region is () on every dim, while torch keeps the other dims of an empty shard
+    # ((0, 10) for a trailing chunk of rows): both hold nothing
+    empty = region_numel(region) == 0 and 0 in got
+    if not empty and region_shape(region) != got:
         raise ReshardError(
             f"a DTensor of global shape {list(t.shape)} with placements {t.placements} on a mesh of shape "
             f"{list(t.device_mesh.shape)} holds a local shard of shape {list(got)} at position {list(coord)}, "

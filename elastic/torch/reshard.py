@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic.model import SpecError
 from elastic.reshard import execute as ex
 from elastic.reshard.plan import ReshardError
 from elastic.reshard.plan_regions import Placed, RegionPlan, assign_slots, plan_regions
@@ -111,6 +112,9 @@ def describe(state: State | None) -> _Side | None:
         return None
     side = _Side({}, {}, {}, {}, [], None)
     devices: set[str] = set()
+    # id(mesh) -> (mesh, fingerprint, shape, position): computed once per mesh, not per tensor;
+    # the mesh is kept in the value so its id cannot be reused during the loop.
+    meshes: dict[int, tuple] = {}
     for key, t in state.items():
         if not isinstance(key, str):
             side.errors.append(f"key {key!r} is a {type(key).__name__}; keys are strings (training_state's names)")
@@ -128,16 +132,21 @@ def describe(state: State | None) -> _Side | None:
                 continue
             if is_dtensor(t):
                 mesh = t.device_mesh
-                fp = mesh_fingerprint(mesh)
-                side.coords[fp] = (tuple(mesh.shape), tuple(mesh_coordinate(mesh) or ()))
+                known = meshes.get(id(mesh))
+                if known is None:
+                    known = meshes[id(mesh)] = (mesh, mesh_fingerprint(mesh), tuple(mesh.shape), mesh_coordinate(mesh))
+                _, fp, mesh_shape, position = known
+                side.coords[fp] = (mesh_shape, tuple(position or ()))
                 pl = placements_of(t)
-                local_region(t)  # checks our region against the shard torch holds
+                local_region(t, position)  # checks our region against the shard torch holds
                 side.table[key] = ("t", tuple(t.shape), _dtype_name(t.dtype), fp, pl)
             else:
                 side.table[key] = ("t", tuple(t.shape), _dtype_name(t.dtype), None, None)
             side.locals[key] = local
-        except ReshardError as e:
+        except SpecError as e:  # ReshardError, PlacementError
             side.errors.append(f"{key}: {e}")
+        except Exception as e:  # noqa: BLE001 - peers wait in the exchange: they must hear of it
+            side.errors.append(f"{key}: {type(e).__name__}: {e}")
     if len(devices) > 1:
         side.errors.append(f"the state spans devices {sorted(devices)}; move it to one device type first")
     side.device = next(iter(devices), None)
@@ -426,8 +435,10 @@ def mesh_order(src: State | None, mesh_shape: Sequence[int], *, new_members: Seq
 
 def _old_mesh_names(src: State | None) -> dict[str, tuple[str, ...] | None]:
     out: dict[str, tuple[str, ...] | None] = {}
+    seen: dict[int, Any] = {}  # id -> mesh, kept alive so that an id is not reused in the loop
     for t in (src or {}).values():
-        if is_dtensor(t):
+        if is_dtensor(t) and id(t.device_mesh) not in seen:
+            seen[id(t.device_mesh)] = t.device_mesh
             out[mesh_fingerprint(t.device_mesh)] = tuple(t.device_mesh.mesh_dim_names or ()) or None
     return out
 

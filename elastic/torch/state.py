@@ -161,7 +161,9 @@ def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | Non
                 t.to_local().copy_(v.to_local())
             else:
                 region = local_region(t)
-                t.to_local().copy_(v[_region_index(region)].to(t.dtype))
+                local = t.to_local()
+                if local.numel():  # an empty trailing shard receives nothing
+                    local.copy_(v[_region_index(region)].to(t.dtype))
         else:
             t.copy_(v.full_tensor() if isinstance(v, DTensor) else v)
     return dst

@@ -54,7 +54,7 @@ def _cases(seed: int, n: int):
         mdims = rng.randint(1, 3)
         mesh = tuple(rng.randint(1, 4) for _ in range(mdims))
         pls = []
-        for m in range(mdims):
+        for _m in range(mdims):
             k = rng.choice(kinds)
             d = rng.randrange(ndim)
             if k == "S":

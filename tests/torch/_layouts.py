@@ -241,8 +241,12 @@ def local_digests(state: dict[str, torch.Tensor] | None) -> dict[str, str]:
 
 
 def init(rank: int, n: int, port: int) -> None:
+    """A fresh gloo world for one job of a reused pool process (see elastic.torch.caches)."""
     import torch.distributed as dist
 
+    from elastic.torch.caches import clear_dtensor_caches
+
+    clear_dtensor_caches()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n,
                             timeout=datetime.timedelta(seconds=60))
 
@@ -282,7 +286,8 @@ def chain_job(rank: int, n: int, port: int, chain: list[tuple[str, tuple[int, ..
         name, ranks = chain[0]
         job = build(name, ranks or tuple(range(parse(name).size)), dtype=dtype)
         s = 0
-        out["losses"].update(job.train(range(s, s + steps)))
+        if job.member:
+            out["losses"].update(job.train(range(s, s + steps)))
         s += steps
         for i, (name, ranks) in enumerate(chain[1:]):
             src = job.state()
@@ -291,8 +296,13 @@ def chain_job(rank: int, n: int, port: int, chain: list[tuple[str, tuple[int, ..
             shape = parse(name)
             if ranks is None:
                 dims = (shape.pp, shape.tp) if shape.pp > 1 else (shape.dp, shape.tp)
-                ranks = tuple(mesh_order(src, dims, new_members=list(range(shape.size)),
-                                         mesh_dim_names=("pp", "tp") if shape.pp > 1 else ("dp_shard", "tp")))
+                order = mesh_order(src, dims, new_members=list(range(shape.size)),
+                                   mesh_dim_names=("pp", "tp") if shape.pp > 1 else ("dp_shard", "tp"))
+                # mesh_order picks which ranks share each tp group; within a group torch places
+                # data by sorted rank anyway, and its tensor-parallel modules compute wrongly on a
+                # tp dim whose ranks do not ascend (offsets from mesh coordinates, collectives by
+                # group rank): sort each row, which moves no data
+                ranks = tuple(r for i in range(0, len(order), shape.tp) for r in sorted(order[i:i + shape.tp]))
             new = build(name, ranks, dtype=dtype)
             dst = new.state(init_optimizer=True)
             stats = reshard(src, dst)
@@ -334,8 +344,9 @@ def chain_job(rank: int, n: int, port: int, chain: list[tuple[str, tuple[int, ..
                     rec["dcp_states_equal"] = local_digests(twin.state()) == local_digests(job.state())
             s += steps
         out["final"] = full_digests(job.state())
-        out["final_full"] = ({k: full(v) for k, v in job.state().items()} if job.member and rank == job.ranks[0]
-                             else None)
+        # full_tensor is collective over the mesh: every member gathers, the first one reports
+        fulls = {k: full(v) for k, v in job.state().items()} if job.member else None
+        out["final_full"] = fulls if rank == job.ranks[0] else None
         return out
     finally:
         dist.destroy_process_group()
