@@ -309,7 +309,8 @@ def full_tensors(m: TitanLlama) -> dict[str, torch.Tensor]:
 
 def digest(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """A bitwise fingerprint of each tensor, for comparing processes and layouts."""
-    return {k: hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+    # reshape(-1): a 0-d tensor (Adam's step) has no byte view
+    return {k: hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
             for k, t in tensors.items()}
 
 
