@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint bench bench-reshard bench-train soak demo clean
+.PHONY: venv test lint bench bench-reshard bench-train soak demo clean example-byo
 
 venv: $(STAMP)
 
@@ -52,6 +52,11 @@ lint: venv
 	$(BIN)/ruff check elastic operators tests benchmarks
 
 # Every benchmark runs even when one misses its goal (non-zero exit); the target fails at the end.
+# the example Llama under elastic.torch.Manager through scripted rescales on 4 local processes,
+# against one process that never rescales: one JSON line; exits 1 if the curve, state or data differ
+example-byo: venv
+	$(BIN)/python -m examples.llama.byo
+
 bench: venv
 	@fail=0; for b in benchmarks/*_bench.py; do echo "== $$b"; $(BIN)/python $$b || { echo "!! $$b missed a goal or failed"; fail=1; }; done; exit $$fail
 
