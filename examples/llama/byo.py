@@ -75,9 +75,11 @@ def _digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
 
 
 def train(rank: int, n: int, port: int, corpus_dir: str, spec: list, total_steps: int = TOTAL_STEPS,
-          fail_build_at: int | None = None) -> dict[str, Any]:
-    """One process's run; ``fail_build_at``: the step whose layout's first rank raises in ``build``
-    (after the mesh's collectives), to show an abandoned rescale."""
+          fail_build_at: int | None = None, failure: str = "raise") -> dict[str, Any]:
+    """One process's run. To show an abandoned rescale, ``build`` for the layout of step
+    ``fail_build_at`` goes wrong: ``failure="raise"``: its first rank raises (after the mesh's
+    collectives); ``"keys"``: every rank builds a model with a third block, whose keys the
+    running state does not have."""
     import torch.distributed as dist
 
     from elastic.torch import Manager, TokenCorpus, clear_dtensor_caches, training_state
@@ -97,10 +99,11 @@ def train(rank: int, n: int, port: int, corpus_dir: str, spec: list, total_steps
 
         def build(world: Any) -> tuple:
             built.append(world.layout)
-            model = Llama(config()).to(torch.float64).init_weights(SEED)
+            wrong = world.layout == failing and built.count(failing) == times_failing_built
+            cfg = dataclasses.replace(config(), n_layers=3) if wrong and failure == "keys" else config()
+            model = Llama(cfg).to(torch.float64).init_weights(SEED)
             par.parallelize(model, world.mesh, loss_parallel=True)  # collective over the new mesh
-            if world.layout == failing and rank == world.layout.ranks[0] \
-                    and built.count(failing) == times_failing_built:
+            if wrong and failure == "raise" and rank == world.layout.ranks[0]:
                 raise RuntimeError("out of memory on the new layout (simulated)")
             opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))

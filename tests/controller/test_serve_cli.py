@@ -119,8 +119,13 @@ def test_serve_runs_the_loop_with_the_api_and_stops_on_sigterm(tmp_path: Path) -
                 break
             time.sleep(0.5)
         assert ready is not None and ready.status_code == 200, ready.text if ready else None
-        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-        assert 'elastic_controller_ready{pool="local"} 1.0' in metrics
+        # the controller is ready inside its tick; the exporter observes the tick after it returns,
+        # so the gauge may trail /readyz by one loop iteration: wait for the exporter's report
+        metrics = ""
+        while 'elastic_controller_ready{pool="local"}' not in metrics and time.monotonic() < deadline:
+            metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+            time.sleep(0.2)
+        assert 'elastic_controller_ready{pool="local"} 1.0' in metrics, metrics[-2000:]
         anon = httpx.get(f"http://127.0.0.1:{port}/api/v1/pools", timeout=5)
         assert anon.status_code == 401 and "reads need a bearer token" in anon.text, anon.text
         read = httpx.get(f"http://127.0.0.1:{port}/api/v1/pools", timeout=5,

@@ -94,6 +94,17 @@ def test_a_build_that_raises_abandons_the_rescale_on_every_rank(pool: Pool, corp
     assert sorted(results[0]["losses"]) == [0, 1, 2, 3, 8, 9]  # out from 4, back only at 8
 
 
+def test_a_model_with_other_keys_abandons_the_rescale(pool: Pool, corpus: str, reference: dict) -> None:
+    # at step 8 every rank builds a model with a third block: the reshard refuses on every rank
+    # before a byte moves, and the job trains on in FSDP2 x TP2 on four
+    results = pool.run(byo.train, 4, free_port(), corpus, byo.SCHEDULE, byo.TOTAL_STEPS, 8, "keys", timeout=300)
+    _check_curve(results, reference)
+    for r, res in enumerate(results):
+        assert len(res["errors"]) == 1 and "step 8" in res["errors"][0], (r, res["errors"])
+        assert "no worker's old state holds" in res["errors"][0] and "layers.2." in res["errors"][0]
+    assert sorted(results[1]["losses"]) == list(range(10))
+
+
 def test_bad_schedules_are_refused_naming_the_field() -> None:
     from elastic.model import SpecError
     from elastic.torch.manager import MeshLayout
