@@ -277,7 +277,13 @@ class Manager:
         self.scheduler = built[2] if len(built) == 3 else None
 
     def _rescale(self, step: int) -> None:
+        from elastic.torch.caches import clear_dtensor_caches
+
         t0 = time.perf_counter()
+        # a layout may repeat an earlier mesh (same ranks and dims, new groups); torch's DTensor
+        # caches would hand the new model the earlier mesh on some ranks and not others, depending
+        # on each rank's history: every process clears them here and once the new layout is in force
+        clear_dtensor_caches()
         old = self.world
         assert old is not None
         new_layout = self.schedule[step]
@@ -295,6 +301,7 @@ class Manager:
         outcome: list[Any] = [None] * self.world_size
         dist.all_gather_object(outcome, rec.error if rec.role != "idle" else None, group=self.group)
         failed = next((e for e in outcome if e), None)
+        clear_dtensor_caches()
         if failed is None:
             self.world = new
             rec.done = True
