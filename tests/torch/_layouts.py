@@ -55,11 +55,11 @@ def _corpus() -> torch.Tensor:
     return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, rows: int = BATCH, seed: int = 1000) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of ``step``: the same in every process and under every layout."""
     data, n = _corpus(), CFG.max_seq_len
-    g = torch.Generator().manual_seed(1000 + step)
-    starts = torch.randint(0, len(data) - n - 1, (BATCH,), generator=g)
+    g = torch.Generator().manual_seed(seed + step)
+    starts = torch.randint(0, len(data) - n - 1, (rows,), generator=g)
     rows = torch.stack([data[s:s + n + 1] for s in starts.tolist()])
     return rows[:, :-1], rows[:, 1:]
 

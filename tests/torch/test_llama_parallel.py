@@ -12,16 +12,13 @@ spawned gloo processes (see ``tests/reshard/_mp.py``).
 from __future__ import annotations
 
 import datetime
-import functools
-import sysconfig
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import tests.torch._layouts as L
 from examples.llama.model import Llama, LlamaConfig
 from examples.llama.parallel import pipeline_stage_module, stage_layers
 from tests.reshard._mp import Pool, free_port
@@ -35,26 +32,9 @@ CFG = LlamaConfig.tiny()
 # --------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _corpus() -> torch.Tensor:
-    # real text with no download: the standard library's own source, as bytes
-    text = Path(sysconfig.get_paths()["stdlib"], "dataclasses.py").read_bytes()
-    return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
-
-
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Global batch of ``step``: the same in every process and every parallel form."""
-    data, n = _corpus(), CFG.max_seq_len
-    g = torch.Generator().manual_seed(100 + step)
-    starts = torch.randint(0, len(data) - n - 1, (BATCH,), generator=g)
-    rows = torch.stack([data[s:s + n + 1] for s in starts.tolist()])
-    return rows[:, :-1], rows[:, 1:]
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+    return L.batch(step, rows=BATCH, seed=100)
 
 
 def _describe(model: torch.nn.Module) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -92,10 +72,10 @@ def train_job(rank: int, n: int, form: str, port: int, dtype_name: str = "float6
             opt.zero_grad()
             loss = run(*batch(step))
             if step == 0:
-                grads = {name: _full(p.grad) for name, p in model.named_parameters()}
+                grads = {name: L.full(p.grad) for name, p in model.named_parameters()}
             opt.step()
             losses.append(loss)
-        params = {name: _full(p) for name, p in model.named_parameters()}
+        params = {name: L.full(p) for name, p in model.named_parameters()}
         tp_rank = mesh["tp"].get_local_rank()
         keep = tp_rank == 0 and (pp or mesh["dp_shard"].get_local_rank() == 0)
         return {"losses": losses if keep and losses[0] is not None else None,
@@ -170,12 +150,12 @@ def precision_job(rank: int, n: int, port: int) -> dict[str, float]:
         logits = model(x[lo:lo + rows])
         with par.loss_context(logits):
             par.loss_fn(logits, y[lo:lo + rows]).backward()
-        grad_err = max(((_full(p.grad) - q.grad).abs().max() / q.grad.abs().max()).item()
+        grad_err = max(((L.full(p.grad) - q.grad).abs().max() / q.grad.abs().max()).item()
                        for p, q in zip(model.parameters(), ref.parameters(), strict=True))
 
         bf16 = par.parallelize(Llama(CFG).to(torch.bfloat16).init_weights(SEED), mesh)
         with torch.no_grad():
-            out = _full(bf16(x[lo:lo + rows])).float()
+            out = L.full(bf16(x[lo:lo + rows])).float()
         want = ref_logits.detach()[lo:lo + rows]
         return {"grad_err": grad_err, "bf16_dtype": str(bf16.output.weight.dtype),
                 "bf16_finite": bool(out.isfinite().all()),
@@ -187,13 +167,6 @@ def precision_job(rank: int, n: int, port: int) -> dict[str, float]:
 # --------------------------------------------------------------------------------------------
 # Multi-process tests
 # --------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[Pool]:
-    p = Pool(4)
-    yield p
-    p.close()
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ Bad schedules are refused with the field named.
 from __future__ import annotations
 
 import sysconfig
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,15 +35,6 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     prepare_corpus(out, [stdlib / "dataclasses.py", stdlib / "functools.py", stdlib / "textwrap.py"])
     return str(out)
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[Pool]:
-    p = Pool(4)
-    try:
-        yield p
-    finally:
-        p.close()
 
 
 @pytest.fixture(scope="module")

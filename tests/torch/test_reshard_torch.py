@@ -23,7 +23,6 @@ Jobs run on one pool of spawned processes (``tests/reshard/_mp.py``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -45,15 +44,6 @@ CHAIN_DCP = [("fsdp4", (0, 1, 2, 3)), ("fsdp2xtp2", (0, 1, 2, 3)), ("tp2", (1, 3
 #: wrongly on a tp dim whose ranks do not ascend, with or without a reshard (see _layouts.py)
 CHAIN_RERANKED = [("ddp2", (0, 1)), ("ddp4", (0, 1, 2, 3)), ("fsdp4", (2, 0, 3, 1)), ("fsdp2xtp2", (2, 3, 0, 1)),
                   ("pp2", (0, 1)), ("fsdp2xtp2", None), ("single", (2,))]
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[Pool]:
-    p = Pool(4)
-    try:
-        yield p
-    finally:
-        p.close()
 
 
 @pytest.fixture(scope="module")
