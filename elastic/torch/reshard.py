@@ -20,8 +20,14 @@ Steps (every rank of ``group`` calls it; old and new workers together):
 4. **execute** (``elastic/reshard/execute.py``): batched point-to-point sends and receives
    straight into ``dst``'s local shards, local copies for what a worker keeps; scalars are set.
 
-Worker ids are ranks in ``group``. Must not: build meshes or models, or free ``src`` (the caller
-drops the old model when it is done with it).
+Worker ids are ranks in ``group``: a registered process group, or a raw backend (a
+``ProcessGroupGloo`` built on a store, which can join processes of different default groups:
+the Manager's union of old and new workers). :func:`prepare_reshard` runs steps 1-3 and
+allocates nothing the caller did not build, so a caller can decide whether to go ahead (every
+worker agrees on :attr:`PreparedReshard.digest`) before :func:`execute_reshard` moves a byte.
+:func:`freeze` describes a ``src`` while its mesh's process groups still exist (a process that
+is about to destroy them: the description is what the reshard needs later). Must not: build
+meshes or models, or free ``src`` (the caller drops the old model when it is done with it).
 """
 
 from __future__ import annotations
@@ -50,7 +56,8 @@ from elastic.torch.regions import (
 )
 from elastic.torch.state import SEP
 
-__all__ = ["ReshardStats", "describe", "mesh_order", "plan", "reshard"]
+__all__ = ["PreparedReshard", "ReshardStats", "describe", "execute_reshard", "freeze", "mesh_order", "plan",
+           "prepare_reshard", "reshard"]
 
 State = Mapping[str, torch.Tensor]
 
@@ -105,11 +112,12 @@ def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 
-def describe(state: State | None) -> _Side | None:
+def describe(state: State | _Side | None) -> _Side | None:
     """What this worker holds of each key of ``state``; problems are collected, not raised, so that
-    every worker hears of them in the exchange and refuses together."""
-    if state is None:
-        return None
+    every worker hears of them in the exchange and refuses together. A side already described
+    (:func:`freeze`) is returned as it is."""
+    if state is None or isinstance(state, _Side):
+        return state
     side = _Side({}, {}, {}, {}, [], None)
     devices: set[str] = set()
     # id(mesh) -> (mesh, fingerprint, shape, position): computed once per mesh, not per tensor;
@@ -153,9 +161,52 @@ def describe(state: State | None) -> _Side | None:
     return side
 
 
+def freeze(state: State | None) -> _Side | None:
+    """``state`` described now, to be passed as ``src`` later (:func:`reshard`, :func:`prepare_reshard`,
+    :func:`mesh_order`). A shard's place on its mesh is read from the default process group
+    (:func:`elastic.torch.regions.mesh_coordinate`): a process that destroys that group to build
+    another one (a rescale, a recovery after a lost peer) freezes its old state first. The local
+    shards are kept, not copied."""
+    return describe(state)
+
+
 # --------------------------------------------------------------------------------------------
 # 2. exchange
 # --------------------------------------------------------------------------------------------
+
+
+def _is_raw(group: Any) -> bool:
+    return group is not None and not isinstance(group, dist.ProcessGroup)
+
+
+def group_rank(group: Any) -> int:
+    """This process's rank in ``group`` (registered or raw)."""
+    return group.rank() if _is_raw(group) else dist.get_rank(group)
+
+
+def group_size(group: Any) -> int:
+    return group.size() if _is_raw(group) else dist.get_world_size(group)
+
+
+def all_gather_object(obj: Any, group: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order, over a registered group or a raw backend."""
+    n = group_size(group)
+    if not _is_raw(group):
+        got: list[Any] = [None] * n
+        dist.all_gather_object(got, obj, group=group)
+        return got
+    import pickle
+
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+    group.allgather([sizes], [size]).wait()
+    longest = max(int(x.item()) for x in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    outs = [torch.zeros(longest, dtype=torch.uint8) for _ in range(n)]
+    group.allgather([outs], [padded]).wait()
+    return [pickle.loads(o[: int(k.item())].numpy().tobytes()) for o, k in zip(outs, sizes, strict=True)]
 
 
 @dataclass
@@ -173,13 +224,12 @@ class _World:
 
 
 def _exchange(src: _Side | None, dst: _Side | None, group: Any) -> _World:
-    n = dist.get_world_size(group)
+    n = group_size(group)
     first = (src.digest if src else None, src.coords if src else {}, dst.digest if dst else None,
              dst.coords if dst else {}, (src.errors if src else []) + (dst.errors if dst else []),
              [s.device for s in (src, dst) if s is not None and s.device])
-    got: list[Any] = [None] * n
-    dist.all_gather_object(got, first, group=group)
-    me = dist.get_rank(group)
+    got = all_gather_object(first, group)
+    me = group_rank(group)
     owner: dict[str, int] = {}
     for r, (sh, _, dh, _, _, _) in enumerate(got):
         for h in (sh, dh):
@@ -189,8 +239,7 @@ def _exchange(src: _Side | None, dst: _Side | None, group: Any) -> _World:
     for side in (src, dst):
         if side is not None and owner.get(side.digest) == me:
             mine[side.digest] = side.table
-    tables_by: list[Any] = [None] * n
-    dist.all_gather_object(tables_by, mine, group=group)
+    tables_by = all_gather_object(mine, group)
     tables: dict[str, dict[str, tuple]] = {}
     for t in tables_by:
         tables.update(t)
@@ -325,54 +374,88 @@ def plan(src: State | None, dst: State | None, *, group: Any = None,
 # --------------------------------------------------------------------------------------------
 
 
-def reshard(src: State | None, dst: State | None, *, group: Any = None, verify: bool = False,
-            staging_cap_bytes: int | None = None) -> ReshardStats:
-    """Fill ``dst``'s local shards from ``src``'s, across workers; collective over ``group``.
+@dataclass
+class PreparedReshard:
+    """A reshard planned and agreed on by every worker, nothing moved yet (:func:`prepare_reshard`).
 
-    ``src``: this worker's state on the old mesh (``training_state(model, optimizer)``), ``None``
-    for a joiner. ``dst``: this worker's state already built on the new mesh
-    (``training_state(new_model, new_optimizer, init_optimizer=True)``), ``None`` for a leaver.
-    Every rank of ``group`` (default: the world) calls it, and is an old worker, a new worker or
-    both. ``verify=True`` checksums every message and local copy on both ends. Raises
-    :class:`ReshardError` on every worker, before any byte moves, when the state cannot be
-    moved; ``src`` is never modified.
-    """
+    ``digest`` is the same on every worker of the group (the plan is computed from the same
+    exchanged descriptions): a coordinator can compare it before letting the bytes move."""
+
+    plan: RegionPlan
+    prepared: Any  # elastic.reshard.execute.Prepared
+    group: Any
+    scalars: dict[str, tuple[str, Any]]
+    dst: _Side | None
+    digest: str
+    started: float
+    exchange_seconds: float
+    plan_seconds: float
+
+
+def prepare_reshard(src: State | _Side | None, dst: State | None, *, group: Any = None,
+                    staging_cap_bytes: int | None = None) -> PreparedReshard:
+    """Steps 1-3 of :func:`reshard` and the executor's preparation (collective over ``group``):
+    raises :class:`ReshardError` on every worker alike when the state cannot be moved. Nothing is
+    allocated beyond staging buffers: the bytes land in ``dst``'s own tensors, and ``src`` stays
+    whole until the caller drops it."""
     t0 = time.perf_counter()
-    tp = time.perf_counter()
     p, scalars, s, d, t_exchange = plan(src, dst, group=group, staging_cap_bytes=staging_cap_bytes)
-    t_plan = time.perf_counter() - tp - t_exchange
-    me = dist.get_rank(group)
-    te = time.perf_counter()
+    t_plan = time.perf_counter() - t0 - t_exchange
+    me = group_rank(group)
     device = (s.device if s and s.device else None) or (d.device if d and d.device else None) or "cpu"
     old_state = {(k, p_kind(t)): t for k, t in (s.locals.items() if s else ())}
     into = {(k, p_kind(t)): t for k, t in (d.locals.items() if d else ())}
     dtypes = {kind: getattr(torch, kind) for kind in p.kinds}
     problem = None
+    prepared = None
     try:
         prepared = ex.prepare(p, me, old_state, device=device, dtypes=dtypes, into=into)  # type: ignore[arg-type]
     except (ReshardError, ValueError, RuntimeError) as e:
         problem = f"{type(e).__name__}: {e}"
     # a worker that cannot prepare must not leave its peers blocked in their first receive:
     # everyone hears of it and refuses together, still before any byte moves
-    problems: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(problems, problem, group=group)
-    bad = [(r, x) for r, x in enumerate(problems) if x]
+    bad = [(r, x) for r, x in enumerate(all_gather_object(problem, group)) if x]
     if bad:
         raise ReshardError("the state cannot be resharded: " + "; ".join(f"rank {r}: {x}" for r, x in bad[:4]))
-    ex.execute(prepared, group, {w: w for w in p.members}, verify=verify)
-    if d is not None:
+    digest = hashlib.blake2b(repr((p.bytes_planned, p.bytes_lower_bound, p.n_messages, p.keys, sorted(p.members),
+                                   sorted(scalars.items()))).encode(), digest_size=12).hexdigest()
+    return PreparedReshard(p, prepared, group, scalars, d, digest, t0, t_exchange, t_plan)
+
+
+def execute_reshard(r: PreparedReshard, *, verify: bool = False) -> ReshardStats:
+    """Step 4: move the bytes of a prepared reshard into ``dst`` and set its scalars (collective)."""
+    p = r.plan
+    te = time.perf_counter()
+    ex.execute(r.prepared, r.group, {w: w for w in p.members}, verify=verify)
+    if r.dst is not None:
         with torch.no_grad():
-            for key, t in d.scalars.items():
-                t.fill_(scalars[key][1])
+            for key, t in r.dst.scalars.items():
+                t.fill_(r.scalars[key][1])
     done = time.perf_counter()
-    st = prepared.stats
+    st = r.prepared.stats
     return ReshardStats(
         bytes_moved=p.bytes_planned, bytes_lower_bound=p.bytes_lower_bound, bytes_needed=p.bytes_needed,
-        bytes_local=p.bytes_local, messages=p.n_messages, keys=p.keys, scalars=len(scalars),
+        bytes_local=p.bytes_local, messages=p.n_messages, keys=p.keys, scalars=len(r.scalars),
         templates=p.templates, rounds=p.rounds, leavers=tuple(p.leavers), joiners=tuple(p.joiners),  # type: ignore[arg-type]
-        bytes_sent=st.bytes_sent, bytes_received=st.bytes_received, seconds=done - t0,
-        exchange_seconds=t_exchange, plan_seconds=t_plan, execute_seconds=done - te, executor=st,
+        bytes_sent=st.bytes_sent, bytes_received=st.bytes_received, seconds=done - r.started,
+        exchange_seconds=r.exchange_seconds, plan_seconds=r.plan_seconds, execute_seconds=done - te, executor=st,
     )
+
+
+def reshard(src: State | _Side | None, dst: State | None, *, group: Any = None, verify: bool = False,
+            staging_cap_bytes: int | None = None) -> ReshardStats:
+    """Fill ``dst``'s local shards from ``src``'s, across workers; collective over ``group``.
+
+    ``src``: this worker's state on the old mesh (``training_state(model, optimizer)``, or
+    :func:`freeze` of it), ``None`` for a joiner. ``dst``: this worker's state already built on
+    the new mesh (``training_state(new_model, new_optimizer, init_optimizer=True)``), ``None``
+    for a leaver. Every rank of ``group`` (default: the world) calls it, and is an old worker, a
+    new worker or both. ``verify=True`` checksums every message and local copy on both ends.
+    Raises :class:`ReshardError` on every worker, before any byte moves, when the state cannot
+    be moved; ``src`` is never modified.
+    """
+    return execute_reshard(prepare_reshard(src, dst, group=group, staging_cap_bytes=staging_cap_bytes),
+                           verify=verify)
 
 
 def p_kind(t: torch.Tensor) -> str:
