@@ -15,7 +15,10 @@ training state into it with :func:`elastic.torch.reshard`::
         mgr.step_done(step)                       # at a rescale: new mesh, state moved in place
 
 ``build(world)`` returns ``(model, optimizer)`` or ``(model, optimizer, scheduler)`` on
-``world.mesh``; a scheduler's ``state_dict`` travels with the state. This module is the
+``world.mesh``; a scheduler's ``state_dict`` travels with the state, and so does every object
+given in ``state=`` (anything with ``state_dict``/``load_state_dict``). Without a ``schedule``,
+``Manager(...)`` is the coordinator-driven :class:`elastic.torch.coordinated.CoordinatedManager`
+(a worker of a job the controller launched and rescales). With one, this module is the
 *local* directive source: a fixed world of processes (``torch.distributed.run``, a test pool)
 and a ``schedule`` of layouts by step, the same on every process. Every process of the world
 takes part in every rescale's collectives (mesh creation is collective); a process outside the
@@ -98,18 +101,31 @@ class MeshLayout:
 
 @dataclass
 class World:
-    """What ``build`` gets: the layout, its mesh (every process has it), this process's place."""
+    """What ``build`` gets: the layout, its mesh (every process has it), this process's place.
+
+    ``device``: where the model goes (``cpu``, or this worker's ``cuda`` device under a job);
+    ``generation``: the job's layout generation (0 under a local schedule); ``dp_name``: the
+    data-parallel dim's name when it is none of :data:`DP_DIMS` (a job's ``mesh_dims``)."""
 
     layout: MeshLayout
     mesh: Any  # torch DeviceMesh
     rank: int
+    generation: int = 0
+    device: str = "cpu"
+    dp_name: str | None = None
 
     @property
     def member(self) -> bool:
         return self.rank in self.layout.ranks
 
+    def size(self, dim: str) -> int:
+        """The size of mesh dim ``dim`` (1 for a dim this layout does not have)."""
+        return dict(self.layout.dims).get(dim, 1)
+
     @property
     def dp_dim(self) -> str | None:
+        if self.dp_name is not None and self.dp_name in self.layout.names:
+            return self.dp_name
         return next((k for k in self.layout.names if k in DP_DIMS), None)
 
     @property
@@ -153,9 +169,18 @@ class Manager:
     source with ``len()`` and ``samples(indices)`` (:class:`elastic.torch.data.TokenCorpus`).
     """
 
+    def __new__(cls, *args: Any, **kw: Any) -> Manager:
+        # no schedule: the layouts come from the job's coordinator (a worker the controller launched)
+        if cls is Manager and kw.get("schedule") is None:
+            from elastic.torch.coordinated import CoordinatedManager
+
+            return super().__new__(CoordinatedManager)
+        return super().__new__(cls)
+
     def __init__(self, build: Callable[[World], tuple], *, global_batch: int, schedule: Mapping[int, MeshLayout]
                  | Sequence[tuple[int, MeshLayout]], total_steps: int, corpus: Any = None,
-                 micro_batch_size: int | None = None, seed: int = 0, group: Any = None, device: str = "cpu"):
+                 micro_batch_size: int | None = None, seed: int = 0, group: Any = None, device: str = "cpu",
+                 state: Mapping[str, Any] | None = None):
         if not dist.is_initialized():
             raise SpecError("Manager: torch.distributed is not initialised; call init_process_group first "
                             "(torch.distributed.run sets its environment)")
@@ -192,6 +217,7 @@ class Manager:
         self.optimizer: Any = None
         self.scheduler: Any = None
         self.records: list[RescaleRecord] = []
+        self.user_state = dict(state or {})
         self._next = 0  # the step whose boundary has been handled
         self._groups: dict[tuple[int, ...], Any] = {}
 
@@ -230,8 +256,9 @@ class Manager:
                 step = later[0]
                 self._next = step
 
-    def step_done(self, step: int) -> tuple[Any, Any]:
-        """End of ``step``: at a boundary, rescale; the model and optimizer to train the next step with."""
+    def step_done(self, step: int, loss: Any = None) -> tuple[Any, Any]:
+        """End of ``step``: at a boundary, rescale; the model and optimizer to train the next step with.
+        (``loss`` is for a job's loss history; a local schedule keeps none.)"""
         if step != self._next:
             raise SpecError(f"step_done({step}): the step in progress is {self._next}")
         self._next = step + 1
@@ -331,7 +358,8 @@ class Manager:
         extra = None
         if was:
             extra = {"groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
-                     "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+                     "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                     "user": {k: v.state_dict() for k, v in self.user_state.items()}}
         n_groups = len(built[1].param_groups) if built is not None and error is None else None
         told: list[Any] = [None] * len(union)
         dist.all_gather_object(told, (error, extra, n_groups), group=group)
@@ -356,6 +384,9 @@ class Manager:
                 g.update(old_g)
             if self.scheduler is not None and kept["scheduler"] is not None:
                 self.scheduler.load_state_dict(kept["scheduler"])
+            for k, sd in kept["user"].items():
+                if k in self.user_state:
+                    self.user_state[k].load_state_dict(sd)
         else:
             self.model = self.optimizer = self.scheduler = None
         rec.bytes_moved, rec.bytes_lower_bound = stats.bytes_moved, stats.bytes_lower_bound

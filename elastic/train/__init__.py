@@ -8,6 +8,16 @@ The worker agent, rendezvous and launchers build on the engine (see their module
 
 from __future__ import annotations
 
-from elastic.train.engine import State, StepResult, TrainConfig, TrainEngine
+from typing import Any
 
 __all__ = ["State", "StepResult", "TrainConfig", "TrainEngine"]
+
+
+def __getattr__(name: str) -> Any:
+    # the engine (and torch) load on first use: ``elastic.train.userjob`` is read by the controller and
+    # by spec validation, which must not import torch
+    if name in __all__:
+        from elastic.train import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'elastic.train' has no attribute {name!r}")

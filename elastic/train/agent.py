@@ -139,8 +139,12 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch
 
 
 def config_json(cfg: Any) -> dict[str, Any]:
-    """A ``TrainConfig`` as the JSON the coordinator hands every worker (model by preset name when it is one)."""
+    """A ``TrainConfig`` as the JSON the coordinator hands every worker (model by preset name when it is one);
+    a user job's config (``elastic.train.userjob.UserJobConfig``) as its own JSON."""
     from elastic.model import MODEL_PRESETS
+
+    if hasattr(cfg, "to_json"):
+        return cfg.to_json()
 
     d = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
     m: ModelSpec = d["model"]

@@ -20,6 +20,7 @@ What it must not do: decide layouts (the controller does) or touch tensors.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -46,6 +47,7 @@ from elastic.train.rendezvous import (
     RescaleRecord,
     StepRecord,
 )
+from elastic.train.userjob import is_user_config
 
 log = logging.getLogger(__name__)
 
@@ -124,15 +126,17 @@ class LaunchOptions:
     checkpoint: CheckpointSettings | None = None
 
 
-def coordinator_settings(o: LaunchOptions) -> dict[str, Any]:
-    """The ``Coordinator`` keyword arguments that ``o`` decides (one place for every launcher)."""
+def coordinator_settings(o: LaunchOptions, *, user: bool = False) -> dict[str, Any]:
+    """The ``Coordinator`` keyword arguments that ``o`` decides (one place for every launcher).
+    ``user``: a user job (``elastic.torch.Manager``), whose loop cannot give a step up half-way and
+    prepares at the switch, and which keeps no checkpoints of ours."""
     return {"heartbeat_interval_s": o.heartbeat_interval_s, "heartbeat_timeout_s": o.heartbeat_timeout_s,
             "join_timeout_s": o.join_timeout_s, "max_steps": o.max_steps, "recover": o.recover,
             "lookahead_steps": o.lookahead_steps, "shrink_lookahead_steps": o.shrink_lookahead_steps,
-            "shrink_gives_up_step": o.shrink_gives_up_step,
-            "grow_gives_up_step": o.grow_gives_up_step, "transactional": o.transactional_rescale,
-            "prepare_beside_step": o.prepare_beside_step,
-            "checkpoint": o.checkpoint, "rendezvous_timeout_s": o.pg_timeout_s}
+            "shrink_gives_up_step": o.shrink_gives_up_step and not user,
+            "grow_gives_up_step": o.grow_gives_up_step and not user, "transactional": o.transactional_rescale,
+            "prepare_beside_step": o.prepare_beside_step and not user,
+            "checkpoint": None if user else o.checkpoint, "rendezvous_timeout_s": o.pg_timeout_s}
 
 
 def job_options(options: LaunchOptions | None, spec: Any, *, coordinator_sees: bool = True) -> LaunchOptions | None:
@@ -153,7 +157,9 @@ def make_validator(cfg: Any, hardware: HardwareSpec | str | None = None, gpus_pe
     def validate(layout: Layout, workers: Sequence[str]) -> None:
         # 1. the model must split (heads, layers) and the trainer must support the layout
         check_layout(cfg.model, layout, gpus_per_node or (hw.gpus_per_node if hw else None))
-        if layout.vpp != 1 or layout.ep != 1:
+        if is_user_config(cfg):
+            cfg.check_axes(layout)  # the user's mesh names a dim for every axis above 1
+        elif layout.vpp != 1 or layout.ep != 1:
             raise SpecError(f"layout {layout}: the reference trainer runs vpp=1 and ep=1 only")
         # 2. the global batch must split into dp * micro_batch * grad_accum
         cfg.grad_accum(layout)
@@ -181,7 +187,7 @@ class JobHandle(ABC):
         self.validate = make_validator(cfg, hardware, gpus_per_node)
         o = self.opts
         self.coordinator = Coordinator(job, config_json(cfg), host=host, registry=registry,
-                                       validator=self.validate, **coordinator_settings(o))
+                                       validator=self.validate, **coordinator_settings(o, user=is_user_config(cfg)))
         self._spawned: set[str] = set()
         self._gone: set[str] = set()
         self._lock = threading.Lock()
@@ -425,6 +431,11 @@ class JobHandle(ABC):
             env["ELASTIC_CHECKPOINT_DIR"] = self.opts.checkpoint.dir
         if self.opts.engine_factory:
             env["ELASTIC_ENGINE_FACTORY"] = self.opts.engine_factory
+        if is_user_config(self.cfg):  # the user's own loop (elastic.torch.run) instead of the reference trainer
+            env["ELASTIC_ENTRYPOINT"] = self.cfg.entrypoint
+            env["ELASTIC_ARGS"] = json.dumps(list(self.cfg.args))
+            # where the launcher found the user's code: a worker may start elsewhere (a Ray actor)
+            env["ELASTIC_CODE_DIR"] = os.getcwd()
         if self.opts.nice:
             env["ELASTIC_NICE"] = str(self.opts.nice)
         if keeper:  # holds a paused job's state in host memory: no GPU, no CUDA

@@ -997,6 +997,9 @@ class Coordinator:
                 return f"the job failed: {self._error}"
             if int(building) in self._rolled_back:
                 return self._rolled_back[int(building)]
+            decided = self._decisions.get(int(building))
+            if decided is not None and decided[0] == "abandoned":  # e.g. a joiner never came: nothing will form
+                return f"the rescale to generation {building} was abandoned: {decided[1]}"
             rec = self._recovery
             return rec.reason if unreported(building) and rec is not None else None
 
@@ -1470,7 +1473,8 @@ class Coordinator:
         if not self.recover or gen.hold:
             return False
         lay = Layout.parse(gen.layout)
-        return lay.dp >= 2 and not lay.zero
+        # a user job says whether its data-parallel ranks hold copies (DDP) or shards (FSDP) of the state
+        return lay.dp >= 2 and not lay.zero and bool(self.config.get("dp_replicas", True))
 
     def _rollback_pending_locked(self) -> _Pending | None:
         """The transactional rescale a loss now rolls back: bytes moving (``go``), not every member

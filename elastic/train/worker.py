@@ -16,6 +16,9 @@ Environment:
   bytes have landed; ``0`` returns from :func:`main` instead (a Ray actor, whose process Ray ends).
 * ``ELASTIC_ENGINE_FACTORY`` (optional, ``module:function``): an engine other than
   ``elastic.train.engine.TrainEngine`` that implements :class:`elastic.train.agent.Engine`.
+* ``ELASTIC_ENTRYPOINT`` (optional; ``module:function`` or a script path, arguments as a JSON list
+  in ``ELASTIC_ARGS``): the worker of a *user* job, which runs the user's own loop under
+  ``elastic.torch.Manager`` (:mod:`elastic.torch.run`) instead of the reference trainer.
 
 Exit codes: 0 stopped/finished/left, 1 the job failed (reason posted to the coordinator),
 2 bad configuration, 3 coordinator unreachable.
@@ -126,6 +129,11 @@ class _EnvCheckedAgent(WorkerAgent):
 
 def main(env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
+    if env.get("ELASTIC_ENTRYPOINT"):
+        _nice(env)
+        from elastic.torch.run import main as run_user
+
+        return run_user([], env)
     logging.basicConfig(level=os.environ.get("ELASTIC_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -135,18 +143,22 @@ def main(env: Mapping[str, str] | None = None) -> int:
     except SpecError as e:
         print(f"elastic.train.worker: {e}", file=sys.stderr)
         return 2
-    nice = env.get("ELASTIC_NICE", "0")
-    if nice not in ("", "0"):
-        try:
-            os.nice(int(nice))
-        except (ValueError, OSError) as e:
-            print(f"elastic.train.worker: ELASTIC_NICE={nice!r} not applied: {e}", file=sys.stderr)
+    _nice(env)
     agent = _EnvCheckedAgent(env, worker=worker, url=url, engine_factory=factory, options=opts)
     try:
         return agent.run()
     except SpecError as e:
         print(f"elastic.train.worker {worker} (job {job}): {e}", file=sys.stderr)
         return 2
+
+
+def _nice(env: Mapping[str, str]) -> None:
+    nice = env.get("ELASTIC_NICE", "0")
+    if nice not in ("", "0"):
+        try:
+            os.nice(int(nice))
+        except (ValueError, OSError) as e:
+            print(f"elastic.train.worker: ELASTIC_NICE={nice!r} not applied: {e}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,126 @@
+"""The example Llama job (``examples.llama.job:main``) with faults injected from the environment, for tests.
+
+A test launches workers with entrypoint ``tests.torch._user_job:main``; the workers inherit its
+environment, and each variable below arms one fault in the worker it names:
+
+* ``ELASTIC_TEST_BUILD_FAULT=<mesh>:<raise|keys>``: the first build on that mesh (``dp_shard2.tp2``)
+  raises on the new world's rank 0 after the mesh's collectives (``raise``), or builds a model with
+  a third block on every rank, whose keys the running state does not have (``keys``).
+* ``ELASTIC_TEST_DIE=<worker>:<step>``: that worker SIGKILLs itself in that step, after its first
+  micro-batch's backward (a lost node mid-step).
+* ``ELASTIC_TEST_DIE_EXCHANGE=<worker>:<generation>``: that worker SIGKILLs itself inside the
+  exchange of that generation's rescale, before it sends anything (a lost node mid-reshard).
+* ``ELASTIC_TEST_MANAGER_GLOBAL_BATCH=<n>``: the loop passes ``global_batch=n`` to its Manager
+  (a script whose settings disagree with the job's).
+
+Nothing here is shipped: the faults live in the test's process, around the user's code and
+around ``elastic.reshard.execute.execute``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+from typing import Any
+
+
+def _me() -> str:
+    return os.environ.get("ELASTIC_WORKER_ID", "")
+
+
+def _die(why: str) -> None:
+    print(f"worker {_me()}: dying ({why})", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _arm_build(spec: str) -> None:
+    import torch.distributed as dist
+
+    from examples.llama import job
+
+    mesh, _, kind = spec.rpartition(":")
+    original = job.build
+    fired: list[bool] = []
+
+    def build(world: Any, dtype: Any = None) -> tuple:
+        shape = ".".join(f"{k}{v}" for k, v in world.layout.dims)
+        armed = shape == mesh and not fired
+        if armed:
+            fired.append(True)
+        if armed and kind == "keys":
+            from examples.llama import byo
+
+            cfg = dataclasses.replace(byo.config(), n_layers=3)
+            saved = byo.config
+            job.config = lambda: cfg  # type: ignore[assignment]
+            try:
+                return original(world, dtype)
+            finally:
+                job.config = saved  # type: ignore[assignment]
+        out = original(world, dtype)
+        if armed and kind == "raise" and dist.get_rank() == 0:
+            raise RuntimeError(f"out of memory on {shape} (simulated)")
+        return out
+
+    job.build = build  # type: ignore[assignment]
+
+
+def _arm_die(spec: str) -> None:
+    from elastic.torch.coordinated import CoordinatedManager
+
+    worker, _, step = spec.rpartition(":")
+    if worker != _me():
+        return
+    original = CoordinatedManager.micro_batches
+
+    def micro_batches(self: Any, s: int) -> Any:
+        for i, b in enumerate(original(self, s)):
+            if s == int(step) and i == 1:
+                _die(f"in step {s}, after its first micro-batch")
+            yield b
+
+    CoordinatedManager.micro_batches = micro_batches  # type: ignore[method-assign]
+
+
+def _arm_die_exchange(spec: str) -> None:
+    import elastic.reshard.execute as ex
+    from elastic.torch.coordinated import current_session
+
+    worker, _, gen = spec.rpartition(":")
+    if worker != _me():
+        return
+    original = ex.execute
+
+    def execute(prepared: Any, *a: Any, **kw: Any) -> Any:
+        s = current_session()
+        if s is not None and s.gen + 1 == int(gen):  # moving into generation gen (not a recovery)
+            _die(f"inside the exchange of generation {gen}")
+        return original(prepared, *a, **kw)
+
+    ex.execute = execute
+
+
+def _arm_manager_batch(n: str) -> None:
+    import elastic.torch as et
+
+    real = et.Manager
+
+    def manager(build: Any, **kw: Any) -> Any:
+        return real(build, global_batch=int(n), **kw)
+
+    et.Manager = manager  # type: ignore[assignment,misc]
+
+
+def main() -> None:
+    from examples.llama import job
+
+    if n := os.environ.get("ELASTIC_TEST_MANAGER_GLOBAL_BATCH"):
+        _arm_manager_batch(n)
+    if spec := os.environ.get("ELASTIC_TEST_BUILD_FAULT"):
+        _arm_build(spec)
+    if spec := os.environ.get("ELASTIC_TEST_DIE"):
+        _arm_die(spec)
+    if spec := os.environ.get("ELASTIC_TEST_DIE_EXCHANGE"):
+        _arm_die_exchange(spec)
+    job.main()
