@@ -2,13 +2,15 @@
 
 Validated as a whole at load time, so a bad file is rejected before anything is started:
 unknown keys, an inference minimum that alone exceeds the pool, a job whose minimum cannot
-fit next to the inference minimums, an unknown model or hardware. Every error names the
-field (``services[0].min_replicas``) and says what to change. Pure: no I/O beyond reading
-the file handed in.
+fit next to the inference minimums, an unknown model or hardware, a user job's entrypoint
+that does not load. Every error names the field (``services[0].min_replicas``) and says what
+to change. Pure but for reading the file handed in and looking up each entrypoint (its script,
+its module on the path), whose code it never runs.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -97,12 +99,14 @@ def load_config(path: str | Path | None = None, data: dict[str, Any] | None = No
     try:
         cfg = ControllerConfig.model_validate(data)
     except ValidationError as e:
-        raise SpecError(f"{source}: {_one_line(e)}") from None
+        raise SpecError(f"{source}: {_located(e) or _one_line(e)}") from None
     for i, j in enumerate(cfg.jobs):
         try:
-            model = load_model(j.model)
+            model = load_model(j.model)  # a user job too: the planner sizes it from the declared model
         except SpecError as e:
             raise SpecError(f"{source}: jobs[{i}].model: {e}") from None
+        if j.entrypoint is not None:
+            _check_user_code(source, i, j)
         for field_name, values in (("allowed_tp", j.allowed_tp), ("allowed_pp", j.allowed_pp)):
             for v in values or ():
                 if v < 1:
@@ -116,3 +120,28 @@ def load_config(path: str | Path | None = None, data: dict[str, Any] | None = No
                 except SpecError as e:
                     raise SpecError(f"{source}: jobs[{i}].allowed_tp: {e}") from None
     return cfg
+
+
+def _located(e: ValidationError) -> str | None:
+    """``jobs[0].checkpoint: ...`` for errors that name their field in ``ctx["field"]`` (a job's
+    cross-field checks); None when some error does not (``_one_line`` words those)."""
+    parts = []
+    for err in e.errors():
+        name = (err.get("ctx") or {}).get("field")
+        if not name:
+            return None
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
+        msg = err["msg"] if err["msg"].startswith(name) else f"{name}: {err['msg']}"
+        parts.append(f"{where}.{msg}" if where else msg)
+    return "; ".join(parts) or None
+
+
+def _check_user_code(source: str, i: int, job: TrainingSpec) -> None:
+    """Refuse a job whose entrypoint this process can tell will not load (a missing script, a module
+    not on the path), before anything starts; the workers run from this process's directory."""
+    from elastic.train.userjob import check_entrypoint
+
+    try:
+        check_entrypoint(job.entrypoint or "", f"jobs[{i}].entrypoint", cwd=os.getcwd())
+    except SpecError as e:
+        raise SpecError(f"{source}: {e}") from None

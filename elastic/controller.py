@@ -108,7 +108,8 @@ def job_throughput_tables(cfg: ControllerConfig) -> dict[str, dict[int, tuple[st
     return {j.name: throughput_table(models[j.name], hw, min(j.max_gpus, cfg.pool.total_gpus),
                                      gpus_per_node=cfg.pool.gpus_per_node, global_batch=j.global_batch,
                                      allowed_tp=j.allowed_tp, allowed_pp=j.allowed_pp, zero=j.zero,
-                                     replicate_optimizer=j.replicate_optimizer)
+                                     # a user job's optimizer state is its own: never a ZeRO-1 layout
+                                     replicate_optimizer=j.replicate_optimizer or j.entrypoint is not None)
             for j in cfg.jobs}
 
 
@@ -164,7 +165,7 @@ class Controller:
                     cfg.models()[j.name], self.hardware, min(j.max_gpus, cfg.pool.total_gpus),
                     gpus_per_node=cfg.pool.gpus_per_node, global_batch=j.global_batch,
                     allowed_tp=j.allowed_tp, allowed_pp=j.allowed_pp, zero=j.zero,
-                    replicate_optimizer=j.replicate_optimizer)
+                    replicate_optimizer=j.replicate_optimizer or j.entrypoint is not None)
         check_feasible(cfg, self._throughput)
         self._register()
 
@@ -475,8 +476,10 @@ class Controller:
                      layout=(runtimes[j.name].layout if _trains(runtimes[j.name]) else None),
                      last_rescale_at=self.last_rescale.get(j.name),
                      status=_job_status(runtimes[j.name]),
-                     # a backend that cannot keep a job's state off-GPU can only preempt it: say so
-                     on_below_minimum=j.on_below_minimum if self._can_pause else "preempt")
+                     # a backend that cannot keep a job's state off-GPU can only preempt it, and no
+                     # backend can keep a user job's (its state is the user's code's): say so
+                     on_below_minimum=(j.on_below_minimum if self._can_pause and j.entrypoint is None
+                                       else "preempt"))
             for j in self.cfg.jobs)
         return Snapshot(now, nodes, services, jobs, previous, Knobs.from_pool(self.cfg.pool))
 

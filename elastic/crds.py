@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -277,11 +278,13 @@ class WorkerTemplate(_CR):
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     """Kubernetes image pull policy."""
     command: list[str] = Field(default_factory=lambda: list(WORKER_COMMAND))
-    """Entry point; the default runs the reference trainer's worker agent."""
+    """Container command; the default runs elastic's worker agent (the reference trainer, or the job's
+    ``entrypoint`` when it names one)."""
     args: list[str] = Field(default_factory=list)
     """Arguments to ``command``."""
     env: list[EnvVar] = Field(default_factory=list)
-    """Extra environment (the operator sets ``ELASTIC_JOB``, ``ELASTIC_WORKER_ID``, ``ELASTIC_RENDEZVOUS_URL``)."""
+    """Extra environment (the operator sets ``ELASTIC_JOB``, ``ELASTIC_WORKER_ID``, ``ELASTIC_RENDEZVOUS_URL``, and
+    for a job with an ``entrypoint`` ``ELASTIC_ENTRYPOINT`` and ``ELASTIC_ARGS``)."""
     resources: dict[str, Any] = Field(default_factory=dict)
     """Container resources (``requests``/``limits``); ``nvidia.com/gpu: 1`` is always added."""
     service_account_name: str | None = None
@@ -315,6 +318,13 @@ class ElasticTrainingJobSpec(_CR):
         {"rule": "has(self.model) != has(self.modelSpec)", "message": "give exactly one of model or modelSpec"},
         {"rule": "self.microBatch <= self.globalBatch", "message": "microBatch must be <= globalBatch",
          "fieldPath": ".microBatch"},
+        {"rule": "!has(self.entrypoint) || !has(self.checkpoint)",
+         "message": "a job with an entrypoint keeps its own checkpoints; remove checkpoint", "fieldPath": ".checkpoint"},
+        {"rule": "!has(self.entrypoint) || self.zero == 0",
+         "message": "a job with an entrypoint shards its optimizer state its own way; set zero: 0", "fieldPath": ".zero"},
+        {"rule": "!has(self.entrypoint) || !has(self.onBelowMinimum) || self.onBelowMinimum == 'preempt'",
+         "message": "a job with an entrypoint cannot be paused; set onBelowMinimum: preempt or leave it out",
+         "fieldPath": ".onBelowMinimum"},
     ]})
 
     pool: str = Field(min_length=1)
@@ -329,10 +339,11 @@ class ElasticTrainingJobSpec(_CR):
     """Pipeline-parallel degrees the planner may use (default: any)."""
     min_gpus: int = Field(default=1, ge=1, alias="minGPUs")
     """Fewest GPUs the job runs on; below it the job pauses (see onBelowMinimum)."""
-    on_below_minimum: Literal["pause", "preempt"] = Field(default="pause", alias="onBelowMinimum")
+    on_below_minimum: Literal["pause", "preempt"] | None = Field(default=None, alias="onBelowMinimum")
     """When inference needs GPUs the job cannot spare above minGPUs: ``pause`` keeps its state off-GPU and
     resumes it at the same step later (on backends that can; else it is preempted); ``preempt`` stops it
-    (state dropped, it starts again from step 0)."""
+    (state dropped, it starts again from step 0). Omitted: ``pause``, and ``preempt`` for a job with an
+    ``entrypoint`` (which cannot be paused)."""
     max_gpus: int = Field(default=8, ge=1, alias="maxGPUs")
     """Most GPUs the job takes."""
     global_batch: int = Field(default=16, ge=1)
@@ -349,6 +360,22 @@ class ElasticTrainingJobSpec(_CR):
     checkpoint: CheckpointPolicy | None = None
     """Periodic checkpoints, for losses no data-parallel replica covers (``dp = 1``, ZeRO-1, two losses):
     the job then starts again from the newest complete one, on any layout. Omit: it starts from step 0."""
+    entrypoint: str | None = Field(default=None, min_length=1)
+    """The user's own training code, run by every worker under ``elastic.torch.Manager``:
+    ``package.module:function`` or a script path ending in ``.py``, as the worker image has it (the
+    operator does not look inside the image: a worker that cannot load it fails the job with the import
+    error). ``model``/``modelSpec`` still declares the model the planner sizes the job from. Omit: the
+    reference trainer."""
+    args: list[str] = Field(default_factory=list)
+    """Command-line arguments of ``entrypoint`` (its ``sys.argv[1:]``); only with an entrypoint."""
+    mesh_dims: dict[str, str] | None = None
+    """With an entrypoint: the name of the user's device mesh dim for each axis it shards over (keys ``dp``,
+    ``tp``, ``pp``), e.g. ``{dp: dp_shard, tp: tp}`` (the default); an axis without a name has degree 1."""
+    dp_replicas: bool = False
+    """With an entrypoint: the data-parallel ranks hold full copies of the state (DDP-style), so a lost worker
+    is recovered in place; false: they hold shards (FSDP-style) and a lost worker fails the job."""
+    seed: int = Field(default=0, ge=0)
+    """Seed of the data order (the reference trainer may ignore it)."""
     template: WorkerTemplate
     """Worker pod template."""
 
@@ -677,14 +704,35 @@ def to_training_spec(workload: str, spec: ElasticTrainingJobSpec, model_dir: str
         raise CRError("spec.checkpoint.everySteps", "InvalidCheckpointEverySteps",
                       "neither everySteps nor everySeconds is set; give at least one (e.g. everySteps: 100)")
     assert model_ref is not None
-    return TrainingSpec(name=workload, model=model_ref, min_gpus=spec.min_gpus, max_gpus=spec.max_gpus,
-                        priority=spec.priority, global_batch=spec.global_batch, micro_batch=spec.micro_batch,
-                        allowed_tp=spec.allowed_tp, allowed_pp=spec.allowed_pp, zero=spec.zero,
-                        replicate_optimizer=spec.replicate_optimizer,
-                        on_below_minimum=spec.on_below_minimum,
-                        checkpoint=CheckpointSpec(dir=spec.checkpoint.dir, every_steps=spec.checkpoint.every_steps,
-                                                  every_seconds=spec.checkpoint.every_seconds,
-                                                  keep=spec.checkpoint.keep) if spec.checkpoint else None)
+    # omitted, onBelowMinimum is TrainingSpec's to choose (pause; preempt for a user job)
+    below = {} if spec.on_below_minimum is None else {"on_below_minimum": spec.on_below_minimum}
+    try:
+        return TrainingSpec(name=workload, model=model_ref, min_gpus=spec.min_gpus, max_gpus=spec.max_gpus,
+                            priority=spec.priority, global_batch=spec.global_batch, micro_batch=spec.micro_batch,
+                            allowed_tp=spec.allowed_tp, allowed_pp=spec.allowed_pp, zero=spec.zero,
+                            replicate_optimizer=spec.replicate_optimizer, **below,
+                            checkpoint=CheckpointSpec(dir=spec.checkpoint.dir, every_steps=spec.checkpoint.every_steps,
+                                                      every_seconds=spec.checkpoint.every_seconds,
+                                                      keep=spec.checkpoint.keep) if spec.checkpoint else None,
+                            entrypoint=spec.entrypoint, args=spec.args, mesh_dims=spec.mesh_dims,
+                            dp_replicas=spec.dp_replicas, seed=spec.seed)
+    except ValidationError as e:  # a check across fields (a user job's rules): name the CR's field
+        raise _training_error(e) from None
+
+
+def _training_error(e: ValidationError) -> CRError:
+    """The first of ``TrainingSpec``'s errors, at the CR's camelCase field (``spec.onBelowMinimum``),
+    its text in the CR's words."""
+    err = e.errors()[0]
+    named = (err.get("ctx") or {}).get("field") or next((str(p) for p in err["loc"] if isinstance(p, str)), "")
+    fields = ElasticTrainingJobSpec.model_fields
+    alias = (fields[named].alias or named) if named in fields else to_camel(named) if named else ""
+    message = err["msg"].removeprefix("Value error, ")
+    for snake, info in fields.items():  # on_below_minimum=pause -> onBelowMinimum=pause
+        if "_" in snake and info.alias:
+            message = re.sub(rf"\b{snake}\b", info.alias, message)
+    message = message.removeprefix(f"{alias}: ")
+    return CRError(f"spec.{alias}" if alias else "spec", _reason_for((alias,) if alias else ()), message)
 
 
 def _inline_model(workload: str, data: dict[str, Any], model_dir: str | Path | None) -> str:

@@ -656,6 +656,26 @@ class TrainingSpec(_Spec):
         description="a safety net for losses no replica covers (dp = 1, ZeRO-1, two losses): the job then starts "
                     "again from its newest complete checkpoint, on any layout, instead of from step 0. Rescales "
                     "never use it (they move the state between live workers). None: no checkpoints")
+    entrypoint: str | None = Field(
+        default=None,
+        description="the user's own training code, run under elastic.torch.Manager by every worker: "
+                    "'package.module:function' (called with no arguments) or a script path ending in .py (run as "
+                    "__main__). The declared model is what the planner sizes the job from. None: the reference "
+                    "trainer")
+    args: list[str] = Field(
+        default_factory=list,
+        description="command-line arguments of the entrypoint (its sys.argv[1:]); only with an entrypoint")
+    mesh_dims: dict[str, str] | None = Field(
+        default=None,
+        description="the name of the user's device mesh dim for each controller axis it shards over (dp, tp, pp), "
+                    "e.g. {dp: dp_shard, tp: tp}; an axis without a name always has degree 1 (allowed_tp/allowed_pp "
+                    "become [1]). Only with an entrypoint; None: {dp: dp_shard, tp: tp}")
+    dp_replicas: bool = Field(
+        default=False,
+        description="with an entrypoint: the data-parallel ranks hold full copies of the state (DDP-style), so a "
+                    "lost worker is recovered in place from a copy; false: they hold shards (FSDP-style) and a "
+                    "lost worker fails the job")
+    seed: int = Field(default=0, ge=0, description="seed of the data order (the reference trainer may ignore it)")
 
     @model_validator(mode="after")
     def _bounds(self) -> TrainingSpec:
@@ -665,6 +685,63 @@ class TrainingSpec(_Spec):
         if self.min_gpus > self.max_gpus:
             raise ValueError(f"min_gpus={self.min_gpus} > max_gpus={self.max_gpus}; raise max_gpus or lower min_gpus")
         return self
+
+    @model_validator(mode="after")
+    def _user_code(self) -> TrainingSpec:
+        """With an entrypoint: the rules of ``elastic.train.userjob`` plus what a user job cannot do
+        (elastic's checkpoints, ZeRO-1, pausing into keepers); ``on_below_minimum`` becomes preempt and
+        an axis ``mesh_dims`` does not name is held at 1. Without one: the user-job fields stay unset.
+        Each error carries the offending field in its context (``ctx["field"]``)."""
+        err = self._field_error
+        if self.entrypoint is None:
+            for name, default in (("args", []), ("mesh_dims", None), ("dp_replicas", False)):
+                if getattr(self, name) != default:
+                    raise err(name, f"{name}: only a job with an entrypoint (its own training code) takes it; "
+                                    f"set entrypoint or remove {name}")
+            return self
+        # the workers apply these same rules; imported here, so only a user job loads elastic.train
+        from elastic.train.userjob import DEFAULT_MESH_DIMS, UserJobConfig, parse_entrypoint
+
+        try:
+            parse_entrypoint(self.entrypoint, "entrypoint")
+        except SpecError as e:
+            raise err("entrypoint", str(e)) from None
+        dims = dict(self.mesh_dims if self.mesh_dims is not None else DEFAULT_MESH_DIMS)
+        try:  # its shape rules only: the model is loaded (and checked) where the job is run
+            UserJobConfig(model=None, global_batch=self.global_batch,  # type: ignore[arg-type]
+                          entrypoint=self.entrypoint, args=tuple(self.args), micro_batch=self.micro_batch,
+                          seed=self.seed, mesh_dims=dims, dp_replicas=self.dp_replicas)
+        except SpecError as e:
+            raise err("mesh_dims", str(e)) from None
+        if self.checkpoint is not None:
+            raise err("checkpoint", "checkpoint: a job with an entrypoint keeps its own checkpoints (elastic "
+                                    "saves none of its state); remove checkpoint")
+        if self.zero:
+            raise err("zero", f"zero={self.zero}: a job with an entrypoint shards its optimizer state its own way "
+                              "(ZeRO-1 is the reference trainer's); set zero: 0")
+        if "on_below_minimum" in self.model_fields_set and self.on_below_minimum == "pause":
+            raise err("on_below_minimum", "on_below_minimum=pause: a job with an entrypoint cannot be paused into "
+                                          "keepers; set on_below_minimum: preempt or leave it out")
+        held: dict[str, Any] = {"on_below_minimum": "preempt"}
+        for axis, name in (("tp", "allowed_tp"), ("pp", "allowed_pp")):
+            allowed = getattr(self, name)
+            if axis in dims:
+                continue
+            if allowed not in (None, [1]):
+                raise err(name, f"{name}={allowed}: mesh_dims {dims} names no {axis} dim, so the job runs {axis}=1 "
+                                f"only; set {name}: [1] (or leave it out), or add a {axis} dim to mesh_dims "
+                                f"(e.g. {axis}: {axis})")
+            held[name] = [1]
+        for name, value in held.items():  # derived, not set: a dump with exclude_unset stays as written
+            object.__setattr__(self, name, value)
+        return self
+
+    @staticmethod
+    def _field_error(field_name: str, message: str) -> Exception:
+        """An error about one field: ``ctx["field"]`` lets the API and the operator name it."""
+        from pydantic_core import PydanticCustomError
+
+        return PydanticCustomError("user_job", message, {"field": field_name})
 
 
 class PoolSpec(_Spec):

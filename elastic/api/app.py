@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -236,9 +237,16 @@ def _check_service(api: _Api, body: S.ServiceWrite) -> None:
 def _check_job(api: _Api, body: S.JobWrite) -> None:
     pool = api.pool_spec(body.pool)
     try:
-        load_model(body.spec.model)
+        load_model(body.spec.model)  # a user job too: the planner sizes it from the declared model
     except SpecError as e:
         raise invalid("spec.model", str(e)) from None
+    if body.spec.entrypoint is not None:
+        from elastic.train.userjob import check_entrypoint
+
+        try:  # the controller's workers run where this process does: its path, its directory
+            check_entrypoint(body.spec.entrypoint, "entrypoint", cwd=os.getcwd())
+        except SpecError as e:
+            raise invalid("spec.entrypoint", str(e).removeprefix("entrypoint: ")) from None
     if body.spec.min_gpus > pool.total_gpus:
         raise invalid("spec.min_gpus", f"{body.spec.min_gpus} exceeds pool '{pool.name}' ({pool.total_gpus} GPUs)")
 
@@ -530,7 +538,8 @@ def _feasible(api: _Api, rec: db.JobRecord, text: str) -> Any:
     """Validate ``text`` for the job with the planner; 422 naming ``layout`` and the reason otherwise.
 
     Steps: 1. parse; 2. the job's bounds and allowed degrees; 3. the pool's size; 4. the model's
-    structure (``check_layout``); 5. memory and batch (``evaluate``).
+    structure (``check_layout``) and, for a user job, its mesh (``check_axes``); 5. memory and batch
+    (``evaluate``).
     """
     from elastic.parallel.planner import evaluate  # the planner is pure but heavy: import on use
 
@@ -552,6 +561,10 @@ def _feasible(api: _Api, rec: db.JobRecord, text: str) -> Any:
     try:
         model = load_model(job.model)
         check_layout(model, layout, pool.gpus_per_node)
+        if job.entrypoint is not None:  # the user's mesh: tp, pp, dp only, each axis above 1 named
+            from elastic.train.userjob import from_spec
+
+            from_spec(job, model).check_axes(layout)
         planned = evaluate(model, layout, load_hardware(pool.hardware), gpus_per_node=pool.gpus_per_node,
                            global_batch=job.global_batch)
     except SpecError as e:

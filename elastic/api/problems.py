@@ -113,6 +113,17 @@ def _message(err: dict[str, Any]) -> str:
     return msg[len("Value error, "):] if msg.startswith("Value error, ") else msg
 
 
+def _field_error(err: dict[str, Any]) -> FieldError:
+    """A check across a spec's fields that names its field in ``ctx["field"]`` (``TrainingSpec``'s
+    user-job rules) is reported at that field, ``spec.checkpoint``, not at ``spec``."""
+    path, message = _field_path(err.get("loc", ())), _message(err)
+    named = (err.get("ctx") or {}).get("field")
+    if isinstance(named, str) and named:
+        path = named if path == "body" else f"{path}.{named}"
+        message = message.removeprefix(f"{named}: ")
+    return FieldError(field=path, message=message)
+
+
 def validation_problem(errors: list[dict[str, Any]]) -> Problem:
     """One problem for pydantic/FastAPI errors; malformed JSON is a 400, the rest 422."""
     if any(e.get("type") == "json_invalid" for e in errors):
@@ -121,7 +132,7 @@ def validation_problem(errors: list[dict[str, Any]]) -> Problem:
         pos = where[1] if len(where) > 1 else 0
         reason = (e.get("ctx") or {}).get("error", "invalid JSON")
         return Problem(400, "malformed-json", f"body: malformed JSON at character {pos}: {reason}", field="body")
-    items = [FieldError(field=_field_path(e.get("loc", ())), message=_message(e)) for e in errors]
+    items = [_field_error(e) for e in errors]
     detail = "; ".join(f"{i.field}: {i.message}" for i in items[:5])
     if len(items) > 5:
         detail += f"; and {len(items) - 5} more"

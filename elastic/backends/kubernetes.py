@@ -12,7 +12,8 @@ What it is for: the operator drives the controller's ``Backend`` protocol agains
 * **Training**: one Pod per worker (``<job>-w<id>``, labels ``elastic.dev/job`` and
   ``elastic.dev/worker``, annotations with the layout generation, layout and GPU), pinned by
   required node affinity to the node the allocation chose and asking ``nvidia.com/gpu: 1``,
-  running ``python -m elastic.train.worker`` (or the template's command); plus a headless
+  running ``python -m elastic.train.worker`` (or the template's command; for a job with an
+  ``entrypoint``, ``ELASTIC_ENTRYPOINT``/``ELASTIC_ARGS`` make it run the user's code); plus a headless
   Service ``<job>-workers`` for peer DNS. Everything the operator owns is written with
   server-side apply under one field manager.
 
@@ -34,6 +35,7 @@ What it must not do: decide anything (the controller does) or edit what it does 
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -441,10 +443,17 @@ class KubernetesBackend:
         return out
 
     def _new_handle(self, spec: TrainingSpec) -> KubernetesJobHandle:
-        from elastic.train.engine import TrainConfig
+        if spec.entrypoint is not None:  # the user's code: its config whatever tunes the reference trainer
+            from elastic.train.userjob import from_spec
 
-        cfg = (self.trainer_config(spec) if self.trainer_config else
-               TrainConfig(model=load_model(spec.model), global_batch=spec.global_batch, micro_batch=spec.micro_batch))
+            cfg = from_spec(spec)
+        elif self.trainer_config:
+            cfg = self.trainer_config(spec)
+        else:
+            from elastic.train.engine import TrainConfig
+
+            cfg = TrainConfig(model=load_model(spec.model), global_batch=spec.global_batch,
+                              micro_batch=spec.micro_batch)
         # the coordinator runs in this process, without the workers' volume: it starts a job at the
         # newest checkpoint its workers report when they register
         opts = job_options(self.launch_options, spec, coordinator_sees=False)
@@ -474,7 +483,7 @@ class KubernetesBackend:
         tpl = t.template
         worker_env = {"ELASTIC_JOB": spec.name, "ELASTIC_WORKER_ID": pod, "ELASTIC_MODEL": spec.model
                       if "/" not in spec.model else "", "ELASTIC_GLOBAL_BATCH": str(spec.global_batch),
-                      "ELASTIC_MICRO_BATCH": str(spec.micro_batch), **env}
+                      "ELASTIC_MICRO_BATCH": str(spec.micro_batch), **user_code_env(spec), **env}
         env_list = [{"name": e["name"], "value": e.get("value", "")} for e in tpl.get("env", [])]
         env_list += [{"name": k, "value": v} for k, v in worker_env.items() if v]
         resources = {k: dict(v) for k, v in (tpl.get("resources") or {}).items()}
@@ -591,6 +600,14 @@ class KubernetesBackend:
         with self._lock:
             self._jobs.pop(job, None)
         return len(pods)
+
+
+def user_code_env(spec: TrainingSpec) -> dict[str, str]:
+    """What makes ``python -m elastic.train.worker`` run a user job's own code: ``ELASTIC_ENTRYPOINT``
+    and ``ELASTIC_ARGS`` (a JSON list); empty for the reference trainer."""
+    if spec.entrypoint is None:
+        return {}
+    return {"ELASTIC_ENTRYPOINT": spec.entrypoint, "ELASTIC_ARGS": json.dumps(list(spec.args))}
 
 
 def _worker_index(pod: str) -> int:

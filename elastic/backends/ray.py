@@ -145,7 +145,7 @@ class RayBackend:
         self.detached = detached
         self.replica_config = replica_config
         self.train_options = train_options
-        self.trainer_config = trainer_config or default_trainer_config
+        self.trainer_config = trainer_config_for(trainer_config)
         self.drain_seconds = drain_seconds
         # per job, worker actors kept started without a GPU, torch imported, for the next joiner
         # (see _embedded_handle_class); single-node pools; detached mode does not use them
@@ -909,10 +909,27 @@ def _embedded_handle_class() -> type:
 
 
 def default_trainer_config(spec: TrainingSpec) -> Any:
-    """The reference trainer's config for a job spec (fp32 on CPU)."""
+    """A job spec's trainer config: the user's code (``UserJobConfig``) for a spec with an
+    ``entrypoint``, else the reference trainer's (fp32 on CPU)."""
+    if spec.entrypoint is not None:
+        from elastic.train.userjob import from_spec
+
+        return from_spec(spec)
     from elastic.train.engine import TrainConfig
 
     return TrainConfig(model=load_model(spec.model), global_batch=spec.global_batch, micro_batch=spec.micro_batch)
+
+
+def trainer_config_for(reference: Callable[[TrainingSpec], Any] | None) -> Callable[[TrainingSpec], Any]:
+    """How a backend picks a job's trainer config: a user job's is always its ``UserJobConfig``;
+    ``reference`` (a caller's tuning of the reference trainer) makes the other jobs' configs."""
+    if reference is None or reference is default_trainer_config:
+        return default_trainer_config
+
+    def choose(spec: TrainingSpec) -> Any:
+        return default_trainer_config(spec) if spec.entrypoint is not None else reference(spec)
+
+    return choose
 
 
 # ---- detached mode: names, the coordinator actor, the worker actor, the job handle ------------

@@ -53,7 +53,38 @@ def test_maps_camel_case_specs_onto_the_controller_types(tmp_path) -> None:
     assert job.model.endswith(".json") and (tmp_path / "ml_inline.json").exists()
 
 
+USER = {**JOB, "allowedTP": None, "entrypoint": "myteam.train:main", "args": ["--lr", "3e-4"],
+        "meshDims": {"dp": "dp_shard"}, "dpReplicas": True, "seed": 3}
+
+
+def test_maps_a_user_job_without_looking_for_its_code() -> None:
+    """The code lives in the worker image: the operator checks the entrypoint's form, not that it imports."""
+    job = to_training_spec("ml/u", parse_spec(ElasticTrainingJobSpec, USER))
+    assert (job.entrypoint, job.args, job.mesh_dims, job.dp_replicas, job.seed) == (
+        "myteam.train:main", ["--lr", "3e-4"], {"dp": "dp_shard"}, True, 3)
+    # never paused into keepers; no tp or pp dim in its mesh: both held at 1
+    assert (job.on_below_minimum, job.allowed_tp, job.allowed_pp, job.checkpoint) == ("preempt", [1], [1], None)
+    job = to_training_spec("ml/u", parse_spec(ElasticTrainingJobSpec, {
+        **USER, "meshDims": None, "allowedTP": [1, 2], "onBelowMinimum": "preempt"}))
+    assert (job.mesh_dims, job.allowed_tp, job.allowed_pp) == (None, [1, 2], [1])
+    job = to_training_spec("ml/r", parse_spec(ElasticTrainingJobSpec, JOB))
+    assert (job.entrypoint, job.args, job.mesh_dims, job.dp_replicas, job.seed) == (None, [], None, False, 0)
+
+
 BAD: list[tuple[str, dict[str, Any], str, str]] = [
+    ("job", {**USER, "checkpoint": {"dir": "/c"}}, "spec.checkpoint", "InvalidCheckpoint"),
+    ("job", {**USER, "zero": 1}, "spec.zero", "InvalidZero"),
+    ("job", {**USER, "onBelowMinimum": "pause"}, "spec.onBelowMinimum", "InvalidOnBelowMinimum"),
+    ("job", {**USER, "allowedTP": [1, 2]}, "spec.allowedTP", "InvalidAllowedTP"),
+    ("job", {**USER, "allowedPP": [2]}, "spec.allowedPP", "InvalidAllowedPP"),
+    ("job", {**USER, "meshDims": {"tp": "tp"}}, "spec.meshDims", "InvalidMeshDims"),
+    ("job", {**USER, "meshDims": {"dp": "x", "tp": "x"}}, "spec.meshDims", "InvalidMeshDims"),
+    ("job", {**USER, "entrypoint": "train"}, "spec.entrypoint", "InvalidEntrypoint"),
+    ("job", {**USER, "entrypoint": ""}, "spec.entrypoint", "InvalidEntrypoint"),
+    ("job", {**USER, "seed": -1}, "spec.seed", "InvalidSeed"),
+    ("job", {**JOB, "args": ["--x"]}, "spec.args", "InvalidArgs"),
+    ("job", {**JOB, "meshDims": {"dp": "dp"}}, "spec.meshDims", "InvalidMeshDims"),
+    ("job", {**JOB, "dpReplicas": True}, "spec.dpReplicas", "InvalidDpReplicas"),
     ("job", {**JOB, "minGPUs": 9}, "spec.minGPUs", "InvalidMinGPUs"),
     ("job", {**JOB, "model": "nope"}, "spec.model", "InvalidModel"),
     ("job", {**JOB, "model": None}, "spec.model", "InvalidModel"),
@@ -94,3 +125,29 @@ def test_bad_specs_name_the_field(kind: str, spec: dict[str, Any], field: str, r
             to_pool_spec("p", parse_spec(GPUPoolSpec, spec), 1)
     assert e.value.field == field and e.value.reason == reason, (e.value.field, e.value.reason, str(e.value))
     assert str(e.value).startswith(field)
+    assert not any(snake in str(e.value) for snake in ("on_below_minimum", "allowed_tp", "mesh_dims", "dp_replicas"))
+
+
+def test_user_job_messages_use_the_custom_resources_words() -> None:
+    with pytest.raises(CRError) as e:
+        to_training_spec("ml/u", parse_spec(ElasticTrainingJobSpec, {**USER, "onBelowMinimum": "pause"}))
+    assert "set onBelowMinimum: preempt" in str(e.value)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({}, None),
+    ({"onBelowMinimum": "preempt"}, None),
+    ({"checkpoint": {"dir": "/c"}}, "spec: a job with an entrypoint keeps its own checkpoints; remove checkpoint"),
+    ({"zero": 1}, "spec: a job with an entrypoint shards its optimizer state its own way; set zero: 0"),
+    ({"onBelowMinimum": "pause"}, "spec: a job with an entrypoint cannot be paused; set onBelowMinimum: preempt or "
+                                  "leave it out"),
+])
+def test_cel_rules_refuse_what_a_user_job_cannot_do(change: dict[str, Any], message: str | None) -> None:
+    """``kubectl apply`` refuses it already; ``to_training_spec`` says the same where CEL does not run."""
+    from tests.operator.test_manifests import _cel_failures, _defaulted, _spec_schema
+
+    schema = _spec_schema("ElasticTrainingJob")["properties"]["spec"]
+    spec = {k: v for k, v in _defaulted(schema, {**USER, **change}).items() if v is not None}
+    assert _cel_failures(schema, spec) == ([message] if message else [])
+    reference = {k: v for k, v in _defaulted(schema, {**JOB, **change}).items() if v is not None}
+    assert _cel_failures(schema, reference) == []
