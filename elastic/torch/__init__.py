@@ -13,16 +13,19 @@ most bytes local; :func:`shard_region` is the pure region math (torch's own chun
 A process that destroys its process groups and builds new ones calls
 :func:`clear_dtensor_caches` in between (torch's DTensor caches would hand out old meshes).
 
-:class:`Manager` wraps a user's own training loop and rescales it at step boundaries (a local
-schedule of :class:`MeshLayout`); :mod:`elastic.torch.data` gives every step the same samples
-at every layout (:func:`prepare_corpus`, :class:`TokenCorpus`, :func:`micro_batches`).
+:class:`Manager` wraps a user's own training loop and rescales it at step boundaries: under a
+job the controller launched (``python -m elastic.torch.run``, the layouts from the job's
+coordinator) or on a local schedule of :class:`MeshLayout`; :mod:`elastic.torch.data` gives
+every step the same samples at every layout (:func:`prepare_corpus`, :class:`TokenCorpus`,
+:func:`micro_batches`).
 """
 
 from elastic.reshard.plan import ReshardError
 from elastic.reshard.regions import PlacementError, Region, shard_region
 from elastic.torch.caches import clear_dtensor_caches
+from elastic.torch.coordinated import StepInterrupted
 from elastic.torch.data import Batch, CorpusError, TokenCorpus, micro_batches, prepare_corpus, step_samples
-from elastic.torch.manager import Manager, MeshLayout, World
+from elastic.torch.manager import Manager, MeshLayout, RNGState, World
 from elastic.torch.reshard import ReshardStats, mesh_order, reshard
 from elastic.torch.state import init_optimizer_state, load_training_state, training_state
 
@@ -35,6 +38,8 @@ __all__ = [
     "Region",
     "ReshardError",
     "ReshardStats",
+    "RNGState",
+    "StepInterrupted",
     "TokenCorpus",
     "World",
     "clear_dtensor_caches",

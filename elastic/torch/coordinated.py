@@ -97,7 +97,9 @@ def _options_from_env(env: Mapping[str, str]) -> Options:
     from elastic.train.worker import options_from_env
 
     o = options_from_env(env)
-    return Options(o.pg_timeout_s, o.coordinator_timeout_s, o.device, o.verify_reshard, o.exit_on_leave, o.recover)
+    # a worker given a GPU (CUDA_VISIBLE_DEVICES) trains on it unless ELASTIC_DEVICE says otherwise
+    device = o.device if env.get("ELASTIC_DEVICE") or not torch.cuda.is_available() else "cuda"
+    return Options(o.pg_timeout_s, o.coordinator_timeout_s, device, o.verify_reshard, o.exit_on_leave, o.recover)
 
 
 _SESSION: Session | None = None
@@ -164,6 +166,7 @@ class Session:
         self._last_result: dict[str, Any] | None = None
         self._src: Any = None  # the old state, described, while the old groups are gone
         self._union: Any = None
+        self._union_bytes: Any = None  # on CUDA: the union's NCCL backend for the bytes (gloo keeps the metadata)
         self._store: Any = None
         self._building: int | None = None
         self._interrupt_gen = -1
@@ -342,6 +345,8 @@ class Session:
             self._comm_sockets.begin()
             if not first:
                 self._union = self._raw_group(d, f"{tag}/union", sorted(d.members))
+                if self.opts.device.startswith("cuda"):  # gloo carries no CUDA tensors point to point
+                    self._union_bytes = self._raw_group(d, f"{tag}/union-nccl", sorted(d.members), nccl=True)
             if will:
                 self._init_world(d, f"{tag}/train", new_ranks[self.worker], len(d.workers))
             self._building = None
@@ -367,7 +372,8 @@ class Session:
                 from elastic.torch.state import training_state
 
                 dst = training_state(built[0], built[1], init_optimizer=True) if built is not None else None
-                prep = prepare_reshard(self._src if was else None, dst, group=self._union)
+                prep = prepare_reshard(self._src if was else None, dst, group=self._union,
+                                       transport=self._union_bytes)
             elif err:
                 raise SpecError(err)
         except (SpecError, ReshardError) as e:
@@ -435,8 +441,11 @@ class Session:
         self._src, self.phase = None, "training"
         self.applied = d.switch_step - 1
         rec.done, rec.seconds = True, time.perf_counter() - t0
+        # the parameters the code really builds (DTensors count their global size), for the planner's check
+        params = sum(p.numel() for p in self.model.parameters()) if first else None
         self.client.call("result", generation=d.generation, ok=True,
-                         stats={**result, "rank": new_ranks[self.worker], "seconds": rec.seconds})
+                         stats={**result, "rank": new_ranks[self.worker], "seconds": rec.seconds,
+                                **({"params": params} if params is not None else {})})
         return d.switch_step
 
     def _new_ranks(self, d: Any, tag: str) -> dict[str, int]:
@@ -642,11 +651,16 @@ class Session:
 
         roll_call(store, "roll-call", rank, world, self._aborter(building), self.opts.pg_timeout_s)
 
-    def _raw_group(self, d: Any, prefix: str, members: list[str]) -> Any:
+    def _raw_group(self, d: Any, prefix: str, members: list[str], *, nccl: bool = False) -> Any:
         store = dist.PrefixStore(prefix + "/", self._store_for(d))
         me = members.index(self.worker)
         self._roll_call(d, store, me, len(members), d.generation)
-        return dist.ProcessGroupGloo(store, me, len(members), datetime.timedelta(seconds=self.opts.pg_timeout_s))
+        timeout = datetime.timedelta(seconds=self.opts.pg_timeout_s)
+        if nccl:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            return dist.ProcessGroupNCCL(store, me, len(members), opts)
+        return dist.ProcessGroupGloo(store, me, len(members), timeout)
 
     def _init_world(self, d: Any, prefix: str, rank: int, n: int) -> None:
         from elastic.torch.caches import clear_dtensor_caches
@@ -670,12 +684,13 @@ class Session:
         clear_dtensor_caches()
 
     def _drop_union(self) -> None:
-        pg, self._union = self._union, None
-        if pg is not None:
-            try:
-                pg.shutdown()
-            except Exception:  # noqa: BLE001
-                pass
+        for pg in (self._union, self._union_bytes):
+            if pg is not None:
+                try:
+                    pg.shutdown()
+                except Exception:  # noqa: BLE001
+                    pass
+        self._union = self._union_bytes = None
 
     def _aborter(self, building: int) -> Callable[[], str | None]:
         """``aborted()`` for a roll call of groups for generation ``building``: the coordinator's reason

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from elastic.model import SpecError
 
-__all__ = ["DP_DIMS", "Manager", "MeshLayout", "RescaleRecord", "World"]
+__all__ = ["DP_DIMS", "Manager", "MeshLayout", "RNGState", "RescaleRecord", "World"]
 
 #: mesh dim names that split the data (the others, e.g. "tp", see the same samples)
 DP_DIMS = ("dp", "dp_shard", "dp_replicate")
@@ -123,6 +123,13 @@ class World:
         return dict(self.layout.dims).get(dim, 1)
 
     @property
+    def coordinate(self) -> dict[str, int]:
+        """This process's index on each mesh dim (empty when the layout does not include it)."""
+        if not self.member:
+            return {}
+        return {name: int(self.mesh[name].get_local_rank()) for name in self.layout.names}
+
+    @property
     def dp_dim(self) -> str | None:
         if self.dp_name is not None and self.dp_name in self.layout.names:
             return self.dp_name
@@ -145,6 +152,24 @@ class World:
     def dp_group(self) -> Any:
         d = self.dp_dim
         return self.mesh[d].get_group() if d and self.member else None
+
+
+class RNGState:
+    """Torch's random number generators (CPU, and CUDA when there is one) as state that travels with a
+    rescale: ``Manager(..., state={"rng": RNGState()})``. Every new rank gets the first old rank's
+    generators, so dropout and sampling go on as on that rank (give each rank its own stream from
+    it, e.g. by seeding with the rank, if they must differ)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            out["cuda"] = torch.cuda.get_rng_state()
+        return out
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        torch.set_rng_state(sd["cpu"])
+        if "cuda" in sd and torch.cuda.is_available():
+            torch.cuda.set_rng_state(sd["cuda"])
 
 
 @dataclass

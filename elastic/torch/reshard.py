@@ -268,7 +268,8 @@ def _placed(world: _World, which: str) -> tuple[dict[str, Placed], dict[str, tup
             if prev is None:
                 entries[key] = e
                 holders[key] = [h]
-            elif prev[:-1] != e[:-1] if e[0] == "s" else prev != e:
+            elif prev[:-1] != e[:-1] if e[0] == "s" else not _same_tensor(prev, e, coords, by_hash[holders[key][0]][0],
+                                                                          by_hash[h][0]):
                 raise ReshardError(
                     f"{key}: workers {by_hash[holders[key][0]][0]} and {by_hash[h][0]} describe it differently in "
                     f"the {which} state ({_what(prev)} vs {_what(e)}); every worker must build the same model"
@@ -287,12 +288,15 @@ def _placed(world: _World, which: str) -> tuple[dict[str, Placed], dict[str, tup
         if e[0] == "s":
             scalars[key] = (e[1], e[2])
             continue
-        _, shape, dtype, fp, pl = e
-        sig = (shape, fp, pl, tuple(holders[key]))
+        _, shape, dtype, _, pl = e
+        # each holder's own mesh: replicas may hold a key on sibling sub-meshes (DDP x TP: one tp
+        # mesh per replica), each worker's region is its place on its mesh
+        own = tuple((h, world.tables[h][key][3]) for h in holders[key])
+        sig = (shape, pl, own)
         m = maps.get(sig)
         if m is None:
             m = maps[sig] = {}
-            for h in holders[key]:
+            for h, fp in own:
                 for r in by_hash[h]:
                     if fp is None:
                         m[r] = full_region(shape)
@@ -301,6 +305,16 @@ def _placed(world: _World, which: str) -> tuple[dict[str, Placed], dict[str, tup
                         m[r] = shard_region(shape, mesh_shape, coord, pl)
         placed[key] = Placed(shape, m, dtype, _itemsize(dtype))
     return placed, scalars, sorted(r for rs in by_hash.values() for r in rs)
+
+
+def _same_tensor(a: tuple, b: tuple, coords: list[dict], ra: int, rb: int) -> bool:
+    """Two workers' entries of one key describe the same tensor: equal, or the same shape, dtype and
+    placements on meshes of the same shape (sibling sub-meshes, e.g. each replica's tp mesh)."""
+    if a == b:
+        return True
+    if a[0] != "t" or b[0] != "t" or a[1:3] != b[1:3] or a[4] != b[4] or a[3] is None or b[3] is None:
+        return False
+    return coords[ra][a[3]][0] == coords[rb][b[3]][0]
 
 
 def _what(e: tuple) -> str:
@@ -393,11 +407,13 @@ class PreparedReshard:
 
 
 def prepare_reshard(src: State | _Side | None, dst: State | None, *, group: Any = None,
-                    staging_cap_bytes: int | None = None) -> PreparedReshard:
+                    staging_cap_bytes: int | None = None, transport: Any = None) -> PreparedReshard:
     """Steps 1-3 of :func:`reshard` and the executor's preparation (collective over ``group``):
     raises :class:`ReshardError` on every worker alike when the state cannot be moved. Nothing is
     allocated beyond staging buffers: the bytes land in ``dst``'s own tensors, and ``src`` stays
-    whole until the caller drops it."""
+    whole until the caller drops it. ``transport``: the group whose ranks are ``group``'s that
+    carries the bytes (a raw NCCL backend for CUDA tensors, with a gloo ``group`` for the
+    metadata); default ``group``."""
     t0 = time.perf_counter()
     p, scalars, s, d, t_exchange = plan(src, dst, group=group, staging_cap_bytes=staging_cap_bytes)
     t_plan = time.perf_counter() - t0 - t_exchange
@@ -419,7 +435,8 @@ def prepare_reshard(src: State | _Side | None, dst: State | None, *, group: Any 
         raise ReshardError("the state cannot be resharded: " + "; ".join(f"rank {r}: {x}" for r, x in bad[:4]))
     digest = hashlib.blake2b(repr((p.bytes_planned, p.bytes_lower_bound, p.n_messages, p.keys, sorted(p.members),
                                    sorted(scalars.items()))).encode(), digest_size=12).hexdigest()
-    return PreparedReshard(p, prepared, group, scalars, d, digest, t0, t_exchange, t_plan)
+    return PreparedReshard(p, prepared, group if transport is None else transport, scalars, d, digest, t0,
+                           t_exchange, t_plan)
 
 
 def execute_reshard(r: PreparedReshard, *, verify: bool = False) -> ReshardStats:

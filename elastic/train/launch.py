@@ -235,7 +235,22 @@ class JobHandle(ABC):
         self.coordinator.start()
         self._watcher = threading.Thread(target=self._watch, name=f"launcher-{self.job}", daemon=True)
         self._watcher.start()
-        return self._apply(1, lay, list(workers), remap=False, timeout=timeout)
+        res = self._apply(1, lay, list(workers), remap=False, timeout=timeout)
+        self._check_declared_size(res.record)
+        return res
+
+    def _check_declared_size(self, rec: RescaleRecord) -> None:
+        """A user job's code reports the parameters it builds; the planner sized the job from the
+        declared model. Say so when they disagree (layouts and memory are then planned for another model)."""
+        if not is_user_config(self.cfg):
+            return
+        built = {int(s["params"]) for s in rec.worker_stats.values() if s.get("params") is not None}
+        declared = self.cfg.model.total_params()
+        for n in built:
+            if abs(n - declared) > 0.05 * declared:
+                log.warning("job %s: its code builds %d parameters, its declared model %s has %d; the planner "
+                            "sizes layouts from the declared one: declare the model the code builds",
+                            self.job, n, self.cfg.model.name, declared)
 
     def rescale(self, layout: Layout | str, workers: Sequence[str], *, remap: bool = True,
                 timeout: float | None = None, wait_first_step: bool = True,

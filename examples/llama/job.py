@@ -37,10 +37,8 @@ def build(world: Any, dtype: torch.dtype = torch.float64) -> tuple:
     from examples.llama import parallel as par
     from examples.llama.model import Llama
 
-    model = Llama(config()).to(dtype).init_weights(SEED)
+    model = Llama(config()).to(dtype).init_weights(SEED).to(world.device)  # the same weights on any device
     dp = world.dp_dim
-    if dp == "dp_replicate" and world.size("tp") > 1:
-        raise ValueError("this example replicates over dp_replicate with tp=1 only; shard with dp_shard for tp>1")
     par.parallelize(model, world.mesh, tp_dim="tp", dp_dim="dp_shard" if dp == "dp_shard" else "-",
                     loss_parallel=True)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)

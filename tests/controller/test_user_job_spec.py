@@ -250,3 +250,26 @@ def test_the_coordinator_runtime_launches_user_code_with_its_config() -> None:
     env = _env(applied[0])
     assert (env["ELASTIC_ENTRYPOINT"], json.loads(env["ELASTIC_ARGS"])) == (ENTRY, ["a b", "c"])
     assert env["ELASTIC_RENDEZVOUS_URL"].startswith("http://127.0.0.1:")
+
+
+def test_the_example_user_job_config_loads_and_every_gpu_count_has_a_layout() -> None:
+    from elastic.controller import check_feasible
+
+    cfg = load_config("examples/llama/job.yaml")
+    (job,) = cfg.jobs
+    assert job.entrypoint == "examples.llama.job:main" and job.on_below_minimum == "preempt"
+    tables = job_throughput_tables(cfg)
+    check_feasible(cfg, tables)
+    assert sorted(tables["llama"]) == list(range(1, 8))
+    for n, (layout, _) in tables["llama"].items():
+        assert job.global_batch % Layout.parse(layout).dp == 0, (n, layout)
+
+
+def test_a_global_batch_no_allowed_layout_divides_is_refused_naming_it() -> None:
+    from elastic.controller import check_feasible
+
+    cfg = load_config(data={"pool": {"name": "p", "nodes": 1, "gpus_per_node": 8, "hardware": "h100-80g"},
+                            "jobs": [{**USER, "model": "examples/llama/model.json", "min_gpus": 2, "max_gpus": 4,
+                                      "global_batch": 7, "allowed_tp": [1]}]})
+    with pytest.raises(SpecError, match=r"jobs\[0\] 'llama': no layout .* global_batch=7 .* min_gpus=2"):
+        check_feasible(cfg, job_throughput_tables(cfg))

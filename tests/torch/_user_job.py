@@ -7,7 +7,8 @@ environment, and each variable below arms one fault in the worker it names:
   raises on the new world's rank 0 after the mesh's collectives (``raise``), or builds a model with
   a third block on every rank, whose keys the running state does not have (``keys``).
 * ``ELASTIC_TEST_DIE=<worker>:<step>``: that worker SIGKILLs itself in that step, after its first
-  micro-batch's backward (a lost node mid-step).
+  micro-batch's backward (a lost node mid-step); ``<worker>:+<n>``: in the n-th step it trains
+  (0-based; a joiner's first steps come whenever it has started).
 * ``ELASTIC_TEST_DIE_EXCHANGE=<worker>:<generation>``: that worker SIGKILLs itself inside the
   exchange of that generation's rescale, before it sends anything (a lost node mid-reshard).
 * ``ELASTIC_TEST_MANAGER_GLOBAL_BATCH=<n>``: the loop passes ``global_batch=n`` to its Manager
@@ -73,10 +74,14 @@ def _arm_die(spec: str) -> None:
     if worker != _me():
         return
     original = CoordinatedManager.micro_batches
+    trained: list[int] = []
 
     def micro_batches(self: Any, s: int) -> Any:
+        if s not in trained:
+            trained.append(s)
+        due = len(trained) - 1 == int(step[1:]) if step.startswith("+") else s == int(step)
         for i, b in enumerate(original(self, s)):
-            if s == int(step) and i == 1:
+            if due and i == 1:
                 _die(f"in step {s}, after its first micro-batch")
             yield b
 

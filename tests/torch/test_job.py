@@ -20,6 +20,7 @@ batch that a layout does not divide, a Manager argument that disagrees with the 
 from __future__ import annotations
 
 import json
+import re
 import socket
 import sysconfig
 import time
@@ -37,6 +38,7 @@ from examples.llama import byo
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 MODEL = load_model("examples/llama/model.json")
+MAX_STEPS = 200  # every job here finishes by then (the coordinator's max_steps), and the reference runs as far
 W4 = ["w0", "w1", "w2", "w3"]
 
 
@@ -52,11 +54,11 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def reference(pool: Any, corpus: str) -> dict[int, dict[str, Any]]:
-    """A never-rescaled single process (the local Manager on one rank), 40 steps."""
+    """A never-rescaled single process (the local Manager on one rank), as many steps as a job may run."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    (out,) = pool.run(byo.train, 1, port, corpus, byo.SINGLE, 40, timeout=300)
+    (out,) = pool.run(byo.train, 1, port, corpus, byo.SINGLE, MAX_STEPS, timeout=300)
     return {int(s): {"loss": out["losses"][s], "samples": out["samples"][s], "lr": out["lrs"][s]}
             for s in out["losses"]}
 
@@ -67,7 +69,7 @@ def _job(name: str, corpus: str, tmp_path: Path, *, entry: str = "tests.torch._u
                         args=("--corpus", corpus, "--log", str(tmp_path / "steps")), dp_replicas=replicas,
                         mesh_dims={"dp": "dp_replicate" if replicas else "dp_shard", "tp": "tp"})
     o = LaunchOptions(**{"pg_timeout_s": 60, "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 30,
-                         "join_timeout_s": 60, "verify_reshard": True, **opts})
+                         "join_timeout_s": 60, "verify_reshard": True, "max_steps": MAX_STEPS, **opts})
     return ProcessJobHandle(name, cfg, options=o, log_dir=str(tmp_path / "workers"))
 
 
@@ -198,6 +200,31 @@ def test_a_worker_killed_mid_step_is_recovered_from_its_replicas_on_the_same_cur
     assert final.error is None, final.error
     steps = _check_curve(h, tmp_path, reference)
     assert steps[-1] >= 6
+
+
+def test_ddp_replicas_with_tensor_parallel_rescale_and_recover_a_lost_worker_on_the_same_curve(
+        corpus: str, reference: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DDP x TP: every replica holds its parameters on a tp mesh of its own (sibling sub-meshes)."""
+    h = _job("byo-ddptp", corpus, tmp_path, replicas=True)
+    try:
+        h.start("tp2.pp1.dp2", W4, timeout=180)
+        h.wait_step(1, timeout=120)
+        assert h.rescale("tp1.pp1.dp3", W4[:3], timeout=180).record.ok
+        h.wait_step(h.status().step + 2, timeout=120)
+        monkeypatch.setenv("ELASTIC_TEST_DIE", "w4:+3")  # armed in the joiner launched next: its 4th step
+        res = h.rescale("tp2.pp1.dp2", ["w0", "w1", "w2", "w4"], timeout=180)
+        assert res.record.ok and res.bytes_moved == res.lower_bound_bytes > 0
+        st = _wait(lambda st: st.generation >= 4 and st.phase == "running", h, 180, "recovery")
+        assert st.layout == "tp2.pp1.dp1" and "w4" not in st.workers, st
+        rec = h.coordinator.rescale_record(4)
+        died = int(re.search(r"dying \(in step (\d+)", (tmp_path / "workers" / "w4.log").read_text()).group(1))
+        assert rec is not None and rec.ok and "lost w4" in rec.recovery, rec
+        assert rec.switch_step == died == res.switch_step + 3, "the step in flight is redone, no other"
+        h.wait_step(died + 2, timeout=120)
+    finally:
+        final = h.stop()
+    assert final.error is None, final.error
+    _check_curve(h, tmp_path, reference)
 
 
 def test_a_worker_killed_inside_a_rescales_exchange_rolls_the_rescale_back(
