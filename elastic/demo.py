@@ -2,8 +2,11 @@
 
 A local Ray with 8 logical GPUs; one inference service of reference replicas (1 GPU
 each, min 1, max 6) under the load generator's diurnal day compressed to ``--minutes``;
-one training job of a small GPT that starts on whatever is free and is rescaled in place
-as traffic moves; the controller ticking in between, SQLite state in ``./elastic.db``.
+one training job that starts on whatever is free and is rescaled in place as traffic moves:
+the reference trainer's small GPT, or with ``--job`` a user's own loop under
+``elastic.torch.Manager`` (:class:`UserJob`, e.g. the example Llama, on a byte-token corpus of a
+few standard-library files prepared before the controller starts); the controller ticking in
+between, SQLite state in ``./elastic.db``. Everything below is measured the same way for both.
 
 GPU utilisation is measured as docs/DESIGN.md defines it, sampled every second: each ready
 replica counts ``min(1, running / capacity)``, where the capacity is the load a replica is
@@ -26,7 +29,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +41,9 @@ for _k, _v in (("RAY_AUTH_MODE", "disabled"), ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTE
 log = logging.getLogger("elastic.demo")
 
 SERVICE = "chat"
-JOB = "gpt-tiny"
+JOB = "gpt-tiny"  # the reference trainer's job
+USER_JOB = "user-job"  # the job of a user's own loop (--job)
+REFERENCE = "reference trainer"
 GPUS = 8
 # A reference replica batches 16 requests; a request holds a slot for max_tokens /
 # tokens_per_second = 32 / 5 = 6.4 s. The service is sized (the policy's target, the
@@ -47,9 +52,91 @@ GPUS = 8
 SLOTS, TOKENS_PER_SECOND, MAX_TOKENS, TARGET = 16, 5.0, 32, 13.0
 # the training job's first start, before the day's load begins (seven processes importing torch)
 JOB_START_TIMEOUT_S = 180.0
+# the demo's goals: GPU utilisation as defined above, and the share of the day's requests answered in
+# full with their first token within the TTFT SLO
+GOALS = {"gpu_utilization": 0.90, "slo_attainment": 0.99}
+# what a user job of the demo trains on (``--corpus DIR``): byte tokens of these standard-library files
+CORPUS_FILES = ("dataclasses.py", "functools.py", "textwrap.py")
 
 
-def demo_config(minutes: float, tick_seconds: float) -> dict[str, Any]:
+@dataclass(frozen=True)
+class UserJob:
+    """The demo's training side as a user's own loop (``elastic demo --job``): what its TrainingSpec
+    names besides the demo's sizing. Its workers get ``--corpus DIR`` (the corpus the demo prepares)
+    and then ``args``; ``spec`` holds further TrainingSpec fields (mesh_dims, dp_replicas, ...)."""
+
+    entrypoint: str
+    model: str  # the declared model file the planner sizes the job from
+    args: tuple[str, ...] = ()
+    spec: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def trainer(self) -> str:
+        return f"user job {self.entrypoint}"
+
+
+# The example Llama as DDP-style replicas (dp_replicate): gradients are averaged once a step, where
+# its FSDP2 alternative (dp_shard) gathers and scatters the parameters at every one of a step's many
+# micro-batches, several times slower on gloo over shared cores; and a replica lets --kill-worker-at
+# recover in place. tp is named (the example's parallelize code needs a tp or dp_shard dim in the
+# mesh) but held at 1: it too would add collectives to every micro-batch. torchtitan's example
+# (examples/titan) shards over dp_shard only and is 17 times the size: its steps, which a shrink
+# waits for, would hold inference back, so it has no alias (--job examples.titan.job:main runs it).
+EXAMPLE_JOBS: dict[str, UserJob] = {
+    "llama": UserJob("examples.llama.job:main", "examples/llama/model.json", ("--dtype", "float32"),
+                     {"mesh_dims": {"dp": "dp_replicate", "tp": "tp"}, "dp_replicas": True, "allowed_tp": [1]}),
+}
+
+
+def resolve_job(entry: str, model: str | None = None, args: Sequence[str] = ()) -> UserJob:
+    """``--job``: an example's alias (``llama``), entrypoint or script path (``examples/llama/job.py``)
+    takes the example's settings; any other entrypoint needs ``model``, its declared model file.
+    ``model`` and ``args`` (appended to the example's) override. ValueError names the option."""
+    example = EXAMPLE_JOBS.get(entry)
+    if example is None:
+        example = next((j for j in EXAMPLE_JOBS.values() if entry == j.entrypoint or _same_file(entry, j)), None)
+        entry_point = entry
+    else:
+        entry_point = example.entrypoint
+    if example is None:
+        if not model:
+            raise ValueError(f"--job {entry}: not one of the examples ({', '.join(EXAMPLE_JOBS)}); "
+                             "give its declared model file with --job-model PATH")
+        return UserJob(entry_point, model, tuple(args))
+    return UserJob(entry_point, model or example.model, (*example.args, *args), example.spec)
+
+
+def _same_file(path: str, job: UserJob) -> bool:
+    """``path`` is the script of ``job``'s ``module:function`` entrypoint (relative to this directory)."""
+    if not path.endswith(".py"):
+        return False
+    script = Path(*job.entrypoint.partition(":")[0].split(".")).with_suffix(".py")
+    return Path(path).resolve() == script.resolve()
+
+
+def demo_config(minutes: float, tick_seconds: float, job: UserJob | None = None, *,
+                corpus: str = "") -> dict[str, Any]:
+    """The demo's controller config; with ``job`` its training job is that user loop reading ``corpus``."""
+    return {**_service_config(minutes, tick_seconds), "jobs": [_job_spec(job, corpus)]}
+
+
+def job_name(job: UserJob | None) -> str:
+    return JOB if job is None else USER_JOB
+
+
+def _demo_corpus() -> Any:
+    """A ``TemporaryDirectory`` holding a byte-token corpus of :data:`CORPUS_FILES` (``--corpus DIR``
+    of a user job); ``cleanup()`` removes it."""
+    import tempfile
+
+    from elastic.torch.data import prepare_corpus, stdlib_root
+
+    tmp = tempfile.TemporaryDirectory(prefix="elastic-demo-corpus-")
+    prepare_corpus(tmp.name, [stdlib_root() / f for f in CORPUS_FILES])
+    return tmp
+
+
+def _service_config(minutes: float, tick_seconds: float) -> dict[str, Any]:
     return {
         "pool": {"name": "local", "nodes": 1, "gpus_per_node": GPUS, "hardware": "h100-80g",
                  # a compressed day: rescale at most every few ticks, and only for a real gain
@@ -106,12 +193,27 @@ def demo_config(minutes: float, tick_seconds: float) -> dict[str, Any]:
                               "policies": [{"type": "Pods", "value": 1, "periodSeconds": 1}]},
             },
         }],
-        # global batch 420 = lcm(1..7): every GPU count training can get (inference keeps >= 1) has a layout
-        # replicate_optimizer: no ZeRO-1, so a lost worker is recovered from its replica (--kill-worker-at)
-        "jobs": [{"name": JOB, "model": "tiny", "min_gpus": 1, "max_gpus": GPUS - 1, "priority": 0,
-                  "global_batch": 420, "micro_batch": 1, "replicate_optimizer": True}],
         "controller": {"tick_seconds": tick_seconds, "lease_seconds": max(15.0, 5 * tick_seconds)},
     }
+
+
+def _job_spec(job: UserJob | None, corpus: str) -> dict[str, Any]:
+    """The demo's training job: the reference trainer's small GPT, or ``job`` reading ``corpus``."""
+    bounds = {"min_gpus": 1, "max_gpus": GPUS - 1, "priority": 0}
+    if job is None:
+        # global batch 420 = lcm(1..7): every GPU count training can get (inference keeps >= 1) has a layout
+        # replicate_optimizer: no ZeRO-1, so a lost worker is recovered from its replica (--kill-worker-at)
+        return {"name": JOB, "model": "tiny", **bounds, "global_batch": 420, "micro_batch": 1,
+                "replicate_optimizer": True}
+    # A user loop's micro-batch has one size at every layout (the reference trainer picks one per
+    # layout), so dp x micro_batch must divide the global batch for every dp of 1..7: global_batch =
+    # 420 x micro_batch, and a rank runs 420 / dp micro-batches a step whatever their size. One sample
+    # each keeps the step as short as it can be, and that matters: a user loop cannot give its step
+    # up half-way, so a shrink that inference waits for waits for the step in progress.
+    # No on_below_minimum: a user job cannot be paused (it is preempted below its minimum of 1 GPU,
+    # which inference's maximum of 6 replicas never takes it to).
+    return {"name": USER_JOB, "model": job.model, **bounds, "global_batch": 420, "micro_batch": 1,
+            "entrypoint": job.entrypoint, "args": ["--corpus", corpus, *job.args], **job.spec}
 
 
 @dataclass
@@ -142,6 +244,8 @@ class DemoRun:
     # trainer recovered into on its own (their reshard rows are recoveries, not rescales)
     kills: list[tuple[float, str]] = field(default_factory=list)
     recovered: set[int] = field(default_factory=set)
+    job: str = JOB  # the training job's name, and what trains it (the summary says which)
+    trainer: str = REFERENCE
 
 
 def _replica_running(url: str) -> float:
@@ -153,7 +257,8 @@ def _replica_running(url: str) -> float:
 def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "sqlite:///./elastic.db",
              summary_json: str | None = None, plot: str | None = None, live: bool = True,
              api_port: int | None = 0, slo_ttft_seconds: float = 1.0, peak_rps: float = 11.0,
-             seed: int = 0, timeline_csv: str | None = None, kill_worker_at: str | None = None) -> dict[str, Any]:
+             seed: int = 0, timeline_csv: str | None = None, kill_worker_at: str | None = None,
+             job: UserJob | None = None) -> dict[str, Any]:
     from rich.console import Console
     from rich.live import Live
 
@@ -175,10 +280,16 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
     # (called off by the first scale-ups); 40 s kept it out on a fast machine only (2026-12-02)
     warmup = max(40.0, 5 * tick_seconds)
     kill_t = None if kill_worker_at is None else warmup + day_offset(kill_worker_at) * day
-    cfg = load_config(data=demo_config(minutes, tick_seconds))
+    name, trainer = job_name(job), REFERENCE if job is None else job.trainer
+    # 0. a user job's corpus (removed at the end), ready before any worker starts
+    corpus = _demo_corpus() if job is not None else None
+    cfg = load_config(data=demo_config(minutes, tick_seconds, job, corpus=corpus.name if corpus else ""))
+    # the reference trainer replicates its optimizer (no ZeRO-1); a user job's ranks hold copies if it says so
+    replicas = job is None or cfg.jobs[0].dp_replicas
     replica_cfg = ReplicaConfig(model="tiny", max_running=SLOTS, max_waiting=128, tokens_per_second=TOKENS_PER_SECOND)
     # 1. state and cluster
-    console.print(f"[bold]elastic demo[/]: {GPUS} logical GPUs, a day in {minutes:g} min, state in {db_url}")
+    console.print(f"[bold]elastic demo[/]: {GPUS} logical GPUs, a day in {minutes:g} min, training: {trainer}, "
+                  f"state in {db_url}")
     db.upgrade(db_url)
     store = db.Store.from_url(db_url)
     backend = RayBackend(cfg.pool, replica_config=replica_cfg, trainer_config=_trainer_config,
@@ -203,20 +314,22 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
     # 2. the first tick places the minimum replica and the job before traffic starts. A demo
     # killed earlier (kill -9: Ctrl-C releases it) may still hold the database's lease; it
     # expires within lease_seconds, and the day must not start with nobody acting.
-    start_id = last_reshard_id(store)
+    start_id = last_reshard_id(store, name)
     first = _first_tick(ctl, console, cfg.controller.lease_seconds + 2 * tick_seconds, tick_seconds)
     if not ctl.is_leader:
         backend.shutdown()
         if api:
             api[0].should_exit = True
+        if corpus:
+            corpus.cleanup()
         raise SystemExit(f"elastic demo: {first.message}; another controller is acting on {db_url} "
                          "(use --db with another database, or stop it)")
     # 3. the cold start (the training job's first workers: torch in each process, on this
     # machine's cores) runs before any load: started under load it is called off by the first
     # scale-ups (7 -> 6 -> 5 workers, each restart as slow), and on a slow machine it ran into the
     # measured day (2026-12-02: 44 s after the first tick, 4 s into the day, with a 40 s warm-up)
-    run = DemoRun(warmup=warmup, reshards_after_id=start_id)
-    _wait_job_started(ctl, backend, console, JOB_START_TIMEOUT_S, tick_seconds, run.losses)
+    run = DemoRun(warmup=warmup, reshards_after_id=start_id, job=name, trainer=trainer)
+    _wait_job_started(ctl, backend, console, JOB_START_TIMEOUT_S, tick_seconds, run.losses, job=name)
     # The day starts at 03:00: night trough, morning ramp, plateau, evening descent in steps.
     # A warm-up at the night load comes first (as the simulator starts every policy warm):
     # the controller sizes the service from real metrics before the measured day begins.
@@ -240,8 +353,8 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
                 if res.error:
                     log.warning("tick: %s", res.error)
                 if kill_t is not None and not run.kills and time.monotonic() - t0 >= kill_t:
-                    _kill_a_worker(backend, run, time.monotonic() - t0, console)
-                run.recovered.update(g for j, g in ctl.recoveries if j == JOB)
+                    _kill_a_worker(backend, run, time.monotonic() - t0, console, replicas=replicas)
+                run.recovered.update(g for j, g in ctl.recoveries if j == name)
                 _collect_reshards(ctl, run)
                 if live:
                     view.update(_table(run, ctl, minutes))
@@ -252,13 +365,15 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
         lg_thread.join(timeout=30)
         sampler.join(timeout=5)
         ctl.wait_idle(60)
-        run.recovered.update(g for j, g in ctl.recoveries if j == JOB)
+        run.recovered.update(g for j, g in ctl.recoveries if j == name)
         _collect_reshards(ctl, run)
-        rt = backend.job_runtime(JOB)
+        rt = backend.job_runtime(name)
         backend.shutdown()
         if api:
             api[0].should_exit = True
         ctl.release_lease()  # the next run need not wait for it to expire
+        if corpus:
+            corpus.cleanup()
     # 5. summary
     svc = cfg.services[0]
     sizing = dict(request_seconds=MAX_TOKENS / TOKENS_PER_SECOND, capacity=svc.metric.target,
@@ -267,6 +382,7 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
     on_arrivals = clairvoyant_on_arrivals(run.samples, lambda t: rate_at(profile, t), warmup, **sizing)
     summary = _summary(run, lg.report, slo_ttft_seconds, rt, day, warmup, bound, on_arrivals)
     console.print_json(json.dumps(summary))
+    console.print(_goals_line(summary), highlight=False)
     if summary_json:
         Path(summary_json).parent.mkdir(parents=True, exist_ok=True)
         Path(summary_json).write_text(json.dumps(summary, indent=2))
@@ -291,13 +407,14 @@ def day_offset(hhmm: str) -> float:
     return ((h * 60 + m) / 1440 - 0.125) % 1.0
 
 
-def _kill_a_worker(backend: Any, run: DemoRun, t: float, console: Any) -> None:
-    """Chaos: kill one training worker's actor (as a lost node would); the trainer recovers in place."""
+def _kill_a_worker(backend: Any, run: DemoRun, t: float, console: Any, *, replicas: bool = True) -> None:
+    """Chaos: kill one training worker's actor (as a lost node would); the trainer recovers in place
+    from a data-parallel replica (``replicas``: the job's ranks hold full copies, not FSDP shards)."""
     import ray
 
     from elastic.model import Layout
 
-    j = backend.jobs.get(JOB)
+    j = backend.jobs.get(run.job)
     st = j.handle.status() if j else None
     if st is None or not st.workers or st.phase != "running":
         console.print(f"[yellow]--kill-worker-at: the job is {st.phase if st else 'not running'}; nothing killed[/]")
@@ -307,7 +424,8 @@ def _kill_a_worker(backend: Any, run: DemoRun, t: float, console: Any) -> None:
     ray.kill(j.handle.actors[victim], no_restart=True)
     run.kills.append((t, victim))
     console.print(f"killed training worker {victim} of {st.layout} at step {st.step}"
-                  + ("" if Layout.parse(st.layout).dp >= 2 else " (one replica only: the job cannot recover)"))
+                  + ("" if Layout.parse(st.layout).dp >= 2 and replicas else
+                     " (no replica of its state: the job cannot recover)"))
 
 
 def _trainer_config(spec: Any) -> Any:
@@ -352,7 +470,7 @@ def _sample_loop(backend: Any, ctl: Any, profile: Any, t0: float, run: DemoRun, 
         draining = backend.draining_targets(SERVICE)
         running = [_replica_running(u) for u in urls]
         busy = sum(min(1.0, r / capacity) for r in running)
-        rt = backend.job_runtime(JOB)
+        rt = backend.job_runtime(run.job)
         tg = len(rt.gpus) if rt else 0
         # GPUs stepping: the coordinator's current layout (the old one until the switch step, the new
         # one from there: a grow's joiners train, a shrink's leavers do not, before the backend's books
@@ -377,7 +495,7 @@ def _note_loss(losses: list[tuple[int, float]], rt: Any) -> None:
 
 
 def _wait_job_started(ctl: Any, backend: Any, console: Any, wait_s: float, tick_seconds: float,
-                      losses: list[tuple[int, float]] | None = None) -> bool:
+                      losses: list[tuple[int, float]] | None = None, *, job: str = JOB) -> bool:
     """Tick until the demo's job runs (its first workers stepping), at most ``wait_s`` seconds.
     False (and a line on the console) when it did not: the day starts anyway, and the summary
     shows what the late start cost. The losses it sees go to ``losses`` as ``(step, loss)`` (the
@@ -385,7 +503,7 @@ def _wait_job_started(ctl: Any, backend: Any, console: Any, wait_s: float, tick_
     t0 = time.monotonic()
     said = False
     while True:
-        rt = backend.job_runtime(JOB)
+        rt = backend.job_runtime(job)
         if losses is not None:
             _note_loss(losses, rt)
         if rt is not None and rt.phase == "Running" and rt.step > 0:
@@ -396,7 +514,7 @@ def _wait_job_started(ctl: Any, backend: Any, console: Any, wait_s: float, tick_
                           f"({rt.phase if rt else 'not started'}); the day starts anyway[/]")
             return False
         if not said:
-            console.print(f"starting training job {JOB} on the GPUs inference leaves free, before the day's load")
+            console.print(f"starting training job {job} on the GPUs inference leaves free, before the day's load")
             said = True
         time.sleep(tick_seconds)
         res = ctl.tick()
@@ -416,11 +534,11 @@ def _first_tick(ctl: Any, console: Any, wait_s: float, tick_seconds: float) -> A
     return res
 
 
-def last_reshard_id(store: Any) -> int:
-    """The newest reshard event's id of the demo's job in ``store`` (0 when there is none)."""
+def last_reshard_id(store: Any, job: str = JOB) -> int:
+    """The newest reshard event's id of the demo's ``job`` in ``store`` (0 when there is none)."""
     from elastic import store as db
 
-    newest = db.list_reshards(store, job=JOB, limit=1, newest_first=True)
+    newest = db.list_reshards(store, job=job, limit=1, newest_first=True)
     return newest[0].id if newest else 0
 
 
@@ -434,7 +552,7 @@ def _collect_reshards(ctl: Any, run: DemoRun) -> None:
     seen = {r["id"] for r in run.reshards}
     after = run.reshards_after_id
     while True:
-        page = db.list_reshards(ctl.store, job=JOB, limit=200, after_id=after)
+        page = db.list_reshards(ctl.store, job=run.job, limit=200, after_id=after)
         for r in page:
             if r.id not in seen and r.status in db.FINISHED:
                 run.reshards.append({"id": r.id, "generation": r.generation, "from": r.from_layout, "to": r.to_layout,
@@ -474,7 +592,9 @@ def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup:
     requests = sum(1 for r in report.results if r.sent_at >= warmup)
     e2e = [r.e2e for r in report.results if r.sent_at >= warmup and r.complete and r.e2e is not None]
     failed = _failed_by_status(report.results, warmup)
-    return {
+    out: dict[str, Any] = {
+        "trainer": run.trainer,
+        "job": run.job,
         "gpu_utilization": round(busy / total, 4),
         # the same measure for a clairvoyant controller on this day's expected load (whole
         # replicas only, nothing else lost): how much of the gap no controller could close
@@ -521,6 +641,17 @@ def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup:
         "day_seconds": day,
         "warmup_seconds": warmup,
     }
+    out["goals"] = dict(GOALS)
+    out["goals_met"] = all(out[k] >= v for k, v in GOALS.items())
+    return out
+
+
+def _goals_line(summary: Mapping[str, Any]) -> str:
+    """One line: which trainer ran, and each goal with the run's figure and whether it was met."""
+    parts = [f"{k} {summary[k]:.4f} ({'met' if summary[k] >= v else 'MISSED'}: goal >= {v:.2f})"
+             for k, v in GOALS.items()]
+    return (f"training: {summary['trainer']}: " + ", ".join(parts)
+            + f"; {summary['reshards']} reshards, {summary['training_steps']} steps")
 
 
 def _failed_by_status(results: list[Any], since: float) -> dict[str, int]:
@@ -622,7 +753,7 @@ def _r(x: float | None) -> float | None:
 def _table(run: DemoRun, ctl: Any, minutes: float) -> Any:
     from rich.table import Table
 
-    t = Table(title="elastic demo — one compressed day", expand=False)
+    t = Table(title=f"elastic demo — one compressed day — training: {run.trainer}", expand=False)
     for c in ("time of day", "req/s", "replicas", "training", "GPUs", "step", "loss", "tokens/s", "last reshard"):
         t.add_column(c, justify="right")
     if run.samples:
@@ -669,7 +800,8 @@ def _plot(run: DemoRun, path: str, profile: Any, rate_at: Any) -> None:
             ax.axvline(kt - run.warmup, color="#c44e52", lw=1.2, ls="--", label=f"worker {victim} killed")
     ax.legend(loc="upper left")
     ax2.legend(loc="upper right")
-    ax.set_title("elastic demo: inference follows the day, training takes the rest and reshards in place")
+    ax.set_title(f"elastic demo: inference follows the day, training ({run.trainer}) takes the rest and "
+                 "reshards in place", fontsize=10)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

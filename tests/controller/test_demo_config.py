@@ -257,3 +257,106 @@ def test_the_timeline_counts_each_seconds_requests_and_slo_misses(tmp_path) -> N
     _write_timeline(run, str(path), results, slo=1.0)
     rows = list(csv.DictReader(path.open()))
     assert [(float(r["t"]), int(r["sent"]), int(r["missed"])) for r in rows] == [(0.0, 1, 0), (1.0, 2, 1), (2.0, 2, 2)]
+
+
+# ---- elastic demo --job: the training side as a user's own loop --------------------------------------
+
+
+def _user_cfg(tmp_path, entry: str = "llama", **kw):
+    from elastic.demo import resolve_job
+
+    return load_config(data=demo_config(5.0, 2.0, resolve_job(entry, **kw), corpus=str(tmp_path / "corpus")))
+
+
+@pytest.mark.parametrize("entry", ["llama", "examples.llama.job:main", "examples/llama/job.py"])
+def test_the_user_job_demo_config_loads_with_the_examples_entrypoint_and_no_pause(tmp_path, entry) -> None:
+    from elastic.demo import USER_JOB
+
+    cfg = _user_cfg(tmp_path, entry)
+    job = cfg.jobs[0]
+    assert (job.name, job.entrypoint, job.model) == (USER_JOB, "examples.llama.job:main" if entry == "llama"
+                                                     else entry, "examples/llama/model.json")
+    assert job.args == ["--corpus", str(tmp_path / "corpus"), "--dtype", "float32"]
+    # a user job cannot be paused: the demo does not ask for it, and the spec holds it at preempt
+    assert "on_below_minimum" not in job.model_fields_set and job.on_below_minimum == "preempt"
+    # DDP-style replicas, tp held at 1: a killed worker is recovered in place from a full copy
+    assert job.dp_replicas and job.mesh_dims == {"dp": "dp_replicate", "tp": "tp"} and job.allowed_tp == [1]
+    assert not job.zero and job.checkpoint is None
+    # the service side is the reference demo's, unchanged
+    assert cfg.services == load_config(data=demo_config(5.0, 2.0)).services
+    assert cfg.pool == load_config(data=demo_config(5.0, 2.0)).pool
+
+
+def test_every_gpu_count_the_planner_gives_the_user_job_splits_its_global_batch(tmp_path) -> None:
+    """The job's micro-batch is one size at every layout: dp x micro_batch must divide the global batch at
+    every count the planner picks, and training must have a layout at each count it can get (1..7)."""
+    from elastic.controller import job_throughput_tables
+    from elastic.model import Layout, load_model
+    from elastic.train.userjob import from_spec
+
+    cfg = _user_cfg(tmp_path)
+    job = cfg.jobs[0]
+    table = job_throughput_tables(cfg)[job.name]
+    assert sorted(table) == list(range(1, GPUS))
+    user = from_spec(job, load_model(job.model))
+    for n, (layout, _) in table.items():
+        L = Layout.parse(layout)
+        assert L.world_size == n and L.tp == 1  # replicas only
+        assert job.global_batch % (L.dp * job.micro_batch) == 0
+        assert user.grad_accum(L) * L.dp * job.micro_batch == job.global_batch  # what the launcher checks
+
+
+def test_the_reference_demo_config_is_unchanged_without_a_job() -> None:
+    from elastic.demo import JOB
+
+    job = load_config(data=demo_config(5.0, 2.0)).jobs[0]
+    assert (job.name, job.model, job.entrypoint, job.global_batch, job.micro_batch) == (JOB, "tiny", None, 420, 1)
+    assert job.args == [] and job.replicate_optimizer
+
+
+def test_any_other_entrypoint_needs_its_model_file(tmp_path) -> None:
+    from elastic.demo import resolve_job
+
+    with pytest.raises(ValueError, match="--job-model"):
+        resolve_job("examples.titan.job:main")
+    job = resolve_job("examples.titan.job:main", "examples/titan/model.json", ["--dtype", "float32"])
+    assert (job.model, job.args, dict(job.spec)) == ("examples/titan/model.json", ("--dtype", "float32"), {})
+    spec = load_config(data=demo_config(5.0, 2.0, job, corpus="/c")).jobs[0]
+    assert spec.args == ["--corpus", "/c", "--dtype", "float32"]
+    assert spec.mesh_dims is None and not spec.dp_replicas  # the spec's defaults: dp_shard x tp
+    # an example's own model file can be overridden; an entrypoint that does not import is refused at load
+    assert resolve_job("llama", "examples/titan/model.json").model == "examples/titan/model.json"
+    from elastic.model import SpecError
+
+    with pytest.raises(SpecError, match="entrypoint"):
+        load_config(data=demo_config(5.0, 2.0, resolve_job("nowhere.at_all:main", "examples/llama/model.json")))
+
+
+def test_the_summary_and_its_goals_line_say_which_trainer_ran() -> None:
+    from elastic.demo import GOALS, REFERENCE, DemoRun, _goals_line, _summary
+    from elastic.serve.loadgen import Report, Result
+
+    report = Report(results=[Result(sent_at=1.0, target="a", status=200, ttft=0.1, e2e=6.4, tokens=32, complete=True)])
+    run = DemoRun(job="user-job", trainer="user job examples.llama.job:main")
+    run.samples = [Sample(float(t), 1.0, 1, 1.0, 7, 7, "tp1.pp1.dp7", t, 1.0, 1.0) for t in range(5)]
+    s = _summary(run, report, 1.0, None, 10.0, 0.0)
+    assert (s["trainer"], s["job"], s["goals"], s["goals_met"]) == (run.trainer, "user-job", GOALS, True)
+    line = _goals_line(s)
+    assert line.startswith("training: user job examples.llama.job:main: gpu_utilization 1.0000 (met")
+    assert "slo_attainment 1.0000 (met: goal >= 0.99)" in line
+    # the reference run: no samples, utilisation 0 -> missed
+    ref = _summary(DemoRun(), report, 1.0, None, 10.0, 0.0)
+    assert ref["trainer"] == REFERENCE and not ref["goals_met"]
+    assert "gpu_utilization 0.0000 (MISSED: goal >= 0.90)" in _goals_line(ref)
+
+
+def test_the_cli_refuses_job_options_without_a_job_and_an_unknown_entrypoint_without_a_model() -> None:
+    from typer.testing import CliRunner
+
+    from elastic.cli import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["demo", "--job-model", "examples/llama/model.json"])
+    assert res.exit_code == 2 and "go with --job" in res.output
+    res = runner.invoke(app, ["demo", "--job", "my.train:main"])
+    assert res.exit_code == 2 and "--job-model" in res.output
