@@ -1006,6 +1006,9 @@ class _TrainWorker:
 
         import elastic.reshard.execute  # noqa: F401
         import elastic.train.worker  # noqa: F401
+        from elastic.torch.coordinated import warm_up
+
+        warm_up()  # a user job's joiner: torch's distributed modules and first calls, before it is needed
 
         return ray.get_runtime_context().get_node_id()
 

@@ -70,7 +70,7 @@ from elastic.torch.manager import Manager, MeshLayout, RescaleRecord, World
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CoordinatedManager", "Session", "StepInterrupted", "current_session", "session_from_env"]
+__all__ = ["CoordinatedManager", "Session", "StepInterrupted", "current_session", "session_from_env", "warm_up"]
 
 _REASK_S = 0.005
 _LONG_POLL_S = 2.0
@@ -104,6 +104,41 @@ def _options_from_env(env: Mapping[str, str]) -> Options:
 
 _SESSION: Session | None = None
 _SESSION_LOCK = threading.Lock()
+_WARM = threading.Event()
+
+
+def warm_up() -> float:
+    """Pay torch's first-use costs now: import FSDP2, tensor parallel and DTensor, build a mesh on a
+    one-process group and take one optimizer step on a DTensor. A joiner does this before it
+    registers (the launcher posts the directive once every joiner has), so the rescale's pause
+    does not wait for its imports and first calls. Once per process; returns the seconds it took.
+    Never raises: a worker that cannot warm up pays the costs inside its first build instead."""
+    if _WARM.is_set():
+        return 0.0
+    t0 = time.perf_counter()
+    try:
+        import torch.distributed.fsdp  # noqa: F401
+        import torch.distributed.tensor.parallel  # noqa: F401
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        from elastic.torch.caches import clear_dtensor_caches
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            try:
+                mesh = DeviceMesh("cpu", torch.zeros(1, dtype=torch.int64))
+                p = torch.nn.Parameter(distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)]))
+                opt = torch.optim.AdamW([p], lr=1e-3)
+                p.grad = torch.zeros_like(p)
+                opt.step()
+            finally:
+                dist.destroy_process_group()
+                clear_dtensor_caches()
+    except Exception as e:  # noqa: BLE001 - an optimisation only
+        log.info("warm-up skipped: %s: %s", type(e).__name__, e)
+    _WARM.set()
+    return time.perf_counter() - t0
 
 
 def current_session() -> Session | None:
@@ -327,6 +362,7 @@ class Session:
         from elastic.torch.reshard import execute_reshard, prepare_reshard
 
         t0 = time.perf_counter()
+        clock = _Clock()
         was, will, first = self.worker in d.old_ranks, self.worker in d.workers, not d.old_ranks
         rec = RescaleRecord(d.switch_step, MeshLayout(self._dims(Layout.parse(d.layout)), tuple(range(len(d.workers)))),
                             done=False, role="stays" if was and will else "joins" if will else "leaves")
@@ -341,18 +377,22 @@ class Session:
             if d.hold:
                 raise SpecError("a user job cannot be paused into keepers; preempt it or give it GPUs")
             new_ranks = self._new_ranks(d, tag)
+            clock.mark("ranks")
             self._building = d.generation
             self._comm_sockets.begin()
             if not first:
                 self._union = self._raw_group(d, f"{tag}/union", sorted(d.members))
                 if self.opts.device.startswith("cuda"):  # gloo carries no CUDA tensors point to point
                     self._union_bytes = self._raw_group(d, f"{tag}/union-nccl", sorted(d.members), nccl=True)
+                clock.mark("union")
             if will:
                 self._init_world(d, f"{tag}/train", new_ranks[self.worker], len(d.workers))
+                clock.mark("world")
             self._building = None
             err = ""
             if will:
                 built, err = self._build_new(d, new_ranks)
+                clock.mark("build")
             self._comm_sockets.end(exclude_ports=self._control_ports(d))
             if not first:
                 from elastic.torch.reshard import all_gather_object
@@ -374,6 +414,7 @@ class Session:
                 dst = training_state(built[0], built[1], init_optimizer=True) if built is not None else None
                 prep = prepare_reshard(self._src if was else None, dst, group=self._union,
                                        transport=self._union_bytes)
+                clock.mark("plan")
             elif err:
                 raise SpecError(err)
         except (SpecError, ReshardError) as e:
@@ -388,6 +429,7 @@ class Session:
             plan.update(planned_bytes=prep.plan.bytes_planned, lower_bound_bytes=prep.plan.bytes_lower_bound,
                         plan_seconds=prep.plan_seconds)
         decision, reason = self._meet(d, prep.digest if prep is not None else _digest(new_ranks), plan, error)
+        clock.mark("meet")
         if decision != "go":
             rec.error = f"rescale abandoned: {reason}"
             log.warning("worker %s: rescale to generation %d (%s) abandoned: %s", self.worker, d.generation,
@@ -410,8 +452,10 @@ class Session:
         try:
             if prep is not None:
                 stats = execute_reshard(prep, verify=self.opts.verify_reshard)
+                clock.mark("exchange")
             if d.rollback and not first:
                 verdict, why = self._exchanged(d)
+                clock.mark("commit")
                 if verdict == "rollback":
                     raise _RolledBack(why)
                 if verdict != "go":
@@ -425,7 +469,7 @@ class Session:
         self._drop_union()
         # 6. adopt (or leave)
         result = {"bytes_sent": getattr(stats, "bytes_sent", 0), "bytes_received": getattr(stats, "bytes_received", 0),
-                  "execute_seconds": getattr(stats, "execute_seconds", 0.0)}
+                  "execute_seconds": getattr(stats, "execute_seconds", 0.0), **clock.seconds}
         rec.bytes_moved = getattr(stats, "bytes_moved", 0)
         rec.bytes_lower_bound = getattr(stats, "bytes_lower_bound", 0)
         if not will:
@@ -809,6 +853,19 @@ class Session:
 
 class _RolledBack(RuntimeError):
     pass
+
+
+class _Clock:
+    """Seconds per phase of one transition, reported with its result (``<phase>_seconds``)."""
+
+    def __init__(self) -> None:
+        self._t = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[f"{phase}_seconds"] = round(now - self._t, 4)
+        self._t = now
 
 
 class _Sockets:

@@ -114,7 +114,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     argv = sys.argv[1:] if argv is None else list(argv)
     logging.basicConfig(level=env.get("ELASTIC_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from elastic.torch.coordinated import session_from_env
+    from elastic.torch.coordinated import session_from_env, warm_up
     from elastic.train.rendezvous import RendezvousError
 
     try:
@@ -128,10 +128,22 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             sys.path.insert(0, code_dir)
         os.chdir(code_dir)  # a script path and the user's own relative paths mean what they meant there
     try:
+        # torch's first-use costs and the user's code come before this worker registers: a launcher
+        # waits for the registration before it posts the directive, so they stay out of the pause
+        warm_up()
+        fn, refusal = None, ""
+        try:
+            if argv or env.get("ELASTIC_ENTRYPOINT"):
+                fn = load_entrypoint(*_entry_from(argv, env, {}))
+        except SpecError as e:
+            refusal = str(e)
         config = session.register()
         try:
+            if refusal:
+                raise SpecError(refusal)
             entry, args = _entry_from(argv, env, config)
-            fn = load_entrypoint(entry, args)
+            if fn is None:
+                fn = load_entrypoint(entry, args)
         except SpecError as e:
             log.error("worker %s: %s", session.worker, e)
             session.refuse(str(e))
