@@ -94,13 +94,14 @@ def main() -> None:
         opt.zero_grad()
         lr = opt.param_groups[0]["lr"]
         mgr.scheduler.step()
-        samples = [mine]
         if world.dp_size > 1:
             dist.all_reduce(total, group=world.dp_group)
-            samples = [None] * world.dp_size
-            dist.all_gather_object(samples, mine, group=world.dp_group)
         value = total.item() / mgr.global_batch
-        if args.log:
+        if args.log:  # which samples the whole step trained on: every data-parallel rank's share
+            samples: list[Any] = [mine]
+            if world.dp_size > 1:
+                samples = [None] * world.dp_size
+                dist.all_gather_object(samples, mine, group=world.dp_group)
             if log is None:
                 Path(args.log).mkdir(parents=True, exist_ok=True)
                 log = open(Path(args.log) / f"{os.environ.get('ELASTIC_WORKER_ID', 'worker')}.jsonl", "a")  # noqa: SIM115
@@ -111,7 +112,6 @@ def main() -> None:
         model, opt = mgr.step_done(step, loss=value)
     if log is not None:
         log.close()
-
 
 
 if __name__ == "__main__":

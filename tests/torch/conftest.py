@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sysconfig
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -17,3 +19,14 @@ def pool() -> Iterator[Pool]:
         yield p
     finally:
         p.close()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A byte-token corpus of three standard-library files (``elastic.torch.data``), per test module."""
+    from elastic.torch.data import prepare_corpus
+
+    out = tmp_path_factory.mktemp("corpus")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    prepare_corpus(out, [stdlib / "dataclasses.py", stdlib / "functools.py", stdlib / "textwrap.py"])
+    return str(out)

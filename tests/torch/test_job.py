@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import re
 import socket
-import sysconfig
 import time
 from pathlib import Path
 from typing import Any
@@ -40,16 +39,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 MODEL = load_model("examples/llama/model.json")
 MAX_STEPS = 200  # every job here finishes by then (the coordinator's max_steps), and the reference runs as far
 W4 = ["w0", "w1", "w2", "w3"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from elastic.torch.data import prepare_corpus
-
-    out = tmp_path_factory.mktemp("corpus")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    prepare_corpus(out, [stdlib / "dataclasses.py", stdlib / "functools.py", stdlib / "textwrap.py"])
-    return str(out)
 
 
 @pytest.fixture(scope="module")

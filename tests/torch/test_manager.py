@@ -14,9 +14,6 @@ Bad schedules are refused with the field named.
 
 from __future__ import annotations
 
-import sysconfig
-from pathlib import Path
-
 import pytest
 
 from examples.llama import byo
@@ -25,16 +22,6 @@ from tests.reshard._mp import Pool, free_port
 pytestmark = pytest.mark.slow
 
 G = byo.G
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from elastic.torch.data import prepare_corpus
-
-    out = tmp_path_factory.mktemp("corpus")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    prepare_corpus(out, [stdlib / "dataclasses.py", stdlib / "functools.py", stdlib / "textwrap.py"])
-    return str(out)
 
 
 @pytest.fixture(scope="module")

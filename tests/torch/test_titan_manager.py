@@ -18,7 +18,6 @@ on the Manager's mesh, AdamW with a warmup LR schedule, byte tokens of standard-
 from __future__ import annotations
 
 import json
-import sysconfig
 import time
 from pathlib import Path
 from typing import Any
@@ -40,16 +39,6 @@ SCHEDULE = [
     (6, (0, 1, 2, 3), {"dp_shard": 2, "tp": 2}),
 ]
 REF_STEPS = 64  # the job test's reference: more steps than its job trains before it is stopped
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from elastic.torch.data import prepare_corpus
-
-    out = tmp_path_factory.mktemp("corpus")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    prepare_corpus(out, [stdlib / "dataclasses.py", stdlib / "functools.py", stdlib / "textwrap.py"])
-    return str(out)
 
 
 @pytest.fixture(scope="module")
