@@ -54,6 +54,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import socket
 import sys
 import threading
@@ -395,25 +396,18 @@ class Session:
                 clock.mark("build")
             self._comm_sockets.end(exclude_ports=self._control_ports(d))
             if not first:
-                from elastic.torch.reshard import all_gather_object
-
-                publisher = self.worker == self._publisher(d)
-                mine = (err, self._kept_extras if publisher else None,
-                        len(built[1].param_groups) if built is not None else None)
-                told = all_gather_object(mine, self._union)
-                extras = next(x for _, x, _ in told if x is not None)
-                bad = [e for e, _, _ in told if e]
-                want = len(extras["groups"])
-                bad += [f"{m}: build: the new optimizer has {n} parameter groups, the running one {want}; build the "
-                        f"same optimizer on every layout" for m, (_, _, n) in zip(sorted(d.members), told, strict=True)
-                        if n not in (None, want)]
-                if bad:
-                    raise SpecError("; ".join(bad[:3]))
                 from elastic.torch.state import training_state
 
-                dst = training_state(built[0], built[1], init_optimizer=True) if built is not None else None
+                # what is not a tensor comes from the first old member, through the store; a member whose
+                # new model is wrong says so in the plan's exchange, where every member hears it
+                extras = self._kept_extras if self.worker == self._publisher(d) else self._shared(d, tag)["extras"]
+                want = len(extras["groups"])
+                if built is not None and len(built[1].param_groups) != want:
+                    err = (f"{self.worker}: build: the new optimizer has {len(built[1].param_groups)} parameter "
+                           f"groups, the running one {want}; build the same optimizer on every layout")
+                dst = training_state(built[0], built[1], init_optimizer=True) if built is not None and not err else None
                 prep = prepare_reshard(self._src if was else None, dst, group=self._union,
-                                       transport=self._union_bytes)
+                                       transport=self._union_bytes, errors=[err] if err else [], agree=False)
                 clock.mark("plan")
             elif err:
                 raise SpecError(err)
@@ -423,6 +417,11 @@ class Session:
             error = f"{type(e).__name__}: {_short(e, 300)}"
         finally:
             self._building = None
+        if error and prep is None:
+            # peers may be waiting for us in the union's collectives: their reads fail now, and they
+            # arrive with their errors too, rather than at the groups' timeout
+            self._comm_sockets.end(exclude_ports=self._control_ports(d))
+            self._comm_sockets.cut()
         # 4. meet
         plan = {"new_ranks": new_ranks} if new_ranks else {}
         if prep is not None:
@@ -500,8 +499,10 @@ class Session:
             if self.worker in d.old_ranks and self._src is None and self.model is not None:
                 self._src = self._freeze()
                 self._drop_world()
-            return _recovery_ranks(d)
-        key = f"{tag}/ranks"
+            ranks = _recovery_ranks(d)
+            if self.worker == self._publisher(d):
+                self._publish(d, tag, ranks)
+            return ranks
         if self.worker in d.old_ranks:
             if self._src is None:
                 from elastic.torch.reshard import mesh_order
@@ -523,20 +524,36 @@ class Session:
             else:  # back from an abandoned rescale's rebuild that itself broke: the directive decides
                 ranks = {w: i for i, w in enumerate(d.workers)}
             if self.worker == self._publisher(d):
-                self._store_for(d).set(key, json.dumps(ranks).encode())
+                self._publish(d, tag, ranks)
             return ranks
+        return dict(self._shared(d, tag)["ranks"])
+
+    def _publish(self, d: Any, tag: str, ranks: dict[str, int]) -> None:
+        """The first old member's word to the others: the new positions and what is not a tensor."""
+        self._store_for(d).set(f"{tag}/shared", pickle.dumps({"ranks": ranks, "extras": self._kept_extras}))
+
+    def _shared(self, d: Any, tag: str) -> dict[str, Any]:
+        """What the first old member published for directive ``d`` (waiting for it, given up with the rescale)."""
+        cached = getattr(self, "_shared_cache", None)
+        if cached is not None and cached[0] == tag:
+            return cached[1]
+        key = f"{tag}/shared"
         store = self._store_for(d)
         aborted = self._aborter(d.generation)
         deadline = time.monotonic() + self.opts.pg_timeout_s
         delay = 0.001
         while not store.check([key]):
             if (why := aborted()) is not None:
-                raise RuntimeError(f"gloo rendezvous given up waiting for the new ranks: {why}")
+                raise RuntimeError(f"gloo rendezvous given up waiting for the first old member's word: {why}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"timed out after {self.opts.pg_timeout_s:g} s waiting for the old workers' rank map")
+                raise RuntimeError(f"timed out after {self.opts.pg_timeout_s:g} s waiting for the first old "
+                                   "member's word (new ranks, optimizer settings)")
             time.sleep(delay)
             delay = min(2 * delay, 0.02)
-        return {str(k): int(v) for k, v in json.loads(store.get(key).decode()).items()}
+        # written by this job's own first old member into the job's own store: trusted like the job's code
+        out = pickle.loads(store.get(key))  # noqa: S301
+        self._shared_cache = (tag, out)
+        return out
 
     def _control_ports(self, d: Any) -> set[int]:
         """Ports of the connections that are not gloo's: the coordinator's HTTP and the job's store."""
@@ -883,7 +900,7 @@ class _Sockets:
     """
 
     def __init__(self) -> None:
-        self._before: dict[int, str] = {}
+        self._before: dict[int, str] | None = None  # the sockets open at begin(), until end()
         self.fds: dict[int, str] = {}
 
     @staticmethod
@@ -906,7 +923,10 @@ class _Sockets:
         self._before = self._open()
 
     def end(self, exclude_ports: set[int]) -> None:
-        new = {fd: link for fd, link in self._open().items() if self._before.get(fd) != link}
+        if self._before is None:  # no begin(): every socket would look new (Ray's own among them)
+            return
+        before, self._before = self._before, None
+        new = {fd: link for fd, link in self._open().items() if before.get(fd) != link}
         for fd, link in new.items():
             try:
                 with socket.socket(fileno=os.dup(fd)) as s:
@@ -917,7 +937,6 @@ class _Sockets:
                 continue  # a listener, or closed meanwhile
             if int(peer[1]) not in exclude_ports:
                 self.fds[fd] = link
-        self._before = {}
 
     def cut(self) -> None:
         fds, self.fds = self.fds, {}

@@ -35,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -366,13 +366,16 @@ def _check_sides(world: _World, old: Mapping[str, Placed], new: Mapping[str, Pla
             raise ReshardError(f"{k}: a tensor in the old state but a scalar (0-d) in the new one")
 
 
-def plan(src: State | None, dst: State | None, *, group: Any = None,
-         staging_cap_bytes: int | None = None) -> tuple[RegionPlan, dict[str, tuple[str, Any]], _Side | None,
-                                                        _Side | None, float]:
+def plan(src: State | None, dst: State | None, *, group: Any = None, staging_cap_bytes: int | None = None,
+         errors: Sequence[str] = ()) -> tuple[RegionPlan, dict[str, tuple[str, Any]], _Side | None,
+                                               _Side | None, float]:
     """Steps 1-3 of :func:`reshard` (collective): the plan every worker agrees on, the scalar values,
-    this worker's two descriptions and the seconds the exchange took."""
+    this worker's two descriptions and the seconds the exchange took. ``errors``: this worker's own
+    reasons to refuse (its new model could not be built), heard by every worker in the exchange."""
     t0 = time.perf_counter()
     s, d = describe(src), describe(dst)
+    if errors:  # on the new side, a copy: a frozen src is described once and used again
+        d = _Side({}, {}, {}, {}, list(errors), None) if d is None else replace(d, errors=[*d.errors, *errors])
     world = _exchange(s, d, group)
     t_exchange = time.perf_counter() - t0
     old, old_s, old_members = _placed(world, "src")
@@ -407,15 +410,18 @@ class PreparedReshard:
 
 
 def prepare_reshard(src: State | _Side | None, dst: State | None, *, group: Any = None,
-                    staging_cap_bytes: int | None = None, transport: Any = None) -> PreparedReshard:
+                    staging_cap_bytes: int | None = None, transport: Any = None, errors: Sequence[str] = (),
+                    agree: bool = True) -> PreparedReshard:
     """Steps 1-3 of :func:`reshard` and the executor's preparation (collective over ``group``):
     raises :class:`ReshardError` on every worker alike when the state cannot be moved. Nothing is
     allocated beyond staging buffers: the bytes land in ``dst``'s own tensors, and ``src`` stays
     whole until the caller drops it. ``transport``: the group whose ranks are ``group``'s that
     carries the bytes (a raw NCCL backend for CUDA tensors, with a gloo ``group`` for the
-    metadata); default ``group``."""
+    metadata); default ``group``. ``errors``: this worker's own reasons to refuse, raised on
+    every worker. ``agree=False``: a preparation that fails here raises here only, for a caller
+    whose workers agree elsewhere before any byte moves (a coordinator's meeting)."""
     t0 = time.perf_counter()
-    p, scalars, s, d, t_exchange = plan(src, dst, group=group, staging_cap_bytes=staging_cap_bytes)
+    p, scalars, s, d, t_exchange = plan(src, dst, group=group, staging_cap_bytes=staging_cap_bytes, errors=errors)
     t_plan = time.perf_counter() - t0 - t_exchange
     me = group_rank(group)
     device = (s.device if s and s.device else None) or (d.device if d and d.device else None) or "cpu"
@@ -428,9 +434,14 @@ def prepare_reshard(src: State | _Side | None, dst: State | None, *, group: Any 
         prepared = ex.prepare(p, me, old_state, device=device, dtypes=dtypes, into=into)  # type: ignore[arg-type]
     except (ReshardError, ValueError, RuntimeError) as e:
         problem = f"{type(e).__name__}: {e}"
-    # a worker that cannot prepare must not leave its peers blocked in their first receive:
-    # everyone hears of it and refuses together, still before any byte moves
-    bad = [(r, x) for r, x in enumerate(all_gather_object(problem, group)) if x]
+    if not agree:
+        if problem:
+            raise ReshardError(f"the state cannot be resharded: rank {me}: {problem}")
+        bad = []
+    else:
+        # a worker that cannot prepare must not leave its peers blocked in their first receive:
+        # everyone hears of it and refuses together, still before any byte moves
+        bad = [(r, x) for r, x in enumerate(all_gather_object(problem, group)) if x]
     if bad:
         raise ReshardError("the state cannot be resharded: " + "; ".join(f"rank {r}: {x}" for r, x in bad[:4]))
     digest = hashlib.blake2b(repr((p.bytes_planned, p.bytes_lower_bound, p.n_messages, p.keys, sorted(p.members),
