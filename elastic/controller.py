@@ -108,8 +108,7 @@ def job_throughput_tables(cfg: ControllerConfig) -> dict[str, dict[int, tuple[st
     return {j.name: throughput_table(models[j.name], hw, min(j.max_gpus, cfg.pool.total_gpus),
                                      gpus_per_node=cfg.pool.gpus_per_node, global_batch=j.global_batch,
                                      allowed_tp=j.allowed_tp, allowed_pp=j.allowed_pp, zero=j.zero,
-                                     # a user job's optimizer state is its own: never a ZeRO-1 layout
-                                     replicate_optimizer=j.replicate_optimizer or j.entrypoint is not None)
+                                     replicate_optimizer=j.no_zero1)
             for j in cfg.jobs}
 
 
@@ -165,7 +164,7 @@ class Controller:
                     cfg.models()[j.name], self.hardware, min(j.max_gpus, cfg.pool.total_gpus),
                     gpus_per_node=cfg.pool.gpus_per_node, global_batch=j.global_batch,
                     allowed_tp=j.allowed_tp, allowed_pp=j.allowed_pp, zero=j.zero,
-                    replicate_optimizer=j.replicate_optimizer or j.entrypoint is not None)
+                    replicate_optimizer=j.no_zero1)
         check_feasible(cfg, self._throughput)
         self._register()
 

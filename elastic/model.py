@@ -700,17 +700,14 @@ class TrainingSpec(_Spec):
                                     f"set entrypoint or remove {name}")
             return self
         # the workers apply these same rules; imported here, so only a user job loads elastic.train
-        from elastic.train.userjob import DEFAULT_MESH_DIMS, UserJobConfig, parse_entrypoint
+        from elastic.train.userjob import DEFAULT_MESH_DIMS, check_mesh_dims, parse_entrypoint
 
         try:
             parse_entrypoint(self.entrypoint, "entrypoint")
         except SpecError as e:
             raise err("entrypoint", str(e)) from None
-        dims = dict(self.mesh_dims if self.mesh_dims is not None else DEFAULT_MESH_DIMS)
-        try:  # its shape rules only: the model is loaded (and checked) where the job is run
-            UserJobConfig(model=None, global_batch=self.global_batch,  # type: ignore[arg-type]
-                          entrypoint=self.entrypoint, args=tuple(self.args), micro_batch=self.micro_batch,
-                          seed=self.seed, mesh_dims=dims, dp_replicas=self.dp_replicas)
+        try:
+            dims = check_mesh_dims(self.mesh_dims if self.mesh_dims is not None else DEFAULT_MESH_DIMS)
         except SpecError as e:
             raise err("mesh_dims", str(e)) from None
         if self.checkpoint is not None:
@@ -735,6 +732,12 @@ class TrainingSpec(_Spec):
         for name, value in held.items():  # derived, not set: a dump with exclude_unset stays as written
             object.__setattr__(self, name, value)
         return self
+
+    @property
+    def no_zero1(self) -> bool:
+        """The planner must not shard this job's optimizer state: replicas are to stay whole
+        (``replicate_optimizer``), or the optimizer is the user's own (a job with an entrypoint)."""
+        return self.replicate_optimizer or self.entrypoint is not None
 
     @staticmethod
     def _field_error(field_name: str, message: str) -> Exception:

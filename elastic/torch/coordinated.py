@@ -56,11 +56,10 @@ import logging
 import os
 import pickle
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -68,6 +67,7 @@ import torch.distributed as dist
 
 from elastic.model import Layout, SpecError
 from elastic.torch.manager import Manager, MeshLayout, RescaleRecord, World
+from elastic.train.agent import FAILED_JOB_GRACE_S, AgentOptions, _hard_exit, _is_comm_error, _Phases, _short
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,6 @@ __all__ = ["CoordinatedManager", "Session", "StepInterrupted", "current_session"
 _REASK_S = 0.005
 _LONG_POLL_S = 2.0
 _ASK_ABORT_S = 0.1  # a roll call asks the coordinator whether its rescale was given up at most this often
-FAILED_JOB_GRACE_S = 3.0
 
 
 class StepInterrupted(RuntimeError):
@@ -84,23 +83,13 @@ class StepInterrupted(RuntimeError):
     :meth:`Manager.micro_batches` before the next micro-batch; :mod:`elastic.torch.run` recovers."""
 
 
-@dataclass(frozen=True)
-class Options:
-    pg_timeout_s: float = 120.0
-    coordinator_timeout_s: float = 30.0
-    device: str = "cpu"
-    verify_reshard: bool = False
-    exit_on_leave: bool = True
-    recover: bool = True
-
-
-def _options_from_env(env: Mapping[str, str]) -> Options:
+def _options_from_env(env: Mapping[str, str]) -> AgentOptions:
+    """The reference worker's options from the same environment; a worker given a GPU
+    (``CUDA_VISIBLE_DEVICES``) trains on it unless ``ELASTIC_DEVICE`` says otherwise."""
     from elastic.train.worker import options_from_env
 
     o = options_from_env(env)
-    # a worker given a GPU (CUDA_VISIBLE_DEVICES) trains on it unless ELASTIC_DEVICE says otherwise
-    device = o.device if env.get("ELASTIC_DEVICE") or not torch.cuda.is_available() else "cuda"
-    return Options(o.pg_timeout_s, o.coordinator_timeout_s, device, o.verify_reshard, o.exit_on_leave, o.recover)
+    return o if env.get("ELASTIC_DEVICE") or not torch.cuda.is_available() else replace(o, device="cuda")
 
 
 _SESSION: Session | None = None
@@ -163,23 +152,18 @@ def session_from_env(env: Mapping[str, str] | None = None) -> Session:
         return _SESSION
 
 
-def _reset_session_for_tests() -> None:
-    global _SESSION
-    _SESSION = None
-
-
 class Session:
     """One worker process's membership of a job: everything that outlives one call of the user's function."""
 
-    def __init__(self, worker: str, url: str, options: Options | None = None, *, job: str = "") -> None:
+    def __init__(self, worker: str, url: str, options: AgentOptions | None = None, *, job: str = "") -> None:
         from elastic.train.rendezvous import RendezvousClient
 
         self.worker = worker
         self.job = job
-        self.opts = options or Options()
+        self.opts = options or AgentOptions()
         self.client = RendezvousClient(url, worker, retry_s=self.opts.coordinator_timeout_s)
         self.config: dict[str, Any] = {}
-        self.phase = "new"  # new | training | broken | done | left
+        self.phase = "new"  # new | registered | training | broken | done | left
         self.gen = 0
         self.layout: Layout | None = None
         self.ranks: dict[str, int] = {}
@@ -197,6 +181,7 @@ class Session:
         self.reasons: list[str] = []  # why rescales were abandoned, and the job's end
         self._in_update = False
         self._kept_extras: dict[str, Any] | None = None  # the old state's non-tensor part, kept with _src
+        self._shared_cache: tuple[str, dict[str, Any]] | None = None  # (tag, what the first old member published)
         self._hooked: Any = None  # the optimizer our step hooks are on
         self._hooks: list[Any] = []
         self._last_result: dict[str, Any] | None = None
@@ -330,8 +315,6 @@ class Session:
 
     # ---- recovery from a broken step ------------------------------------------------------------
     def recoverable(self, e: BaseException) -> bool:
-        from elastic.train.agent import _is_comm_error
-
         return (self.opts.recover and self.phase == "training"
                 and (isinstance(e, StepInterrupted) or _is_comm_error(e) or "RendezvousAborted" in type(e).__name__))
 
@@ -363,7 +346,7 @@ class Session:
         from elastic.torch.reshard import execute_reshard, prepare_reshard
 
         t0 = time.perf_counter()
-        clock = _Clock()
+        clock = _Phases()
         was, will, first = self.worker in d.old_ranks, self.worker in d.workers, not d.old_ranks
         rec = RescaleRecord(d.switch_step, MeshLayout(self._dims(Layout.parse(d.layout)), tuple(range(len(d.workers)))),
                             done=False, role="stays" if was and will else "joins" if will else "leaves")
@@ -468,7 +451,8 @@ class Session:
         self._drop_union()
         # 6. adopt (or leave)
         result = {"bytes_sent": getattr(stats, "bytes_sent", 0), "bytes_received": getattr(stats, "bytes_received", 0),
-                  "execute_seconds": getattr(stats, "execute_seconds", 0.0), **clock.seconds}
+                  **{f"{k}_seconds": round(v, 4) for k, v in clock.seconds.items()},
+                  "execute_seconds": getattr(stats, "execute_seconds", 0.0)}
         rec.bytes_moved = getattr(stats, "bytes_moved", 0)
         rec.bytes_lower_bound = getattr(stats, "bytes_lower_bound", 0)
         if not will:
@@ -534,9 +518,8 @@ class Session:
 
     def _shared(self, d: Any, tag: str) -> dict[str, Any]:
         """What the first old member published for directive ``d`` (waiting for it, given up with the rescale)."""
-        cached = getattr(self, "_shared_cache", None)
-        if cached is not None and cached[0] == tag:
-            return cached[1]
+        if self._shared_cache is not None and self._shared_cache[0] == tag:
+            return self._shared_cache[1]
         key = f"{tag}/shared"
         store = self._store_for(d)
         aborted = self._aborter(d.generation)
@@ -824,12 +807,6 @@ class Session:
         if phase in ("done", "left"):
             self._stop.set()
 
-    def close(self) -> None:
-        self._stop.set()
-        self._drop_union()
-        self._drop_world()
-        self.client.close()
-
     def _heartbeat(self, interval: float) -> None:
         """Beat; note a lost peer of our generation (the step gives up at its next micro-batch); exit
         the process if the coordinator is gone or the job failed and we are stuck."""
@@ -870,19 +847,6 @@ class Session:
 
 class _RolledBack(RuntimeError):
     pass
-
-
-class _Clock:
-    """Seconds per phase of one transition, reported with its result (``<phase>_seconds``)."""
-
-    def __init__(self) -> None:
-        self._t = time.perf_counter()
-        self.seconds: dict[str, float] = {}
-
-    def mark(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.seconds[f"{phase}_seconds"] = round(now - self._t, 4)
-        self._t = now
 
 
 class _Sockets:
@@ -981,17 +945,6 @@ def _recovery_ranks(d: Any) -> dict[str, int]:
 
 def _digest(ranks: dict[str, int]) -> str:
     return hashlib.blake2b(json.dumps(sorted(ranks.items())).encode(), digest_size=12).hexdigest()
-
-
-def _short(e: BaseException, limit: int = 400) -> str:
-    s = " ".join(str(e).split())
-    return s if len(s) <= limit else s[: limit - 3] + "..."
-
-
-def _hard_exit(code: int, message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-    logging.shutdown()
-    os._exit(code)
 
 
 class CoordinatedManager(Manager):
@@ -1112,17 +1065,9 @@ class CoordinatedManager(Manager):
             s.ask(step + 1)
         return (s.model, s.optimizer) if s.phase == "training" else (None, None)
 
-    def micro_batches(self, step: int) -> Iterator[Any]:
-        from elastic.torch.data import micro_batches
+    def _trains(self) -> bool:
+        return self.world is not None and self.session.phase == "training"
 
-        if self.corpus is None:
-            raise SpecError("Manager(corpus=...) is needed for micro_batches(); give a TokenCorpus")
-        w = self.world
-        if w is None or self.session.phase != "training":
-            raise SpecError(f"micro_batches({step}): this process trains in no layout at this step")
-        mbs = self.micro_batch_size or self.global_batch // w.dp_size
-        for b in micro_batches(self.corpus, step, global_batch=self.global_batch, dp_rank=w.dp_rank,
-                               dp_size=w.dp_size, micro_batch_size=mbs, seed=self.seed):
-            self.session.check_interrupt()
-            yield b.to(self.device) if self.device != "cpu" else b
+    def _before_batch(self) -> None:
+        self.session.check_interrupt()
 

@@ -298,12 +298,19 @@ class Manager:
         if self.corpus is None:
             raise SpecError("Manager(corpus=...) is needed for micro_batches(); give a TokenCorpus")
         w = self.world
-        if w is None or not w.member:
+        if w is None or not self._trains():
             raise SpecError(f"micro_batches({step}): this process trains in no layout at this step")
         mbs = self.micro_batch_size or self.global_batch // w.dp_size
         for b in micro_batches(self.corpus, step, global_batch=self.global_batch, dp_rank=w.dp_rank,
                                dp_size=w.dp_size, micro_batch_size=mbs, seed=self.seed):
+            self._before_batch()
             yield b.to(self.device) if self.device != "cpu" else b
+
+    def _trains(self) -> bool:
+        return self.world is not None and self.world.member
+
+    def _before_batch(self) -> None:
+        """Called before each micro-batch is handed out (a job's Manager stops a step whose peer was lost)."""
 
     # ---- rescale -----------------------------------------------------------------------------
 

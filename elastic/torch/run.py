@@ -155,6 +155,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 
 
 def _run(session: Any, fn: Callable[[], Any]) -> int:
+    from elastic.train.agent import _short
     from elastic.train.rendezvous import RendezvousError
 
     recoveries = 0
@@ -194,11 +195,6 @@ def _run(session: Any, fn: Callable[[], Any]) -> int:
 
 def _failed(session: Any) -> bool:
     return any(r.startswith("stop: ") and "failed" in r for r in session.reasons[-1:])
-
-
-def _short(e: BaseException, limit: int = 400) -> str:
-    s = " ".join(str(e).split())
-    return s if len(s) <= limit else s[: limit - 3] + "..."
 
 
 if __name__ == "__main__":

@@ -20,13 +20,13 @@ from __future__ import annotations
 import importlib.util
 import keyword
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from elastic.model import Layout, ModelSpec, SpecError, load_model
 
-__all__ = ["AXES", "DEFAULT_MESH_DIMS", "UserJobConfig", "check_entrypoint", "is_user_config", "parse_entrypoint"]
+__all__ = ["AXES", "DEFAULT_MESH_DIMS", "UserJobConfig", "check_mesh_dims", "check_entrypoint", "is_user_config", "parse_entrypoint"]
 
 AXES = ("pp", "dp", "tp")
 """The controller's axes in mesh order (outermost first): rank = tp + tp * (dp + dp * pp)."""
@@ -81,6 +81,22 @@ def check_entrypoint(entrypoint: str, field_name: str = "entrypoint", *, cwd: st
                         "install the package or fix the name")
 
 
+def check_mesh_dims(mesh_dims: Mapping[str, str]) -> dict[str, str]:
+    """``mesh_dims`` as a dict, or SpecError naming the field: axes among :data:`AXES`, ``dp`` named,
+    names distinct identifiers."""
+    dims = dict(mesh_dims)
+    bad = sorted(set(dims) - set(AXES))
+    if bad:
+        raise SpecError(f"mesh_dims: unknown axis {bad[0]!r}; name the dims of axes {list(AXES)}, "
+                        "e.g. {dp: dp_shard, tp: tp}")
+    if "dp" not in dims:
+        raise SpecError("mesh_dims: needs a name for the data-parallel axis 'dp' (e.g. dp_shard or dp_replicate)")
+    names = list(dims.values())
+    if any(not isinstance(n, str) or not n.isidentifier() for n in names) or len(set(names)) != len(names):
+        raise SpecError(f"mesh_dims: {dims}: names must be distinct identifiers (e.g. dp_shard, tp)")
+    return dims
+
+
 @dataclass(frozen=True)
 class UserJobConfig:
     """What a user job computes and how it is run; identical for every layout of the job.
@@ -106,17 +122,7 @@ class UserJobConfig:
         parse_entrypoint(self.entrypoint)
         if self.global_batch < 1 or self.micro_batch < 1:
             raise SpecError(f"global_batch={self.global_batch}, micro_batch={self.micro_batch}: both must be >= 1")
-        dims = dict(self.mesh_dims)
-        bad = sorted(set(dims) - set(AXES))
-        if bad:
-            raise SpecError(f"mesh_dims: unknown axis {bad[0]!r}; name the dims of axes {list(AXES)}, "
-                            "e.g. {dp: dp_shard, tp: tp}")
-        if "dp" not in dims:
-            raise SpecError("mesh_dims: needs a name for the data-parallel axis 'dp' (e.g. dp_shard or dp_replicate)")
-        names = list(dims.values())
-        if any(not isinstance(n, str) or not n.isidentifier() for n in names) or len(set(names)) != len(names):
-            raise SpecError(f"mesh_dims: {dims}: names must be distinct identifiers (e.g. dp_shard, tp)")
-        object.__setattr__(self, "mesh_dims", dims)
+        object.__setattr__(self, "mesh_dims", check_mesh_dims(self.mesh_dims))
         object.__setattr__(self, "args", tuple(str(a) for a in self.args))
 
     # ---- the validator's view (the same as the reference trainer's TrainConfig) ---------------
@@ -147,7 +153,7 @@ class UserJobConfig:
     def mesh_of(self, layout: Layout) -> tuple[tuple[str, int], ...]:
         """The user's mesh dims for ``layout``: ``((name, size), ...)`` outermost first."""
         self.check_axes(layout)
-        return tuple((self.mesh_dims[a], getattr(layout, a)) for a in AXES if a in self.mesh_dims)
+        return mesh_of_json({"mesh_dims": self.mesh_dims}, layout)
 
     # ---- on the wire --------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -190,16 +196,12 @@ def mesh_of_json(config: Mapping[str, Any], layout: Layout) -> tuple[tuple[str, 
     return tuple(out)
 
 
-def args_of(values: Sequence[Any] | None) -> tuple[str, ...]:
-    return tuple(str(v) for v in (values or ()))
-
-
 def from_spec(spec: Any, model: ModelSpec | None = None) -> UserJobConfig:
     """The config of a ``TrainingSpec`` that names an ``entrypoint`` (``model``: the loaded model spec,
     when the caller has it)."""
     if not getattr(spec, "entrypoint", None):
         raise SpecError(f"job {spec.name}: no entrypoint; it runs the reference trainer")
     return UserJobConfig(model=model or load_model(spec.model), global_batch=spec.global_batch,
-                         entrypoint=spec.entrypoint, args=args_of(spec.args), micro_batch=spec.micro_batch,
+                         entrypoint=spec.entrypoint, args=tuple(spec.args), micro_batch=spec.micro_batch,
                          seed=int(getattr(spec, "seed", 0) or 0),
                          mesh_dims=dict(spec.mesh_dims or DEFAULT_MESH_DIMS), dp_replicas=bool(spec.dp_replicas))
