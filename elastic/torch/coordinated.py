@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.model import Layout, SpecError
-from elastic.torch.manager import Manager, MeshLayout, RescaleRecord, World
+from elastic.torch.manager import Manager, MeshLayout, RescaleRecord, World, apply_carried, carried
 from elastic.train.agent import FAILED_JOB_GRACE_S, AgentOptions, _hard_exit, _is_comm_error, _Phases, _short
 
 log = logging.getLogger(__name__)
@@ -578,23 +578,13 @@ class Session:
     def _extras(self) -> dict[str, Any]:
         """What is not a tensor: the optimizer's hyperparameters (a scheduler changes them), the
         scheduler's state, the user's own state objects."""
-        opt = self.optimizer
-        return {"groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] if opt else [],
-                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                "user": {k: v.state_dict() for k, v in self.user_state.items()},
-                "applied": self.applied}
+        return {**carried(self.optimizer, self.scheduler, self.user_state), "applied": self.applied}
 
     def _adopt(self, built: tuple, extras: Any) -> None:
         self.model, self.optimizer = built[0], built[1]
         self.scheduler = built[2] if len(built) == 3 else None
         if extras is not None:
-            for g, old in zip(self.optimizer.param_groups, extras["groups"], strict=True):
-                g.update(old)
-            if self.scheduler is not None and extras["scheduler"] is not None:
-                self.scheduler.load_state_dict(extras["scheduler"])
-            for k, sd in extras["user"].items():
-                if k in self.user_state:
-                    self.user_state[k].load_state_dict(sd)
+            apply_carried(extras, self.optimizer, self.scheduler, self.user_state)
         self._hook(self.optimizer)
 
     def _hook(self, opt: Any) -> None:

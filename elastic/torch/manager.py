@@ -154,6 +154,26 @@ class World:
         return self.mesh[d].get_group() if d and self.member else None
 
 
+def carried(optimizer: Any, scheduler: Any, user_state: Mapping[str, Any]) -> dict[str, Any]:
+    """What a rescale carries that is not a tensor: the optimizer's hyperparameters (a scheduler
+    changes them), the scheduler's state and the user's own state objects."""
+    return {"groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+            if optimizer is not None else [],
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "user": {k: v.state_dict() for k, v in user_state.items()}}
+
+
+def apply_carried(kept: Mapping[str, Any], optimizer: Any, scheduler: Any, user_state: Mapping[str, Any]) -> None:
+    """:func:`carried` of the old layout, applied to the new one's objects."""
+    for g, old in zip(optimizer.param_groups, kept["groups"], strict=True):
+        g.update(old)
+    if scheduler is not None and kept["scheduler"] is not None:
+        scheduler.load_state_dict(kept["scheduler"])
+    for k, sd in kept["user"].items():
+        if k in user_state:
+            user_state[k].load_state_dict(sd)
+
+
 class RNGState:
     """Torch's random number generators (CPU, and CUDA when there is one) as state that travels with a
     rescale: ``Manager(..., state={"rng": RNGState()})``. Every new rank gets the first old rank's
@@ -389,9 +409,7 @@ class Manager:
         # optimizer's hyperparameters, which a scheduler changes, and the scheduler's state)
         extra = None
         if was:
-            extra = {"groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
-                     "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                     "user": {k: v.state_dict() for k, v in self.user_state.items()}}
+            extra = carried(self.optimizer, self.scheduler, self.user_state)
         n_groups = len(built[1].param_groups) if built is not None and error is None else None
         told: list[Any] = [None] * len(union)
         dist.all_gather_object(told, (error, extra, n_groups), group=group)
@@ -412,13 +430,7 @@ class Manager:
             return
         if will:
             self._adopt(built)
-            for g, old_g in zip(self.optimizer.param_groups, kept["groups"], strict=True):
-                g.update(old_g)
-            if self.scheduler is not None and kept["scheduler"] is not None:
-                self.scheduler.load_state_dict(kept["scheduler"])
-            for k, sd in kept["user"].items():
-                if k in self.user_state:
-                    self.user_state[k].load_state_dict(sd)
+            apply_carried(kept, self.optimizer, self.scheduler, self.user_state)
         else:
             self.model = self.optimizer = self.scheduler = None
         rec.bytes_moved, rec.bytes_lower_bound = stats.bytes_moved, stats.bytes_lower_bound
