@@ -205,14 +205,13 @@ def _job_spec(job: UserJob | None, corpus: str) -> dict[str, Any]:
         # replicate_optimizer: no ZeRO-1, so a lost worker is recovered from its replica (--kill-worker-at)
         return {"name": JOB, "model": "tiny", **bounds, "global_batch": 420, "micro_batch": 1,
                 "replicate_optimizer": True}
-    # A user loop's micro-batch has one size at every layout (the reference trainer picks one per
-    # layout), so dp x micro_batch must divide the global batch for every dp of 1..7: global_batch =
-    # 420 x micro_batch, and a rank runs 420 / dp micro-batches a step whatever their size. One sample
-    # each keeps the step as short as it can be, and that matters: a user loop cannot give its step
-    # up half-way, so a shrink that inference waits for waits for the step in progress.
+    # The same micro-batches as the reference trainer's (_trainer_config): a rank's share of the 420
+    # samples in the fewest passes of at most 36 (2 at dp 7, 12 at dp 1). Fewer passes keep the step
+    # short, and that matters: a user loop cannot give its step up half-way, so a rescale waits for
+    # the step in progress.
     # No on_below_minimum: a user job cannot be paused (it is preempted below its minimum of 1 GPU,
     # which inference's maximum of 6 replicas never takes it to).
-    return {"name": USER_JOB, "model": job.model, **bounds, "global_batch": 420, "micro_batch": 1,
+    return {"name": USER_JOB, "model": job.model, **bounds, "global_batch": 420, "micro_batch": 36,
             "entrypoint": job.entrypoint, "args": ["--corpus", corpus, *job.args], **job.spec}
 
 

@@ -240,6 +240,8 @@ class Manager:
             if not isinstance(lay, MeshLayout):
                 raise SpecError(f"schedule[{s}]: a {type(lay).__name__}, expected a MeshLayout")
             lay.check(self.world_size, f"schedule[{s}]")
+        if micro_batch_size is not None and int(micro_batch_size) < 1:
+            raise SpecError(f"micro_batch_size: {micro_batch_size}; give the most samples a rank computes at once (>= 1)")
         if int(global_batch) < 1:
             raise SpecError(f"global_batch: {global_batch}; give the number of samples per step (>= 1)")
         for s, lay in items:
@@ -247,9 +249,6 @@ class Manager:
             if global_batch % dp:
                 raise SpecError(f"global_batch: {global_batch} samples do not split over the {dp} data-parallel "
                                 f"ranks of schedule[{s}]; make it a multiple of every layout's dp size")
-            if micro_batch_size and (global_batch // dp) % micro_batch_size:
-                raise SpecError(f"micro_batch_size: {micro_batch_size} does not divide the {global_batch // dp} "
-                                f"samples per rank of schedule[{s}]")
         self.schedule = dict(items)
         self.total_steps = int(total_steps)
         self.global_batch = int(global_batch)

@@ -167,12 +167,22 @@ def make_validator(cfg: Any, hardware: HardwareSpec | str | None = None, gpus_pe
         if hw is not None:
             from elastic.parallel.planner import evaluate
 
-            p = evaluate(cfg.model, layout, hw, micro_batch=cfg.micro_batch, global_batch=cfg.global_batch,
-                         gpus_per_node=gpus_per_node)
+            p = evaluate(cfg.model, layout, hw, micro_batch=_planned_micro_batch(cfg, layout),
+                         global_batch=cfg.global_batch, gpus_per_node=gpus_per_node)
             if not p.fits:
                 raise SpecError(f"layout {layout} does not fit {hw.name}: {p.reason}")
 
     return validate
+
+
+def _planned_micro_batch(cfg: Any, layout: Layout) -> int:
+    """The micro-batch the memory planner sizes ``layout`` with. A user job's pieces may differ by
+    one sample, and the planner takes sizes that divide a replica's share: the smallest such size
+    at or above the largest piece, so the estimate never undercounts activations."""
+    if not is_user_config(cfg):
+        return cfg.micro_batch
+    largest, per = cfg.micro_batch_for(layout), cfg.global_batch // layout.dp
+    return next(m for m in range(largest, per + 1) if per % m == 0)
 
 
 class JobHandle(ABC):

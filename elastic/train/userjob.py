@@ -102,8 +102,9 @@ class UserJobConfig:
     """What a user job computes and how it is run; identical for every layout of the job.
 
     ``model`` is declared (a preset or a model file): the planner sizes layouts from its shapes.
-    ``global_batch`` samples per optimizer step at every layout; ``micro_batch`` the samples a
-    rank computes at once (``global_batch`` must split into ``dp * micro_batch * accumulation``).
+    ``global_batch`` samples per optimizer step at every layout (every allowed ``dp`` must divide
+    it); ``micro_batch`` the most samples a rank computes at once: a rank's share of a step is
+    cut into the fewest near-equal micro-batches of at most that size.
     ``dp_replicas``: every data-parallel rank holds a full copy of its model-parallel shard's
     state (DDP, replicated parameters): a lost worker is then recovered in place from a copy.
     False (FSDP, ``dp_shard``): no copy exists, and a lost worker fails the job.
@@ -125,20 +126,27 @@ class UserJobConfig:
         object.__setattr__(self, "mesh_dims", check_mesh_dims(self.mesh_dims))
         object.__setattr__(self, "args", tuple(str(a) for a in self.args))
 
-    # ---- the validator's view (the same as the reference trainer's TrainConfig) ---------------
-    def micro_batch_for(self, layout: Layout) -> int:
-        return self.micro_batch
+    # ---- the validator's view (what the reference trainer's TrainConfig answers) ----------------
+    def _per_rank(self, layout: Layout) -> int:
+        self.check_axes(layout)
+        if self.global_batch % layout.dp:
+            lo = self.global_batch // layout.dp * layout.dp
+            raise SpecError(
+                f"global_batch={self.global_batch} does not split over dp={layout.dp} under layout {layout} "
+                f"({self.global_batch} % {layout.dp} = {self.global_batch % layout.dp}); choose a global batch that "
+                f"every allowed dp divides (e.g. {lo or layout.dp} or {lo + layout.dp})")
+        return self.global_batch // layout.dp
 
     def grad_accum(self, layout: Layout) -> int:
-        """Micro-batches per step and rank; raises SpecError when the global batch does not split."""
-        self.check_axes(layout)
-        per_step = layout.dp * self.micro_batch
-        if self.global_batch % per_step:
-            raise SpecError(
-                f"global_batch={self.global_batch} is not divisible by dp*micro_batch={layout.dp}*{self.micro_batch}"
-                f"={per_step} under layout {layout}; choose a global batch that every allowed dp divides"
-            )
-        return self.global_batch // per_step
+        """Micro-batches per step and rank: the rank's ``global_batch / dp`` samples in the fewest
+        pieces of at most ``micro_batch`` (``elastic.torch.micro_batches`` cuts them so); raises
+        SpecError when ``dp`` does not divide the global batch."""
+        return -(-self._per_rank(layout) // self.micro_batch)
+
+    def micro_batch_for(self, layout: Layout) -> int:
+        """The largest micro-batch a rank computes under ``layout`` (pieces differ by at most one)."""
+        per = self._per_rank(layout)
+        return -(-per // self.grad_accum(layout))
 
     def check_axes(self, layout: Layout) -> None:
         """A layout the user's mesh can express: every axis above 1 has a mesh dim name."""

@@ -288,10 +288,12 @@ def test_the_user_job_demo_config_loads_with_the_examples_entrypoint_and_no_paus
 
 
 def test_every_gpu_count_the_planner_gives_the_user_job_splits_its_global_batch(tmp_path) -> None:
-    """The job's micro-batch is one size at every layout: dp x micro_batch must divide the global batch at
-    every count the planner picks, and training must have a layout at each count it can get (1..7)."""
+    """Training has a layout at each count it can get (1..7), every dp divides the global batch, and the
+    user job runs the reference trainer's micro-batches there (the same passes of the same sizes)."""
     from elastic.controller import job_throughput_tables
+    from elastic.demo import _trainer_config, demo_config
     from elastic.model import Layout, load_model
+    from elastic.torch.data import rank_micro_batches
     from elastic.train.userjob import from_spec
 
     cfg = _user_cfg(tmp_path)
@@ -299,11 +301,14 @@ def test_every_gpu_count_the_planner_gives_the_user_job_splits_its_global_batch(
     table = job_throughput_tables(cfg)[job.name]
     assert sorted(table) == list(range(1, GPUS))
     user = from_spec(job, load_model(job.model))
+    reference = _trainer_config(load_config(data=demo_config(5.0, 2.0)).jobs[0])
     for n, (layout, _) in table.items():
         L = Layout.parse(layout)
         assert L.world_size == n and L.tp == 1  # replicas only
-        assert job.global_batch % (L.dp * job.micro_batch) == 0
-        assert user.grad_accum(L) * L.dp * job.micro_batch == job.global_batch  # what the launcher checks
+        assert job.global_batch % L.dp == 0
+        pieces = [len(p) for p in rank_micro_batches(list(range(job.global_batch)), 0, L.dp, job.micro_batch)]
+        assert (user.grad_accum(L), user.micro_batch_for(L)) == (len(pieces), max(pieces))  # what the launcher checks
+        assert (user.grad_accum(L), user.micro_batch_for(L)) == (reference.grad_accum(L), reference.micro_batch_for(L))
 
 
 def test_the_reference_demo_config_is_unchanged_without_a_job() -> None:
