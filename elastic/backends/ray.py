@@ -1037,6 +1037,9 @@ class _CoordinatorActor:
     def url(self) -> str:
         return self.coordinator.url
 
+    def secret(self) -> str:
+        return self.coordinator.secret
+
     def get_meta(self) -> dict[str, Any]:
         return dict(self.meta)
 
@@ -1053,6 +1056,7 @@ class _RemoteCoordinator:
         self.actor = actor
         self.job = job
         self.url = ray.get(actor.url.remote(), timeout=60)
+        self.secret = ray.get(actor.secret.remote(), timeout=60)
 
     def _call(self, method: str, *args: Any, timeout: float = 60.0, **kw: Any) -> Any:
         import ray

@@ -514,7 +514,10 @@ class Session:
 
     def _publish(self, d: Any, tag: str, ranks: dict[str, int]) -> None:
         """The first old member's word to the others: the new positions and what is not a tensor."""
-        self._store_for(d).set(f"{tag}/shared", pickle.dumps({"ranks": ranks, "extras": self._kept_extras}))
+        from elastic.train.rendezvous import sign
+
+        payload = pickle.dumps({"ranks": ranks, "extras": self._kept_extras})
+        self._store_for(d).set(f"{tag}/shared", sign(self.client.secret, payload))
 
     def _shared(self, d: Any, tag: str) -> dict[str, Any]:
         """What the first old member published for directive ``d`` (waiting for it, given up with the rescale)."""
@@ -533,8 +536,10 @@ class Session:
                                    "member's word (new ranks, optimizer settings)")
             time.sleep(delay)
             delay = min(2 * delay, 0.02)
-        # written by this job's own first old member into the job's own store: trusted like the job's code
-        out = pickle.loads(store.get(key))  # noqa: S301
+        from elastic.train.rendezvous import verify
+
+        # the store has no authentication: only what a holder of the job's secret signed is unpickled
+        out = pickle.loads(verify(self.client.secret, store.get(key), f"entry {key}"))  # noqa: S301
         self._shared_cache = (tag, out)
         return out
 
@@ -732,7 +737,8 @@ class Session:
         from elastic.train.rendezvous import RendezvousClient, RendezvousError
 
         asked = [time.monotonic()]
-        asker = RendezvousClient(self.client.url, self.worker, timeout_s=5.0, retry_s=0)
+        asker = RendezvousClient(self.client.url, self.worker, timeout_s=5.0, retry_s=0,
+                                 secret=self.client.secret)
 
         def aborted() -> str | None:
             if time.monotonic() - asked[0] < _ASK_ABORT_S:
@@ -804,7 +810,8 @@ class Session:
 
         lost_since: float | None = None
         failed_since: float | None = None
-        beat = RendezvousClient(self.client.url, self.worker, timeout_s=interval + 5.0, retry_s=0)
+        beat = RendezvousClient(self.client.url, self.worker, timeout_s=interval + 5.0, retry_s=0,
+                                secret=self.client.secret)
         pause = interval
         while not self._stop.wait(pause):
             now = time.monotonic()

@@ -990,7 +990,8 @@ class WorkerAgent:
                 return None
             asked[0] = time.monotonic()
             if self._asker is None:
-                self._asker = RendezvousClient(self.client.url, self.worker, timeout_s=5.0, retry_s=0)
+                self._asker = RendezvousClient(self.client.url, self.worker, timeout_s=5.0, retry_s=0,
+                                               secret=self.client.secret)
             try:
                 resp = self._asker.call("heartbeat", generation=self.generation, building=d.generation)
             except RendezvousError:
@@ -1087,7 +1088,8 @@ class WorkerAgent:
         """
         lost_since: float | None = None
         failed_since: float | None = None
-        beat = RendezvousClient(self.client.url, self.worker, timeout_s=interval + 5.0, retry_s=0)
+        beat = RendezvousClient(self.client.url, self.worker, timeout_s=interval + 5.0, retry_s=0,
+                                secret=self.client.secret)
         pause = interval
         while not self._stop.wait(pause):
             now = time.monotonic()

@@ -44,6 +44,7 @@ from elastic.train.rendezvous import (
     JobStatus,
     RescaleCancelled,
     RescaleFailed,
+    SECRET_ENV,
     RescaleRecord,
     StepRecord,
 )
@@ -441,6 +442,7 @@ class JobHandle(ABC):
             "ELASTIC_JOB": self.job,
             "ELASTIC_WORKER_ID": worker,
             "ELASTIC_RENDEZVOUS_URL": self.coordinator.url,
+            SECRET_ENV: self.coordinator.secret,
             "ELASTIC_PG_TIMEOUT": str(self.opts.pg_timeout_s),
             "ELASTIC_COORDINATOR_TIMEOUT": str(self.opts.coordinator_timeout_s),
             "ELASTIC_VERIFY_RESHARD": "1" if self.opts.verify_reshard else "0",

@@ -86,16 +86,30 @@ It also aggregates per-step reports into the loss history and the Prometheus met
 (:mod:`elastic.train.telemetry`), and records each rescale (pause, bytes moved, planned
 and lower-bound bytes).
 
+Who may talk to it: every request but ``/healthz`` carries the job's secret as a bearer token
+(``Authorization: Bearer <secret>``; the coordinator generates one unless given, the launcher
+hands it to the job's workers as ``ELASTIC_JOB_SECRET``), compared in constant time; anything
+else gets 401 and learns nothing of the job. The HTTP API and the TCPStore master listen on
+``host`` only (torch's store would otherwise listen on every interface). The store itself has
+no authentication: what workers read from it that they would unpickle is signed with the
+secret (:func:`sign`, :func:`verify`). Gloo's own connections between workers are not
+authenticated; the job's network is the boundary there.
+
 What it must not do: touch tensors, run collectives, or decide layouts (the controller
 does; :meth:`Coordinator.directive` only validates and sequences them).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import http.client
 import json
 import logging
 import math
+import os
+import secrets
+import socket
 import sys
 import threading
 import time
@@ -116,6 +130,8 @@ from elastic.train.telemetry import TrainingMetrics
 log = logging.getLogger(__name__)
 
 API = "/v1"
+SECRET_ENV = "ELASTIC_JOB_SECRET"
+"""The environment variable that hands a job's secret to its workers."""
 LONG_POLL_MAX_S = 5.0
 """Longest a long-polling request (``wait_s``) is held; well under the client's HTTP timeout."""
 
@@ -365,6 +381,7 @@ class Coordinator:
         shrink_gives_up_step: bool = False,
         grow_gives_up_step: bool = False,
         prepare_beside_step: bool = True,
+        secret: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if heartbeat_timeout_s <= heartbeat_interval_s:
@@ -374,6 +391,11 @@ class Coordinator:
             )
         self.job = job
         self.config = dict(config or {})
+        if secret is not None and len(secret) < 16:
+            raise SpecError("secret: at least 16 characters (or None: the coordinator generates one)")
+        # every request but /healthz must carry it (see the module doc); never logged
+        self.secret = secret or secrets.token_urlsafe(32)
+        self._auth = f"Bearer {self.secret}".encode()
         self.host, self.port = host, port
         self.advertise_host = advertise_host or host
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -469,7 +491,7 @@ class Coordinator:
 
         if self.checkpoint is not None and self.checkpoint.coordinator_sees:
             self.checkpoint.check_writable()
-        self._store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
+        self._store = _bound_store(self.host)
         self._server = _Server((self.host, self.port), _make_handler(self))
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
@@ -1869,6 +1891,15 @@ def _make_handler(coord: Coordinator) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(payload)
 
+        def _authorized(self) -> bool:
+            """The job's secret as a bearer token; else 401, and the connection is closed (an unread body)."""
+            if hmac.compare_digest(self.headers.get("Authorization", "").encode(), coord._auth):
+                return True
+            self.close_connection = True
+            self._reply(401, b'{"error": "unauthorized: requests to a job\'s coordinator carry its secret as '
+                             b'Authorization: Bearer (workers get it as ELASTIC_JOB_SECRET)"}')
+            return False
+
         def _gone(self) -> bool:
             """After ``stop()``: answer nothing on a kept-alive connection, as a closed port would."""
             if coord._closing.is_set():
@@ -1879,15 +1910,20 @@ def _make_handler(coord: Coordinator) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:  # noqa: N802 - stdlib name
             if self._gone():
                 return
+            if self.path == "/healthz":  # liveness only: nothing about the job
+                self._reply(200, b'{"ok": true}')
+                return
+            if not self._authorized():
+                return
             if self.path == "/metrics":
                 self._reply(200, generate_latest(coord.metrics.registry), "text/plain; version=0.0.4")
-            elif self.path in (f"{API}/status", "/healthz"):
+            elif self.path == f"{API}/status":
                 self._reply(200, json.dumps(coord.handle(f"{API}/status", {})).encode())
             else:
                 self._reply(404, b'{"error": "not found"}')
 
         def do_POST(self) -> None:  # noqa: N802 - stdlib name
-            if self._gone():
+            if self._gone() or not self._authorized():
                 return
             try:
                 n = int(self.headers.get("Content-Length", "0"))
@@ -1919,8 +1955,13 @@ class RendezvousClient:
     reconnects transparently when the coordinator closed it. Thread-safe (one call at a time).
     """
 
-    def __init__(self, url: str, worker: str, *, timeout_s: float = 10.0, retry_s: float = 30.0) -> None:
+    def __init__(self, url: str, worker: str, *, timeout_s: float = 10.0, retry_s: float = 30.0,
+                 secret: str | None = None) -> None:
         self.url = url.rstrip("/")
+        # None: the job's secret from the environment, as the launcher hands it to workers
+        self.secret = secret if secret is not None else os.environ.get(SECRET_ENV) or None
+        self._headers = {"Content-Type": "application/json",
+                         **({"Authorization": f"Bearer {self.secret}"} if self.secret else {})}
         self.worker = worker
         self.timeout_s = timeout_s
         self.retry_s = retry_s
@@ -1962,7 +2003,7 @@ class RendezvousClient:
             if self._conn.sock is not None:
                 self._conn.sock.settimeout(timeout)
             try:
-                self._conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+                self._conn.request("POST", path, body=data, headers=self._headers)
                 r = self._conn.getresponse()
                 return r.status, r.read()
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
@@ -1982,5 +2023,43 @@ class RendezvousClient:
             self._close()
 
     def status(self) -> dict[str, Any]:
-        with urllib.request.urlopen(f"{self.url}{API}/status", timeout=self.timeout_s) as r:
+        req = urllib.request.Request(f"{self.url}{API}/status", headers=self._headers)
+        with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
             return json.loads(r.read())
+
+
+def _bound_store(host: str) -> Any:
+    """The job's TCPStore master listening on ``host`` only: torch's own would listen on every
+    interface whatever host it is given, so it gets a socket bound here (and owns it from then)."""
+    import torch.distributed as dist
+
+    family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+        port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach())
+
+
+def sign(secret: str | None, payload: bytes) -> bytes:
+    """``payload`` with an HMAC-SHA256 of it under the job's secret in front (for the store)."""
+    if not secret:
+        raise RendezvousError(f"no job secret to sign with: {SECRET_ENV} is not set")
+    return hmac.new(secret.encode(), payload, hashlib.sha256).digest() + payload
+
+
+def verify(secret: str | None, signed: bytes, what: str) -> bytes:
+    """The payload of :func:`sign`'s output; RendezvousError when the signature does not match
+    (written by someone without the secret: never unpickled)."""
+    if not secret:
+        raise RendezvousError(f"no job secret to check {what} with: {SECRET_ENV} is not set")
+    mac, payload = signed[:32], signed[32:]
+    if len(signed) < 32 or not hmac.compare_digest(mac, hmac.new(secret.encode(), payload, hashlib.sha256).digest()):
+        raise RendezvousError(f"{what} in the job's store fails its signature check: not written by a member "
+                              "of this job; refusing to read it")
+    return payload

@@ -5,6 +5,7 @@ One HTTP round trip at the end checks the wire and the ``/metrics`` endpoint.
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +14,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from elastic.model import SpecError
-from elastic.train.rendezvous import Coordinator, Directive, JobFailed, RendezvousClient, RescaleFailed
+from elastic.train.rendezvous import (
+    Coordinator,
+    Directive,
+    JobFailed,
+    RendezvousClient,
+    RendezvousError,
+    RescaleFailed,
+)
 
 
 class Clock:
@@ -257,18 +265,77 @@ def test_http_round_trip_and_metrics_endpoint() -> None:
     reg = CollectorRegistry()
     c = Coordinator("job", {"model": "tiny", "global_batch": 8}, registry=reg).start()
     try:
-        cl = RendezvousClient(c.url, "w0", retry_s=2)
+        cl = RendezvousClient(c.url, "w0", retry_s=2, secret=c.secret)
         assert cl.call("register")["config"] == {"model": "tiny", "global_batch": 8}
         assert c.registered("w0") and c.store_port > 0
         c.directive(1, "tp1.pp1.dp1", ["w0"])
         assert cl.call("poll")["directive"]["store_port"] == c.store_port
         assert cl.status()["phase"] == "starting"
-        text = urllib.request.urlopen(f"{c.url}/metrics", timeout=5).read().decode()
+        req = urllib.request.Request(f"{c.url}/metrics", headers={"Authorization": f"Bearer {c.secret}"})
+        text = urllib.request.urlopen(req, timeout=5).read().decode()
         assert 'elastic_training_generation{job="job"}' in text
     finally:
         c.stop()
     with pytest.raises(Exception, match="unreachable"):
-        RendezvousClient(c.url, "w0", retry_s=0.2).call("heartbeat")
+        RendezvousClient(c.url, "w0", retry_s=0.2, secret=c.secret).call("heartbeat")
+
+
+def test_only_holders_of_the_job_secret_are_answered() -> None:
+    import urllib.error
+
+    c = Coordinator("job", {"model": "tiny"}, registry=CollectorRegistry()).start()
+    try:
+        assert len(c.secret) >= 32 and Coordinator("k", {}).secret != c.secret  # one per job
+        for secret in (None, "", c.secret[:-1] + ("x" if c.secret[-1] != "x" else "y")):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.delenv("ELASTIC_JOB_SECRET", raising=False)
+                cl = RendezvousClient(c.url, "intruder", retry_s=0.5, secret=secret)
+            with pytest.raises(RendezvousError, match="HTTP 401"):
+                cl.call("register")
+            with pytest.raises(urllib.error.HTTPError, match="401"):
+                cl.status()
+        assert not c.registered("intruder") and c.status().phase == "starting"
+        for path in ("/metrics", "/v1/status"):
+            with pytest.raises(urllib.error.HTTPError, match="401"):
+                urllib.request.urlopen(f"{c.url}{path}", timeout=5)
+        # liveness needs no secret and says nothing about the job
+        assert json.loads(urllib.request.urlopen(f"{c.url}/healthz", timeout=5).read()) == {"ok": True}
+        # the secret handed to workers in their environment is what a client uses by default
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("ELASTIC_JOB_SECRET", c.secret)
+            assert RendezvousClient(c.url, "w0", retry_s=2).call("register")["config"] == {"model": "tiny"}
+    finally:
+        c.stop()
+    with pytest.raises(SpecError, match="secret: at least 16 characters"):
+        Coordinator("job", {}, secret="short")
+
+
+def test_the_store_listens_on_the_coordinator_host_only() -> None:
+    import socket
+
+    c = Coordinator("job", {"model": "tiny"}, registry=CollectorRegistry(), host="127.0.0.1").start()
+    try:
+        port = c.store_port
+        listening = open("/proc/net/tcp").read().splitlines()[1:]
+        local = [ln.split()[1] for ln in listening if ln.split()[3] == "0A"]  # state LISTEN
+        ours = [a for a in local if int(a.split(":")[1], 16) == port]
+        assert ours == ["0100007F:" + f"{port:04X}"], ours  # 127.0.0.1 only, not 0.0.0.0
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+    finally:
+        c.stop()
+
+
+def test_signed_store_entries_round_trip_and_forged_ones_are_refused() -> None:
+    from elastic.train.rendezvous import sign, verify
+
+    signed = sign("s" * 32, b"payload")
+    assert verify("s" * 32, signed, "entry x") == b"payload"
+    for bad in (sign("t" * 32, b"payload"), signed[:-1] + b"X", b"short", b"payload"):
+        with pytest.raises(RendezvousError, match="entry x in the job's store fails its signature check"):
+            verify("s" * 32, bad, "entry x")
+    with pytest.raises(RendezvousError, match="ELASTIC_JOB_SECRET is not set"):
+        sign(None, b"payload")
 
 
 def test_a_name_that_left_counts_as_registered_only_once_its_new_process_registers() -> None:
