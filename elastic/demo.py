@@ -269,6 +269,7 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
     from elastic.serve.loadgen import LoadGenerator
     from elastic.serve.profiles import DiurnalProfile, rate_at
     from elastic.serve.server import ReplicaConfig
+    from elastic.store.engine import mask_url
     from elastic.train.launch import LaunchOptions
 
     console = Console()
@@ -288,7 +289,7 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
     replica_cfg = ReplicaConfig(model="tiny", max_running=SLOTS, max_waiting=128, tokens_per_second=TOKENS_PER_SECOND)
     # 1. state and cluster
     console.print(f"[bold]elastic demo[/]: {GPUS} logical GPUs, a day in {minutes:g} min, training: {trainer}, "
-                  f"state in {db_url}")
+                  f"state in {mask_url(db_url)}")
     db.upgrade(db_url)
     store = db.Store.from_url(db_url)
     backend = RayBackend(cfg.pool, replica_config=replica_cfg, trainer_config=_trainer_config,
@@ -321,7 +322,7 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
             api[0].should_exit = True
         if corpus:
             corpus.cleanup()
-        raise SystemExit(f"elastic demo: {first.message}; another controller is acting on {db_url} "
+        raise SystemExit(f"elastic demo: {first.message}; another controller is acting on {mask_url(db_url)} "
                          "(use --db with another database, or stop it)")
     # 3. the cold start (the training job's first workers: torch in each process, on this
     # machine's cores) runs before any load: started under load it is called off by the first

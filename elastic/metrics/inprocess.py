@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from elastic.metrics.sample import MetricSample
+from elastic.metrics.sample import MetricSample, invalid_reading
 
 
 class InProcessSource:
@@ -13,6 +13,7 @@ class InProcessSource:
         self.max_age = max_age
         self._values: dict[str, tuple[float, float]] = {}
         self._lock = threading.Lock()
+        self.last_error: str | None = None
 
     def set(self, service: str, value: float, at: float) -> None:
         with self._lock:
@@ -28,4 +29,8 @@ class InProcessSource:
         if got is None:
             return None
         value, at = got
+        if (why := invalid_reading(value, at, now)) is not None:
+            self.last_error = f"{service}: {why}; ignored, as if missing"
+            return None
+        self.last_error = None
         return MetricSample(value, at, "in-process", stale=now - at > self.max_age)

@@ -10,7 +10,6 @@ retrying cannot fix them and scaling on them would be wrong.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 import httpx
 
 from elastic.metrics.presets import get_preset, render
-from elastic.metrics.sample import MetricQueryError, MetricSample
+from elastic.metrics.sample import MetricQueryError, MetricSample, invalid_reading
 
 DEFAULT_SELECTOR = 'service="$service"'
 
@@ -69,8 +68,8 @@ class PrometheusQuery:
                 f"{self.field}: query {q!r} returned {len(result)} series ({shown}); one is expected: "
                 "aggregate it, e.g. sum(...) or avg(...)")
         _, ts, value = result[0]
-        if math.isnan(value) or math.isinf(value):
-            self.last_error = f"query {q!r} returned {value}"
+        if (why := invalid_reading(value, ts, now)) is not None:
+            self.last_error = f"query {q!r}: {why}; ignored, as if missing"
             return None
         self.last_error = None
         return MetricSample(value, ts, f"prometheus {self.base_url}: {q}", stale=now - ts > self.max_age)

@@ -12,6 +12,7 @@ scaled on such a spec until a person fixes it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -28,6 +29,24 @@ class MetricSample:
     observed_at: float
     source: str
     stale: bool = False
+
+
+FUTURE_TOLERANCE_S = 30.0
+"""How far ahead of the controller's clock a reading's timestamp may be (clock skew) before it
+is refused: a reading from the future would never grow old, and so never count as stale."""
+
+
+def invalid_reading(value: float, observed_at: float, now: float) -> str | None:
+    """Why a reading cannot be load (None when it can): not a finite number, negative (a load
+    never is: a -50 would shrink a service to its minimum), or timestamped in the future."""
+    if not math.isfinite(value):
+        return f"the value is {value}"
+    if value < 0:
+        return f"the value {value:g} is negative (a load never is)"
+    if observed_at - now > FUTURE_TOLERANCE_S:
+        return (f"the reading is timestamped {observed_at - now:.0f} s in the future (clock skew between "
+                f"the source and the controller is allowed {FUTURE_TOLERANCE_S:g} s)")
+    return None
 
 
 @runtime_checkable

@@ -20,7 +20,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from elastic.metrics.presets import Preset, get_preset
-from elastic.metrics.sample import MetricSample
+from elastic.metrics.sample import MetricSample, invalid_reading
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
 
@@ -99,6 +99,10 @@ class Scrape:
                 continue
             v = self._value(url, now, got)
             self._prev[url] = (now, got)
+            if isinstance(v, float) and (why := invalid_reading(v, now, now)) is not None:
+                self.last_error = f"{url}/metrics: {self.preset.name}: {why}; this replica's reading is ignored"
+                failed.append(url)
+                continue
             if v is not None:
                 values.append(v)
         value = self._aggregate(values)

@@ -9,6 +9,7 @@ copy, persist or replay it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -101,6 +102,8 @@ class PolicyContext:
                     state: PolicyState | None = None) -> PolicyContext:
         """Build from an ``elastic.metrics.MetricSample`` (duck-typed: keeps this module pure)."""
         value = None if sample is None else float(sample.value)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            value = None  # not a load (a source that let it through): missing, so the service holds
         stale = bool(sample is not None and sample.stale)
         return cls(spec, current_replicas, value, now, state or PolicyState(), stale)
 

@@ -365,3 +365,13 @@ def test_the_cli_refuses_job_options_without_a_job_and_an_unknown_entrypoint_wit
     assert res.exit_code == 2 and "go with --job" in res.output
     res = runner.invoke(app, ["demo", "--job", "my.train:main"])
     assert res.exit_code == 2 and "--job-model" in res.output
+
+
+def test_the_demo_never_prints_its_database_password(capsys) -> None:
+    from elastic.demo import run_demo
+    from elastic.store import StoreError
+
+    with pytest.raises(StoreError, match=r"u:\*\*\*@127\.0\.0\.1:1/x is unavailable"):
+        run_demo(0.1, db_url="postgresql+psycopg://u:secretpw@127.0.0.1:1/x", live=False)
+    out = capsys.readouterr().out
+    assert "state in postgresql+psycopg://u:***@127.0.0.1:1/x" in out and "secretpw" not in out
