@@ -130,6 +130,11 @@ class PlannedLayout:
                 "tokens_per_second": self.tokens_per_second, "mfu": self.mfu}
 
 
+def _given(**kw: Any) -> dict[str, Any]:
+    """The keywords a caller gave (not None): one left out must not replace ``options``' value."""
+    return {k: v for k, v in kw.items() if v is not None}
+
+
 def _opts(options: PlanOptions | None, kw: dict[str, Any]) -> PlanOptions:
     base = options or PlanOptions()
     if not kw:
@@ -432,23 +437,24 @@ def plan(model: ModelSpec, n_gpus: int, hardware: HardwareSpec, *, options: Plan
 
 
 def feasible_layouts(model: ModelSpec, n_gpus: int, hardware: HardwareSpec, *, gpus_per_node: int | None = None,
-                     global_batch: int = DEFAULT_GLOBAL_BATCH, seq_len: int | None = None,
+                     global_batch: int | None = None, seq_len: int | None = None,
                      options: PlanOptions | None = None, **kw: Any) -> list[PlannedLayout]:
-    """Every layout for ``n_gpus`` that fits, fastest first (ties: fewer GPUs, smaller TP)."""
-    kw.update(gpus_per_node=gpus_per_node, global_batch=global_batch, seq_len=seq_len)
+    """Every layout for ``n_gpus`` that fits, fastest first (ties: fewer GPUs, smaller TP).
+    A keyword left out takes ``options``' value (``PlanOptions``' default without options)."""
+    kw.update(_given(gpus_per_node=gpus_per_node, global_batch=global_batch, seq_len=seq_len))
     return list(plan(model, n_gpus, hardware, options=options, **kw).plans)
 
 
 def evaluate(model: ModelSpec, layout: Layout, hardware: HardwareSpec, *, micro_batch: int | None = None,
              recompute: Recompute | None = None, offload: bool | None = None, n_gpus: int | None = None,
-             gpus_per_node: int | None = None, global_batch: int = DEFAULT_GLOBAL_BATCH, seq_len: int | None = None,
+             gpus_per_node: int | None = None, global_batch: int | None = None, seq_len: int | None = None,
              options: PlanOptions | None = None, **kw: Any) -> PlannedLayout:
     """Evaluate exactly ``layout``. Unset micro_batch/recompute/offload are chosen (fastest that fits).
 
     Raises SpecError when the layout cannot split the model or the batch; returns
     ``fits=False`` (with the smallest-memory choice and its reason) when it does not fit.
     """
-    kw.update(gpus_per_node=gpus_per_node, global_batch=global_batch, seq_len=seq_len)
+    kw.update(_given(gpus_per_node=gpus_per_node, global_batch=global_batch, seq_len=seq_len))
     if micro_batch is not None:
         kw["micro_batches"] = (micro_batch,)
     if recompute is not None:

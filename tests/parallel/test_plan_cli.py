@@ -64,3 +64,27 @@ def test_bad_input_is_one_line_exit_2(args: tuple[str, ...], needle: str, tmp_pa
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and needle in lines[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_single_layout_is_planned_with_the_global_batch_given() -> None:
+    # dp=15 divides 2160 but not the default 1024: the option must reach the layout's evaluation
+    r = elastic("--model", "megatron-145.6b", "--gpus", "1920", "--layout", "tp8.pp16.dp15", "--global-batch", "2160",
+                "--json")
+    assert r.returncode == 0, r.stderr
+    (p,) = json.loads(r.stdout)["plans"]
+    assert p["layout"] == "tp8.pp16.dp15" and p["micro_batch"] * p["grad_accum"] * 15 == 2160
+
+
+def test_keywords_left_out_never_replace_the_options_given() -> None:
+    from elastic.model import Layout, load_hardware, load_model
+    from elastic.parallel.planner import PlanOptions, evaluate, feasible_layouts
+
+    model, hw = load_model("megatron-145.6b"), load_hardware("h100-80g")
+    opts = PlanOptions(global_batch=2160, gpus_per_node=8)
+    p = evaluate(model, Layout.parse("tp8.pp16.dp15"), hw, options=opts)
+    assert p.micro_batch * p.grad_accum * 15 == 2160
+    assert all(q.micro_batch * q.grad_accum * q.layout.dp == 2160
+               for q in feasible_layouts(load_model("tiny"), 8, hw, options=PlanOptions(global_batch=2160)))
+    # a keyword given still wins over the options
+    q = evaluate(model, Layout.parse("tp8.pp16.dp16"), hw, options=opts, global_batch=1024)
+    assert q.micro_batch * q.grad_accum * 16 == 1024
