@@ -149,7 +149,10 @@ class ModelSpec(BaseModel):
         n = self.attention_params() + 2 * self.norm_params()
         if self.is_moe_layer(layer):
             assert self.moe is not None
-            n += (self.moe.experts + self.moe.shared_experts) * self.mlp_params(self.moe.expert_ffn_hidden)
+            f, shared = self.moe.expert_ffn_hidden, self.moe.shared_experts
+            n += self.moe.experts * self.mlp_params(f)
+            # The shared experts run as one MLP of width shared * f: one down-projection bias, not one each.
+            n += self.mlp_params(shared * f) if shared else 0
             n += self.moe.experts * self.hidden  # router
         else:
             n += self.mlp_params(self.ffn_hidden)

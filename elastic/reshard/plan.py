@@ -8,8 +8,9 @@ Steps (:func:`plan_reshard`):
 
 1. validate the input (layouts the model can take, world sizes, duplicate ids, node limits);
 2. **rank remap**: give surviving workers the new ranks whose state they already hold most of
-   (max-weight bipartite assignment; with ``nodes``, at TP-group granularity per node so that
-   no TP group spans nodes);
+   (max-weight bipartite assignment; staying on one's rank in ``new_workers`` only breaks ties
+   between maps that keep as many elements local; with ``nodes``, at TP-group granularity per
+   node so that no TP group spans nodes);
 3. **diff**: for each ``(tensor, kind)`` intersect the new boxes with the old ones. Everything
    here works per *sharding signature* (shape, tp dim, tp unit, expert) and per *position*
    ``q = tp_rank + tp * dp_rank`` inside a pipeline stage: the box a rank holds depends only on
@@ -335,10 +336,11 @@ def _remap(
         chosen = _assign_free(W, old_ranks, survivors, new_workers, identity)
     else:
         return identity
-    # Safety net: never worse than the identity map (the node heuristic is not exact).
+    # Safety net: never worse than the identity map (the node heuristic is not exact). The identity
+    # map keeps every survivor on its rank, so at equal local elements it wins the tie-break.
     def local(m: dict[str, int]) -> int:
-        return int(sum(W[old_ranks[w], m[w]] for w in survivors))
-    if local(chosen) < local(identity) and (nodes is None or _check_tp_nodes(identity, new_layout, nodes, False)):
+        return sum(int(W[old_ranks[w], m[w]]) for w in survivors)
+    if local(chosen) <= local(identity) and (nodes is None or _check_tp_nodes(identity, new_layout, nodes, False)):
         return identity
     return chosen
 
@@ -346,16 +348,48 @@ def _remap(
 def _assign_free(W: np.ndarray, old_ranks: dict[str, int], survivors: list[str], new_workers: Sequence[str],
                  identity: dict[str, int]) -> dict[str, int]:
     rows = np.array([old_ranks[w] for w in survivors])
-    # 2*W + 1 on the identity rank: among equally good maps keep workers where they are, and the
-    # optimum is never worse than the identity map (2W* + n* >= 2W_id + n_survivors, n* <= n_survivors).
-    M = 2 * W[rows, :]
-    M[np.arange(len(survivors)), [identity[w] for w in survivors]] += 1
-    r, c = linear_sum_assignment(M, maximize=True)
+    # Among the maps that keep the most elements local, keep the most workers where they are: the
+    # optimum is then never worse than the identity map, which is one of the candidates.
+    bonus = np.zeros((len(survivors), len(new_workers)))
+    bonus[np.arange(len(survivors)), [identity[w] for w in survivors]] = 1
+    r, c = _lex_max_assignment(W[rows, :], bonus, len(survivors))
     out = {survivors[i]: int(j) for i, j in zip(r.tolist(), c.tolist(), strict=True)}
     free = sorted(set(range(len(new_workers))) - set(out.values()))
     joiners = [w for w in new_workers if w not in out]
     out.update(zip(joiners, free, strict=True))
     return out
+
+
+def _lex_max_assignment(W: np.ndarray, bonus: np.ndarray, max_bonus: int,
+                        exact_below: int = 2**53) -> tuple[np.ndarray, np.ndarray]:
+    """Rows -> distinct columns with the largest total ``W`` and, among those, the largest total
+    ``bonus`` (``W`` and ``bonus`` hold non-negative integers, ``rows <= columns``; no assignment
+    collects more than ``max_bonus``).
+
+    One solve of ``W * (max_bonus + 1) + bonus`` is lexicographic: a unit of ``W`` outweighs any
+    bonus. The solver (scipy's shortest augmenting path) works in float64; with entries of
+    magnitude at most ``C``, its row and column potentials move by at most ``C`` per row added,
+    so every value it forms is an integer of magnitude below ``(2 * size + 4) * C``: exact while
+    ``4 * (size + 1) * C`` stays under ``exact_below``. Past that (GPT-3 175B's fp32 Adam state
+    at tp8.pp16 is 4.3e9 elements per rank: past ~700 survivors), ``W`` alone is solved as well
+    (no scale factor: exact far longer) and the scaled solution is kept only if its totals,
+    summed as Python integers, are at least as high: the elements kept local stay the most, the
+    bonus is then best effort.
+    """
+    n = max(W.shape)
+    top = float(W.max()) if W.size else 0.0
+    if max_bonus == 0 or not bonus.any():
+        return linear_sum_assignment(W, maximize=True)
+    scale = max_bonus + 1
+    lex = linear_sum_assignment(W * scale + bonus, maximize=True)
+    if 4 * (n + 1) * (top * scale + max_bonus) < exact_below:
+        return lex
+    plain = linear_sum_assignment(W, maximize=True)
+
+    def total(m: np.ndarray, rc: tuple[np.ndarray, np.ndarray]) -> int:
+        return sum(int(x) for x in m[rc])
+
+    return lex if (total(W, lex), total(bonus, lex)) >= (total(W, plain), total(bonus, plain)) else plain
 
 
 def _check_tp_nodes(ranks: dict[str, int], layout: Layout, nodes: dict[str, str], required: bool) -> bool:
@@ -393,14 +427,18 @@ def _assign_by_node(W: np.ndarray, old_ranks: dict[str, int], layout: Layout, ne
         bundles += [ws[i:i + tp] for i in range(0, len(ws), tp)]
     n_groups = layout.world_size // tp
     B = np.zeros((len(bundles), n_groups), dtype=np.float64)
+    bonus = np.zeros((len(bundles), n_groups), dtype=np.float64)
+    n_surv = 0
     for b, members in enumerate(bundles):
         for j, w in enumerate(members):
             if w in old_ranks:
+                n_surv += 1
                 # new rank of TP slot j in group g is g*tp + j
-                B[b] += 2 * W[old_ranks[w], j::tp][:n_groups]
+                B[b] += W[old_ranks[w], j::tp][:n_groups]
                 if identity[w] % tp == j:
-                    B[b, identity[w] // tp] += 1
-    r, c = linear_sum_assignment(B, maximize=True)
+                    bonus[b, identity[w] // tp] += 1
+    # Staying on one's rank only breaks ties between bundle maps that keep as many elements local.
+    r, c = _lex_max_assignment(B, bonus, n_surv)
     out: dict[str, int] = {}
     for b, g in zip(r.tolist(), c.tolist(), strict=True):
         for j, w in enumerate(bundles[b]):

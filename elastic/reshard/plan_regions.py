@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 from elastic.reshard.plan import (
     DEFAULT_SPLIT_MIN_BYTES,
@@ -53,6 +52,7 @@ from elastic.reshard.plan import (
     ReshardError,
     _choose_senders,
     _Demand,
+    _lex_max_assignment,
     _pack_rounds,
     _split_to_cap,
 )
@@ -701,13 +701,12 @@ def assign_slots(
     for tk, k in weight.items():
         om, sm, nd = maps[tk]
         W += _overlap_matrix(om, sm, sidx, n, nd) * k
-    # Lexicographic: local bytes first, then keeping survivor i on slot i. The bonus sums to at
-    # most len(survivors) < scale, so it never outweighs a single byte kept local.
-    scale = float(len(survivors) + 1)
-    M = W * scale
+    # Lexicographic: local bytes first, then keeping survivor i on slot i (a byte kept local
+    # outweighs any number of survivors kept on their index).
     diag = min(len(survivors), n)
-    M[np.arange(diag), np.arange(diag)] += 1.0
-    r, c = linear_sum_assignment(M, maximize=True)
+    bonus = np.zeros_like(W)
+    bonus[np.arange(diag), np.arange(diag)] = 1.0
+    r, c = _lex_max_assignment(W, bonus, diag)
     order: list[Worker | None] = [None] * n
     for i, j in zip(r.tolist(), c.tolist(), strict=True):
         order[j] = survivors[i]
