@@ -23,7 +23,7 @@ every step the same samples at every layout (:func:`prepare_corpus`, :class:`Tok
 from elastic.reshard.plan import ReshardError
 from elastic.reshard.regions import PlacementError, Region, shard_region
 from elastic.torch.caches import clear_dtensor_caches
-from elastic.torch.coordinated import StepInterrupted
+from elastic.torch.coordinated import StepGivenUp, StepInterrupted
 from elastic.torch.data import Batch, CorpusError, TokenCorpus, micro_batches, prepare_corpus, step_samples
 from elastic.torch.manager import Manager, MeshLayout, RNGState, World
 from elastic.torch.reshard import ReshardStats, mesh_order, reshard
@@ -39,6 +39,7 @@ __all__ = [
     "ReshardError",
     "ReshardStats",
     "RNGState",
+    "StepGivenUp",
     "StepInterrupted",
     "TokenCorpus",
     "World",

@@ -43,6 +43,19 @@ coordinator's recovery directive; then it calls the user's function again, whose
 ``Manager`` finds the recovered model and the step to go on at. A survivor computing when the
 loss is announced stops at its next micro-batch (:class:`StepInterrupted`).
 
+A shrink need not wait for the step in progress (the coordinator's ``shrink_gives_up_step``:
+inference waits for the GPUs it frees). A generation posted with ``give_up_checks`` checks
+before each micro-batch ``micro_batches`` hands out: one all-reduce of a flag over the
+generation's group, so every rank stops at the same micro-batch. When the coordinator asks
+(on the heartbeat, or with the ``go`` of the step), the check raises :class:`StepGivenUp` out
+of the user's loop: no optimizer update happened, so the state is the step boundary's (the
+user's ``state=`` objects are put back as they were when the step began).
+:mod:`elastic.torch.run` hands it to :meth:`Session.give_up`, which asks for the same step
+again; the coordinator switches the shrink there, and the user's function is called again on
+the new layout, which computes the step whole on the same samples (the work of the given-up
+micro-batches is lost: the reference trainer can keep it, a user's loop cannot hand over its
+gradients half-way). Leavers exit. A grow waits for the step boundary.
+
 Must not: choose layouts, run user code on another thread than the caller's, or outlive its
 coordinator (the heartbeat exits the process when the coordinator is gone or the job failed).
 """
@@ -71,11 +84,22 @@ from elastic.train.agent import FAILED_JOB_GRACE_S, AgentOptions, _hard_exit, _i
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CoordinatedManager", "Session", "StepInterrupted", "current_session", "session_from_env", "warm_up"]
+__all__ = ["CoordinatedManager", "Session", "StepGivenUp", "StepInterrupted", "current_session", "session_from_env",
+           "warm_up"]
 
 _REASK_S = 0.005
 _LONG_POLL_S = 2.0
 _ASK_ABORT_S = 0.1  # a roll call asks the coordinator whether its rescale was given up at most this often
+
+
+class StepGivenUp(BaseException):  # noqa: N818 - a control-flow signal, like GeneratorExit
+    """Not an error: the step in progress is given up for a shrink (see the module doc). A
+    ``BaseException`` so that a user's ``except Exception`` does not swallow it; let it leave
+    your function, and :mod:`elastic.torch.run` calls it again on the new layout."""
+
+    def __init__(self, step: int, micro: int, seconds: float) -> None:
+        super().__init__(f"step {step} given up at micro-batch {micro} for a shrink ({seconds:.3f} s in)")
+        self.step, self.micro, self.seconds = step, micro, seconds
 
 
 class StepInterrupted(RuntimeError):
@@ -191,6 +215,14 @@ class Session:
         self._store: Any = None
         self._building: int | None = None
         self._interrupt_gen = -1
+        self._checks = False  # this generation checks for a give-up before each micro-batch
+        self._give_up_req: tuple[int, int] | None = None  # (generation, step) the coordinator asked to give up
+        # the (generation, step) given up last: heeded once (after an abandoned shrink the old generation
+        # redoes that step whole, and a late heartbeat may still carry the old request)
+        self._given_up: tuple[int, int] | None = None
+        self._gave_up: dict[str, Any] | None = None  # what the next step request says of a given-up step
+        self._micro = 0  # micro-batches handed out of the step in flight
+        self._at_begin: dict[str, Any] | None = None  # the user's state objects as the step in flight began
         self._comm_sockets = _Sockets()  # the TCP connections of this generation's gloo groups
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
@@ -266,10 +298,14 @@ class Session:
                 return False
             broken = self.phase == "broken"
             result, self._last_result = self._last_result, None
+            gave_up, self._gave_up = self._gave_up, None
             resp = self.client.call("step", generation=self.gen, step=step, result=result,
-                                    **({"wait_s": _LONG_POLL_S} if broken else {}))
+                                    **({"wait_s": _LONG_POLL_S} if broken else {}),
+                                    **({"gave_up": gave_up} if gave_up else {}))
             action = resp["action"]
             if action == "go" and not broken:
+                if resp.get("give_up") is not None:  # asked to give this step up before it began
+                    self._give_up_req = (self.gen, int(resp["give_up"]))
                 self.granted = self.next_step = step
                 return True
             if action == "switch":
@@ -296,6 +332,11 @@ class Session:
 
     def begin(self, step: int) -> None:
         self.in_flight, self.granted = step, None
+        self._micro = 0
+        # a step given up half-way goes back to the boundary: the user's state objects too (a data
+        # position, the RNG) may have moved inside it
+        self._at_begin = ({k: _copied(v.state_dict()) for k, v in self.user_state.items()}
+                          if self._checks and self.user_state else None)
         self._t_step = time.perf_counter()
 
     def finish(self, step: int, loss: float | None, tokens: int) -> None:
@@ -312,6 +353,39 @@ class Session:
     def check_interrupt(self) -> None:
         if self._interrupt_gen == self.gen and self.phase == "training":
             raise StepInterrupted(f"a peer of generation {self.gen} was lost; the step cannot complete")
+
+    def before_batch(self) -> None:
+        """Before each micro-batch: a lost peer stops the step; in a generation that checks, every
+        rank learns whether any was asked to give the step up (one flag, all-reduced), and all of
+        them give it up at this same micro-batch."""
+        self.check_interrupt()
+        step = self.in_flight
+        if not self._checks or step is None or self.phase != "training":
+            return
+        asked = self._give_up_req == (self.gen, step) != self._given_up
+        dev = self.opts.device if self.opts.device.startswith("cuda") else "cpu"
+        flag = torch.tensor([1.0 if asked else 0.0], device=dev)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        micro, self._micro = self._micro, self._micro + 1
+        if flag.item() > 0:
+            raise StepGivenUp(step, micro, time.perf_counter() - self._t_step)
+
+    def give_up(self, e: StepGivenUp) -> bool:
+        """The user's step ``e.step`` was given up for a shrink: back to its boundary, ask for the same
+        step again (the coordinator switches the shrink there) and take part in the rescale. True
+        when this worker trains on (call the user's function again), False when it left."""
+        log.info("worker %s: %s", self.worker, e)
+        self._given_up, self._give_up_req = (self.gen, e.step), None
+        if self._at_begin is not None:
+            for k, sd in self._at_begin.items():
+                self.user_state[k].load_state_dict(sd)
+        self._at_begin = None
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)  # the given-up micro-batches' gradients
+        self.in_flight = self.granted = None
+        self.next_step = e.step
+        self._gave_up = {"step": e.step, "seconds": round(e.seconds, 4), "micro": e.micro, "kept": False}
+        return self.ask(e.step)
 
     # ---- recovery from a broken step ------------------------------------------------------------
     def recoverable(self, e: BaseException) -> bool:
@@ -465,6 +539,7 @@ class Session:
         assert built is not None
         self._adopt(built, extras)
         self.gen, self.layout, self.ranks = d.generation, Layout.parse(d.layout), dict(new_ranks)
+        self._checks = bool(getattr(d, "give_up_checks", False))
         self._src, self.phase = None, "training"
         self.applied = d.switch_step - 1
         rec.done, rec.seconds = True, time.perf_counter() - t0
@@ -836,10 +911,19 @@ class Session:
                     # own: gloo has no way to interrupt it but its connections failing
                     self._comm_sockets.cut()
                 self._interrupt_gen = sent_from
+            if (g := resp.get("give_up")) is not None and int(g["generation"]) == sent_from:
+                self._give_up_req = (sent_from, int(g["step"]))  # checked before the next micro-batch
             if resp.get("failed"):
                 failed_since = failed_since or now
                 if now - failed_since > min(self.opts.pg_timeout_s, FAILED_JOB_GRACE_S):
                     _hard_exit(1, f"worker {self.worker}: job failed ({resp.get('reason')}); exiting")
+
+
+def _copied(sd: Any) -> Any:
+    """A state dict detached from the live object (tensors cloned), to load back later."""
+    import copy
+
+    return copy.deepcopy(sd)
 
 
 class _RolledBack(RuntimeError):
@@ -1066,5 +1150,5 @@ class CoordinatedManager(Manager):
         return self.world is not None and self.session.phase == "training"
 
     def _before_batch(self) -> None:
-        self.session.check_interrupt()
+        self.session.before_batch()
 

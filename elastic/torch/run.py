@@ -12,7 +12,10 @@ When the function raises because a peer of its generation was lost (a collective
 :class:`elastic.torch.coordinated.StepInterrupted`), the worker keeps its state, takes part in
 the coordinator's recovery and calls the function again: its new ``Manager`` starts from the
 recovered model at the step the survivors reached (nothing but the step in flight is redone).
-Any other exception is the job's failure reason.
+When a shrink gives the step in progress up (:class:`elastic.torch.coordinated.StepGivenUp`
+leaves the function at a micro-batch), the worker takes part in the shrink and calls the
+function again on the new layout, at the same step; a leaver exits. Any other exception is the
+job's failure reason.
 
 The entrypoint comes from the command line, else ``ELASTIC_ENTRYPOINT`` (arguments in
 ``ELASTIC_ARGS``, a JSON list), else the job's config; modules and relative script paths are
@@ -155,6 +158,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 
 
 def _run(session: Any, fn: Callable[[], Any]) -> int:
+    from elastic.torch.coordinated import StepGivenUp
     from elastic.train.agent import _short
     from elastic.train.rendezvous import RendezvousError
 
@@ -162,6 +166,10 @@ def _run(session: Any, fn: Callable[[], Any]) -> int:
     while True:
         try:
             fn()
+        except StepGivenUp as e:  # a shrink took the step in progress: on to the new layout (or out)
+            if session.give_up(e):
+                continue
+            return 0 if session.phase in ("done", "left") and not _failed(session) else 1
         except SystemExit as e:
             if e.code not in (None, 0):
                 session.report_fail(f"the entrypoint exited with {e.code!r}")

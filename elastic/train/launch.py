@@ -129,12 +129,13 @@ class LaunchOptions:
 
 def coordinator_settings(o: LaunchOptions, *, user: bool = False) -> dict[str, Any]:
     """The ``Coordinator`` keyword arguments that ``o`` decides (one place for every launcher).
-    ``user``: a user job (``elastic.torch.Manager``), whose loop cannot give a step up half-way and
-    prepares at the switch, and which keeps no checkpoints of ours."""
+    ``user``: a user job (``elastic.torch.Manager``), which gives a step up for a shrink only (its
+    loop cannot hand over the step's work, so a grow waits for the boundary rather than lose it),
+    prepares at the switch, and keeps no checkpoints of ours."""
     return {"heartbeat_interval_s": o.heartbeat_interval_s, "heartbeat_timeout_s": o.heartbeat_timeout_s,
             "join_timeout_s": o.join_timeout_s, "max_steps": o.max_steps, "recover": o.recover,
             "lookahead_steps": o.lookahead_steps, "shrink_lookahead_steps": o.shrink_lookahead_steps,
-            "shrink_gives_up_step": o.shrink_gives_up_step and not user,
+            "shrink_gives_up_step": o.shrink_gives_up_step,
             "grow_gives_up_step": o.grow_gives_up_step and not user, "transactional": o.transactional_rescale,
             "prepare_beside_step": o.prepare_beside_step and not user,
             "checkpoint": None if user else o.checkpoint, "rendezvous_timeout_s": o.pg_timeout_s}

@@ -13,6 +13,9 @@ environment, and each variable below arms one fault in the worker it names:
   exchange of that generation's rescale, before it sends anything (a lost node mid-reshard).
 * ``ELASTIC_TEST_MANAGER_GLOBAL_BATCH=<n>``: the loop passes ``global_batch=n`` to its Manager
   (a script whose settings disagree with the job's).
+* ``ELASTIC_TEST_HOLD_FOR_GIVE_UP=<step>``: every worker, in that step, after its first
+  micro-batch, waits until the coordinator has asked it to give the step up (a shrink posted
+  while the step is in progress; bounded), so the next micro-batch's check gives it up.
 
 Nothing here is shipped: the faults live in the test's process, around the user's code and
 around ``elastic.reshard.execute.execute``.
@@ -117,6 +120,32 @@ def _arm_manager_batch(n: str) -> None:
     et.Manager = manager  # type: ignore[assignment,misc]
 
 
+_HELD: list[int] = []  # the step this process held in (once: the function is called again after a give-up)
+
+
+def _arm_hold_for_give_up(step: str) -> None:
+    import time
+
+    from elastic.torch.coordinated import CoordinatedManager, current_session
+
+    if getattr(CoordinatedManager.micro_batches, "_holds", False):
+        return  # armed by the first call of main()
+    original = CoordinatedManager.micro_batches
+
+    def micro_batches(self: Any, s: int) -> Any:
+        for i, b in enumerate(original(self, s)):  # the next item's check runs in enumerate's next()
+            yield b
+            if s == int(step) and i == 0 and not _HELD:
+                _HELD.append(s)
+                session = current_session()
+                deadline = time.monotonic() + 120
+                while session._give_up_req != (session.gen, s) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+
+    micro_batches._holds = True  # type: ignore[attr-defined]
+    CoordinatedManager.micro_batches = micro_batches  # type: ignore[method-assign]
+
+
 def main() -> None:
     from examples.llama import job
 
@@ -128,4 +157,6 @@ def main() -> None:
         _arm_die(spec)
     if spec := os.environ.get("ELASTIC_TEST_DIE_EXCHANGE"):
         _arm_die_exchange(spec)
+    if spec := os.environ.get("ELASTIC_TEST_HOLD_FOR_GIVE_UP"):
+        _arm_hold_for_give_up(spec)
     job.main()

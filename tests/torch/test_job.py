@@ -130,6 +130,29 @@ def test_a_user_job_rescaled_by_its_coordinator_through_four_layouts_follows_one
     assert len(steps) >= 10
 
 
+def test_a_shrink_gives_the_step_in_progress_up_and_the_new_layout_redoes_it_on_the_same_curve(
+        corpus: str, reference: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ELASTIC_TEST_HOLD_FOR_GIVE_UP", "3")
+    h = _job("byo-giveup", corpus, tmp_path, replicas=True)
+    try:
+        h.start("tp1.pp1.dp3", W4[:3], timeout=180)
+        # step 2 complete: every worker asked for step 3, where each now waits for the coordinator's word
+        _wait(lambda st: st.step >= 2, h, 120, "step 2")
+        res = h.rescale("tp1.pp1.dp2", ["w0", "w2"], timeout=180)
+        rec = res.record
+        assert rec.ok and rec.leavers == ["w1"] and rec.gave_up_step == 3 and rec.switch_step == 3, rec
+        assert h.procs["w1"].wait(30) == 0, "the leaver should exit cleanly"
+        h.wait_step(6, timeout=120)
+        assert h.status().layout == "tp1.pp1.dp2"
+    finally:
+        final = h.stop()
+    assert final.error is None, final.error
+    _check_curve(h, tmp_path, reference)
+    # step 3 was logged only by the new layout: the given-up step left the user's loop before its end
+    assert {r["layout"]["dp_replicate"] for r in _logged(tmp_path)[3]} == {2}
+    assert {r["layout"]["dp_replicate"] for r in _logged(tmp_path)[2]} == {3}
+
+
 def test_a_build_that_raises_or_builds_other_keys_abandons_the_rescale_and_the_job_trains_on(
         corpus: str, reference: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ELASTIC_TEST_BUILD_FAULT", "dp_shard2.tp2:raise")
