@@ -39,12 +39,12 @@ from elastic.train.agent import config_json
 from elastic.train.checkpoint import CheckpointSettings
 from elastic.train.procenv import worker_memory_env
 from elastic.train.rendezvous import (
+    SECRET_ENV,
     Coordinator,
     JobFailed,
     JobStatus,
     RescaleCancelled,
     RescaleFailed,
-    SECRET_ENV,
     RescaleRecord,
     StepRecord,
 )

@@ -487,7 +487,6 @@ class Coordinator:
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> Coordinator:
         """1. host the TCPStore master, 2. serve HTTP, 3. watch heartbeats and deadlines."""
-        import torch.distributed as dist
 
         if self.checkpoint is not None and self.checkpoint.coordinator_sees:
             self.checkpoint.check_writable()
