@@ -347,7 +347,14 @@ def load_hardware(name: str) -> HardwareSpec:
 # --------------------------------------------------------------------------------------------
 
 _AXES = ("tp", "pp", "dp", "ep", "vpp", "z")
-_LAYOUT_RE = re.compile(r"^(tp|pp|dp|ep|vpp|z)(\d+)$")
+
+
+def _clip(text: str, n: int = 40) -> str:
+    """At most ``n`` characters of a bad value for an error message (never the whole of a huge one)."""
+    return text if len(text) <= n else f"{text[:n]}... ({len(text)} characters)"
+# ASCII digits only (\d also takes other scripts' digits, which int() reads), and few of them: a degree
+# of thousands of digits is no layout, only work for whoever reads it
+_LAYOUT_RE = re.compile(r"^(tp|pp|dp|ep|vpp|z)([0-9]{1,6})$")
 
 
 @dataclass(frozen=True, order=True)
@@ -385,7 +392,8 @@ class Layout:
         for part in text.strip().lower().split("."):
             m = _LAYOUT_RE.match(part)
             if not m:
-                raise SpecError(f"layout '{text}': cannot read '{part}'; expected e.g. 'tp2.pp2.dp4' (axes {', '.join(_AXES)})")
+                raise SpecError(f"layout '{_clip(text)}': cannot read '{_clip(part)}'; expected e.g. 'tp2.pp2.dp4' (axes "
+                                f"{', '.join(_AXES)}, each with a degree of 1 to 6 ASCII digits)")
             axis, num = m.group(1), int(m.group(2))
             if axis in vals:
                 raise SpecError(f"layout '{text}': axis '{axis}' given twice")
@@ -510,7 +518,8 @@ def padded_layers(layers: int, pp: int, vpp: int = 1) -> int:
 
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    # no inf or NaN in any float field (1e999 reads as inf): they would only fail later, deep inside
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
 
 class ScalingPolicy(_Spec):
@@ -576,7 +585,7 @@ class MetricTarget(_Spec):
 
 class InferenceSpec(_Spec):
     name: str = Field(min_length=1)
-    gpus_per_replica: int = Field(default=1, gt=0)
+    gpus_per_replica: int = Field(default=1, gt=0, le=4096)
     min_replicas: int = Field(default=1, ge=0)
     max_replicas: int = Field(default=8, gt=0)
     priority: int = Field(default=100)
@@ -648,6 +657,7 @@ class TrainingSpec(_Spec):
     micro_batch: int = Field(default=1, gt=0)
     allowed_tp: list[int] | None = None
     allowed_pp: list[int] | None = None
+
     zero: int = Field(default=0, ge=0, le=1)
     replicate_optimizer: bool = Field(
         default=False,
@@ -679,6 +689,14 @@ class TrainingSpec(_Spec):
                     "lost worker is recovered in place from a copy; false: they hold shards (FSDP-style) and a "
                     "lost worker fails the job")
     seed: int = Field(default=0, ge=0, description="seed of the data order (the reference trainer may ignore it)")
+
+    @field_validator("allowed_tp", "allowed_pp")
+    @classmethod
+    def _degrees(cls, v: list[int] | None, info: Any) -> list[int] | None:
+        for d in v or ():
+            if not 1 <= d <= 65536:
+                raise ValueError(f"{info.field_name} contains {d}; degrees are from 1 to 65536")
+        return v
 
     @model_validator(mode="after")
     def _bounds(self) -> TrainingSpec:
