@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -185,12 +186,32 @@ class ModelSpec(BaseModel):
             raise SpecError(f"{source}: {_one_line(e)}") from None
 
     @classmethod
-    def from_file(cls, path: str | Path) -> ModelSpec:
+    def from_file(cls, path: str | Path, *, base_dir: str | Path | None = None) -> ModelSpec:
+        """Read a model file. Only a regular file of at most ``MODEL_FILE_MAX_BYTES`` is read (a
+        FIFO would hang the reader, a huge file fill its memory), inside ``base_dir`` when given
+        (symbolic links resolved first); a parse error names the line, never its text."""
         p = Path(path)
+        if base_dir is not None:
+            root = Path(base_dir).resolve()
+            where = (root / p).resolve() if not p.is_absolute() else p.resolve()
+            if not where.is_relative_to(root):
+                raise SpecError(f"model file {_clip(str(p), 200)}: model files are read from {root} only; put it there "
+                                "or use a preset")
+            p = where
         try:
-            text = p.read_text()
+            st = p.stat()
+            if not stat.S_ISREG(st.st_mode):
+                raise SpecError(f"model file {_clip(str(p), 200)}: not a regular file")
+            if st.st_size > MODEL_FILE_MAX_BYTES:
+                raise SpecError(f"model file {_clip(str(p), 200)}: {st.st_size} bytes; a model file is at most "
+                                f"{MODEL_FILE_MAX_BYTES} bytes")
+            with p.open("rb") as f:
+                raw = f.read(MODEL_FILE_MAX_BYTES + 1)
+            text = raw.decode()
         except OSError as e:
-            raise SpecError(f"model file {p}: cannot read ({e.strerror})") from None
+            raise SpecError(f"model file {_clip(str(p), 200)}: cannot read ({e.strerror})") from None
+        except UnicodeDecodeError:
+            raise SpecError(f"model file {_clip(str(p), 200)}: not UTF-8 text") from None
         try:
             if p.suffix == ".json":
                 data = json.loads(text)
@@ -199,8 +220,9 @@ class ModelSpec(BaseModel):
 
                 data = yaml.safe_load(text)
         except Exception as e:  # noqa: BLE001 - parse errors of any library become one line
-            raise SpecError(f"model file {p}: not valid {p.suffix.lstrip('.') or 'YAML'}: {e}") from None
-        return cls.from_mapping(data, source=f"model file {p}")
+            raise SpecError(f"model file {_clip(str(p), 200)}: not valid {p.suffix.lstrip('.') or 'YAML'}: "
+                            f"{_parse_error(e)}") from None
+        return cls.from_mapping(data, source=f"model file {_clip(str(p), 200)}")
 
 
 def _one_line(e: ValidationError) -> str:
@@ -284,15 +306,29 @@ PUBLISHED_PARAMS: dict[str, float] = {
 }
 
 
-def load_model(name_or_path: str) -> ModelSpec:
-    """A preset name or a YAML/JSON file with the ModelSpec keys."""
+MODEL_FILE_MAX_BYTES = 1 << 20
+
+
+def _parse_error(e: Exception) -> str:
+    """Where a parse failed and why, without the text around it (which may be any file's content)."""
+    line = getattr(e, "lineno", None)
+    mark = getattr(e, "problem_mark", None)
+    if line is None and mark is not None:
+        line = mark.line + 1
+    why = getattr(e, "msg", None) or getattr(e, "problem", None) or type(e).__name__
+    return f"line {line}: {_clip(str(why), 80)}" if line is not None else _clip(str(why), 80)
+
+
+def load_model(name_or_path: str, *, base_dir: str | Path | None = None) -> ModelSpec:
+    """A preset name or a YAML/JSON file with the ModelSpec keys (inside ``base_dir`` when given:
+    the directory model files of untrusted specs are read from)."""
     if name_or_path in MODEL_PRESETS:
         return MODEL_PRESETS[name_or_path]
     p = Path(name_or_path)
-    if p.suffix in (".yaml", ".yml", ".json") or p.exists():
-        return ModelSpec.from_file(p)
+    if p.suffix in (".yaml", ".yml", ".json") or base_dir is not None or p.exists():
+        return ModelSpec.from_file(p, base_dir=base_dir)
     raise SpecError(
-        f"unknown model '{name_or_path}': use a preset ({', '.join(MODEL_PRESETS)}) or a .yaml/.json file"
+        f"unknown model '{_clip(name_or_path)}': use a preset ({', '.join(MODEL_PRESETS)}) or a .yaml/.json file"
     )
 
 

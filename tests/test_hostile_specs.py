@@ -38,3 +38,50 @@ def test_allowed_degrees_are_refused_naming_the_field(field: str, value: list[in
     with pytest.raises(ValidationError, match=f"{field} contains {value[-1]}; degrees are from 1 to 65536"):
         TrainingSpec.model_validate({**JOB, field: value})
     assert TrainingSpec.model_validate({**JOB, field: [1, 2]}).model_dump()[field] == [1, 2]
+
+
+def test_model_files_are_regular_small_and_their_content_never_echoed(tmp_path) -> None:
+    import os
+
+    from elastic.model import MODEL_FILE_MAX_BYTES, load_model
+
+    fifo = tmp_path / "m.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(SpecError, match="not a regular file"):
+        load_model(str(fifo))  # refused before it is opened: a read would block for ever
+    big = tmp_path / "big.json"
+    big.write_bytes(b" " * (MODEL_FILE_MAX_BYTES + 1))
+    with pytest.raises(SpecError, match=f"{MODEL_FILE_MAX_BYTES + 1} bytes; a model file is at most"):
+        load_model(str(big))
+    with pytest.raises(SpecError, match="not a regular file"):
+        load_model(str(tmp_path) + "/")
+    secret = tmp_path / "secret.yaml"
+    secret.write_text("password: hunter2\n  token: [oops\n")
+    with pytest.raises(SpecError, match=r"not valid yaml: line \d+") as e:
+        load_model(str(secret))
+    assert "hunter2" not in str(e.value) and "oops" not in str(e.value)
+    bad_json = tmp_path / "secret.json"
+    bad_json.write_text('{"token": "hunter2",,}')
+    with pytest.raises(SpecError, match=r"not valid json: line 1") as e:
+        load_model(str(bad_json))
+    assert "hunter2" not in str(e.value)
+
+
+def test_a_base_dir_confines_model_files(tmp_path) -> None:
+    import json
+
+    from elastic.model import load_model
+
+    models = tmp_path / "models"
+    models.mkdir()
+    spec = {"name": "m", "layers": 2, "hidden": 64, "ffn_hidden": 128, "heads": 4, "kv_heads": 2, "vocab": 256,
+            "seq_len": 32}
+    (models / "m.json").write_text(json.dumps(spec))
+    (tmp_path / "outside.json").write_text(json.dumps(spec))
+    (models / "link.json").symlink_to(tmp_path / "outside.json")
+    assert load_model("m.json", base_dir=models).layers == 2
+    assert load_model(str(models / "m.json"), base_dir=models).layers == 2
+    for escape in ("../outside.json", str(tmp_path / "outside.json"), "link.json", "/etc/passwd"):
+        with pytest.raises(SpecError, match=f"model files are read from {models} only"):
+            load_model(escape, base_dir=models)
+    assert load_model("tiny", base_dir=models).name == "tiny"  # presets need no file
