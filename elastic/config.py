@@ -28,6 +28,31 @@ from elastic.model import (
 )
 
 
+class RetentionSettings(BaseModel):
+    """How long the state store keeps history, per table, in days (``null``: forever).
+
+    The lease holder deletes older rows in batches of ``batch_rows``, at most every
+    ``interval_seconds`` and for at most ``max_seconds`` each time, between ticks. Rows still
+    open or in flight (a held allocation, a running reshard or action) are never deleted.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    decisions_days: float | None = Field(default=30.0, gt=0, description="decision log (changes and runs of holds)")
+    allocations_days: float | None = Field(default=30.0, gt=0, description="closed allocations (who held which GPUs)")
+    actions_days: float | None = Field(default=30.0, gt=0, description="finished backend actions (crash-recovery log)")
+    audit_days: float | None = Field(default=365.0, gt=0, description="admin writes (who did what)")
+    reshards_days: float | None = Field(default=None, gt=0, description="finished reshard events; null keeps them")
+    batch_rows: int = Field(default=500, ge=1, le=10_000, description="rows per DELETE statement")
+    interval_seconds: float = Field(default=300.0, gt=0, description="seconds between retention passes")
+    max_seconds: float = Field(default=1.0, gt=0, description="time one pass may take; the rest waits for the next")
+
+    def days(self) -> dict[str, float | None]:
+        """Retention name (as ``elastic.store.HISTORY``) -> days kept (None: forever)."""
+        return {"decisions": self.decisions_days, "allocations": self.allocations_days,
+                "actions": self.actions_days, "audit": self.audit_days, "reshards": self.reshards_days}
+
+
 class ControllerSettings(BaseModel):
     """How the loop runs (not what it schedules)."""
 
@@ -37,6 +62,7 @@ class ControllerSettings(BaseModel):
     lease_seconds: float = Field(default=15.0, gt=0, description="leader lease; another controller takes over after it")
     metrics_max_age_seconds: float = Field(default=30.0, gt=0, description="older samples count as stale (never shrink)")
     rescale_timeout_seconds: float = Field(default=120.0, gt=0)
+    retention: RetentionSettings = Field(default_factory=RetentionSettings)
 
 
 class ControllerConfig(BaseModel):

@@ -12,9 +12,16 @@ One ``tick()`` reads as numbered steps (Kueue's scheduler, Kopf's collected effe
                 before training grows. A grow still starting its joiners when inference wants
                 the GPUs back is called off (nothing has moved yet) and the tick plans once
                 more from what the job really holds.
-4. record    the decision (with its reason), allocations and reshard events in the DB.
+4. record    the decision (with its reason), allocations and reshard events in the DB. A tick
+             that changes nothing is a *hold*: a run of identical holds is one decision row
+             (its count and last time grow), so the log keeps changes, not a row per tick.
 
-Only step 3 touches the backend's actuators and only step 4 writes the store. When the
+Only step 3 touches the backend's actuators and only step 4 writes the store. Between ticks
+the lease holder enforces retention (``housekeep``): old history goes in small batches,
+never inside a tick. At INFO the log says what changed and why, one line each (a decision
+that acts, a rescale with its layout, bytes and pause, a hold that is not plain steady
+state, a lease gained or lost); a failure that repeats tick after tick is logged when it
+starts, when it changes and when it ends. When the
 DB or the backend is unreachable the tick stops acting and says so (``ready`` False,
 reason in ``last_error``) instead of guessing. Crash recovery (``recover()``, run before
 the first decision): actions the DB shows in flight are reconciled with what the backend
@@ -25,6 +32,8 @@ were given; the reshard is then recorded ``done`` with the bytes and pause the j
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import threading
 import time
@@ -154,6 +163,10 @@ class Controller:
         self.recovered = False
         self.overrides: dict[str, tuple[int, float]] = {}
         self._ahead: dict[str, set[GPU]] = {}  # service -> GPUs last drained ahead (to log changes only)
+        self._hold: str | None = None  # digest of the hold run being recorded (None after a change)
+        self._source_errors: dict[str, str] = {}  # service -> its metric source's failure, logged once
+        self._lease_state: bool | None = None  # leader at the last tick (None: no tick yet), to log changes
+        self._housekept_at: float | None = None
         self.pinned: dict[str, dict[int, tuple[str, float]]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -293,8 +306,47 @@ class Controller:
         while not self._stop.is_set():
             started = self.clock()
             self.tick()
+            self.housekeep()
             self._stop.wait(max(0.0, self.cfg.controller.tick_seconds - (self.clock() - started)))
         self.release_lease()
+
+    # ---- between ticks: retention ------------------------------------------------------------------
+    def housekeep(self, *, force: bool = False) -> dict[str, int]:
+        """Enforce the retention settings: delete history older than each table's limit.
+
+        Runs between ticks, never inside one, and only on the lease holder (a standby leaves the
+        store alone). At most every ``retention.interval_seconds`` (``force``: now), in batches of
+        ``retention.batch_rows`` rows, each its own short transaction, for at most
+        ``retention.max_seconds``; what is left waits for the next pass. Returns rows deleted
+        per table; a store failure is logged, never raised (the next pass retries).
+        """
+        r = self.cfg.controller.retention
+        now = self.clock()
+        if not self.is_leader or (not force and self._housekept_at is not None
+                                  and now - self._housekept_at < r.interval_seconds):
+            return {}
+        self._housekept_at = now
+        deadline = time.monotonic() + r.max_seconds
+        deleted: dict[str, int] = {}
+        try:
+            with self._lock:  # never at the same time as a tick (SQLite has one writer)
+                for table, days in r.days().items():
+                    if days is None:
+                        continue
+                    cutoff = _dt(now - days * 86400.0)
+                    while time.monotonic() < deadline:
+                        n = db.purge_history(self.store, table, cutoff, r.batch_rows)
+                        deleted[table] = deleted.get(table, 0) + n
+                        if n < r.batch_rows:
+                            break
+        except db.StoreError as e:
+            log.warning("retention pass stopped: %s (the next pass retries)", e)
+        gone = {t: n for t, n in deleted.items() if n}
+        if gone:
+            left = " (more left for the next pass)" if time.monotonic() >= deadline else ""
+            log.info("retention: deleted %s%s", ", ".join(f"{n} {t} older than {r.days()[t]:g} d"
+                                                          for t, n in gone.items()), left)
+        return deleted
 
     # ---- one reconcile cycle --------------------------------------------------------------------
     def tick(self) -> TickResult:
@@ -303,10 +355,14 @@ class Controller:
             now = self.clock()
             try:
                 res = self._tick(now)
+                if self.last_error is not None:
+                    log.info("acting again: the database and the backend answer")
                 self.ready, self.last_error = True, None
             except (db.StoreUnavailable, BackendUnavailable) as e:
-                self.ready, self.last_error = False, f"{type(e).__name__}: {e}"
-                log.error("not acting: %s", self.last_error)
+                error = f"{type(e).__name__}: {e}"
+                # once when it starts or changes, not every tick while it lasts
+                (log.error if error != self.last_error else log.debug)("not acting: %s", error)
+                self.ready, self.last_error = False, error
                 res = TickResult(now, False, "Unavailable", self.last_error, error=self.last_error)
             res.seconds = time.perf_counter() - t0
             self.last_tick = res
@@ -320,7 +376,9 @@ class Controller:
                                           now=_dt(now))
         if not self.is_leader:
             holder = db.lease_holder(self.store, self.pool, now=_dt(now))
+            self._lease_changed(False, holder.owner if holder else "?")
             return TickResult(now, False, "NotLeader", f"lease held by {holder.owner if holder else '?'}")
+        self._lease_changed(True, self.owner)
         if not self.recovered:
             self.recover()
         if self.paused:
@@ -355,6 +413,19 @@ class Controller:
         # 4. record
         self._record(now, plan, replica_decisions, samples, applied, error)
         return TickResult(now, True, plan.reason, plan.message, plan, replica_decisions, applied, error)
+
+    def _lease_changed(self, leader: bool, holder: str) -> None:
+        """One line when this controller gains or loses the pool's lease (or starts as a standby)."""
+        was, self._lease_state = self._lease_state, leader
+        if was == leader:
+            return
+        if leader:
+            log.info("leading pool %s: lease taken by %s (%g s, renewed every tick)", self.pool, self.owner,
+                     self.cfg.controller.lease_seconds)
+        elif was:
+            log.warning("lost the lease of pool %s to %s: standing by, not acting", self.pool, holder)
+        else:
+            log.info("standing by: the lease of pool %s is held by %s", self.pool, holder)
 
     # ---- 1. observe -----------------------------------------------------------------------------
     def _observe_jobs(self, failed: set[str]) -> tuple[Allocation, dict[str, JobRuntime | None]]:
@@ -442,8 +513,12 @@ class Controller:
         try:
             s = src.sample(service, now)
         except Exception as e:  # noqa: BLE001 - a failing source is missing data, never zero
-            log.warning("metric source for %s failed: %s", service, e)
+            if self._source_errors.get(service) != str(e):  # once per failure, not every tick
+                log.warning("metric source for %s failed: %s", service, e)
+            self._source_errors[service] = str(e)
             return None
+        if self._source_errors.pop(service, None) is not None:
+            log.info("metric source for %s answers again", service)
         if s is not None and now - s.observed_at > self.cfg.controller.metrics_max_age_seconds:
             return MetricSample(s.value, s.observed_at, s.source, stale=True)
         return s
@@ -647,6 +722,11 @@ class Controller:
             db.finish_reshard(self.store, rid, bytes_moved=out.bytes_moved, pause_seconds=out.pause_seconds,
                               now=_dt(self.clock()), bytes_planned=out.bytes_planned,
                               bytes_lower_bound=out.bytes_lower_bound)
+            log.info("rescaled %s %s -> %s (generation %d): %s moved (planned %s, lower bound %s), "
+                     "training paused %s", spec.name, _recorded_layout(before) if before else "-", to_layout,
+                     before.generation + 1 if before else 1, _bytes(out.bytes_moved), _bytes(out.bytes_planned),
+                     _bytes(out.bytes_lower_bound),
+                     "-" if out.pause_seconds is None else f"{out.pause_seconds:.2f} s")
         self.last_rescale[spec.name] = now
 
     # ---- 4. record ------------------------------------------------------------------------------
@@ -668,8 +748,11 @@ class Controller:
         }
         reason = "ApplyFailed" if error else plan.reason
         message = f"{plan.message}; failed: {error}" if error else plan.message
+        hold = None if (applied or error or any(st.action != "noop" for st in plan.steps)) else \
+            hold_digest(reason, message, plan, replicas)
         db.record_decision(self.store, pool=self.pool, tick_at=_dt(now), reason=reason, message=message,
-                           plan=plan_doc, inputs=inputs)
+                           plan=plan_doc, inputs=inputs, hold=hold)
+        self._log_decision(reason, message, plan, replicas, applied, error, hold)
         self._record_allocations(self._observed_allocation(), generation=int(now))
         for name, d in replicas.items():
             db.set_service_status(self.store, name, {
@@ -686,6 +769,27 @@ class Controller:
                 "checkpointStep": rt.checkpoint_step if rt else None,
                 "reason": jd.reason if jd else None, "message": jd.message if jd else None}, now=_dt(now))
 
+    def _log_decision(self, reason: str, message: str, plan: SchedulePlan, replicas: dict[str, ReplicaDecision],
+                      applied: list[str], error: str | None, hold: str | None) -> None:
+        """One line per change; one per new run of holds that is not plain steady state."""
+        was, self._hold = self._hold, hold
+        if hold is None:
+            steps = [f"{st.action} {st.workload} ({st.reason}: {st.message})" for st in plan.steps
+                     if st.action != "noop"] + [a for a in applied if a.startswith(("drain_ahead", "stop_failed"))]
+            (log.warning if error else log.info)("decision %s: %s; %s", reason, message,
+                                                  "; ".join(steps) or "no plan step")
+            return
+        if hold == was:
+            return
+        why = [f"{st.workload} {st.reason}: {st.message}" for st in plan.steps if st.action == "noop"]
+        why += [f"{name} {d.reason}: {d.message}" for name, d in sorted(replicas.items())
+                if str(d.reason) in _HOLD_REASONS]
+        if reason == "Steady" and not why:
+            log.debug("holding: %s", message)
+            return
+        fail_safe = any(str(d.reason) == "MetricsMissing" for d in replicas.values())
+        log.info("holding (%s%s): %s; %s", reason, ", fail-safe" if fail_safe else "", message, "; ".join(why))
+
     def _record_allocations(self, alloc: Allocation, generation: int) -> None:
         current = db.current_allocations(self.store, self.pool)
         for w, gpus in alloc.holdings.items():
@@ -696,6 +800,32 @@ class Controller:
         for w in current:
             if w not in alloc.holdings:
                 db.release_allocation(self.store, self.pool, w)
+
+
+#: replica-policy reasons that make a hold a different one (a fail-safe, an operator's pin); the
+#: others (within tolerance, stabilising, ...) drift with the load and would split runs for nothing
+_HOLD_REASONS = frozenset({"MetricsMissing", "Override"})
+
+
+def hold_digest(reason: str, message: str, plan: SchedulePlan, replicas: Mapping[str, ReplicaDecision]) -> str:
+    """What a tick that changed nothing held on, as a short digest: identical holds extend one
+    decision row. The reason, the plan's summary, its notes (a job held back, demand the pool
+    cannot place) and every service held by a fail-safe or an operator's pin."""
+    key = [reason, message,
+           sorted((st.workload, st.reason) for st in plan.steps if st.action == "noop"),
+           sorted((name, str(d.reason)) for name, d in replicas.items() if str(d.reason) in _HOLD_REASONS)]
+    return hashlib.sha1(json.dumps(key).encode()).hexdigest()
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
 
 
 def paused_tag(held: Layout | str) -> str:

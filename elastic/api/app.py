@@ -39,7 +39,15 @@ from elastic import store as db
 from elastic.api import schemas as S
 from elastic.api.auth import Principal, TokenSet
 from elastic.api.pagination import ContinueCodec
-from elastic.api.problems import PROBLEM_JSON, Problem, ProblemDetail, install, invalid, problem_response
+from elastic.api.problems import (
+    PROBLEM_JSON,
+    Problem,
+    ProblemDetail,
+    install,
+    invalid,
+    log_refusal,
+    problem_response,
+)
 from elastic.backends.base import BackendError, CheckpointNotSaved
 from elastic.model import (
     InferenceSpec,
@@ -108,6 +116,7 @@ class AuthGate:
         principal = self.tokens.authenticate(_bearer(scope))
         problem = self._check(write, principal, _bearer(scope) is not None)
         if problem is not None:
+            log_refusal(scope["method"], scope["path"], problem)
             await problem_response(problem)(scope, receive, send)
             return
         scope.setdefault("state", {})["principal"] = principal
@@ -165,7 +174,8 @@ def _workload(r: db.WorkloadRecord) -> S.Workload:
 
 def _decision(r: db.DecisionRecord) -> S.Decision:
     return S.Decision(id=r.id, tick_at=r.tick_at, pool=r.pool, reason=r.reason, message=r.message,
-                      inputs=r.inputs, plan=r.plan)
+                      inputs=r.inputs, plan=r.plan, hold=r.hold is not None, count=r.count, first_at=r.tick_at,
+                      last_at=r.last_at or r.tick_at)
 
 
 def _reshard(r: db.ReshardRecord) -> S.Reshard:
@@ -220,6 +230,7 @@ class _Api:
         with self.store.session() as s:
             yield s
             db.record_audit(s, actor=who.name, action=action, target=target, detail={"request": detail})
+        log.info("%s %s by %s", action, target, who.name)
 
 
 def _check_service(api: _Api, body: S.ServiceWrite) -> None:
@@ -282,11 +293,27 @@ def _routes_reads(app: FastAPI, api: _Api, require_auth: bool) -> None:
     @app.get(f"{API}/decisions", response_model=S.DecisionList, response_model_by_alias=True,
              responses=_errors(400, *READ_ERR), dependencies=deps, tags=["history"])
     def list_decisions(limit: Limit = DEFAULT_LIMIT, cont: Continue = None, pool: str | None = None,
-                       order: Order = "desc") -> S.DecisionList:
-        query = {"pool": pool, "order": order}
+                       order: Order = "desc",
+                       changes: Annotated[bool, Query(description="true: only changes (decisions that acted, "
+                                                                  "failed or recovered), no holds")] = False,
+                       ) -> S.DecisionList:
+        query: dict[str, Any] = {"pool": pool, "order": order}
+        if changes:  # only then: tokens minted before this parameter existed stay valid
+            query["changes"] = True
         after = api.codec.decode(cont, query) if cont else None
-        rows = db.list_decisions(api.store, limit + 1, after, pool=pool, newest_first=order == "desc")
+        rows = db.list_decisions(api.store, limit + 1, after, pool=pool, newest_first=order == "desc",
+                                 changes_only=changes)
         return S.DecisionList(items=[_decision(r) for r in rows[:limit]], metadata=api.page(rows, limit, query))
+
+    @app.get(f"{API}/database", response_model=S.Database, responses=_errors(*READ_ERR), dependencies=deps,
+             tags=["ops"])
+    def database() -> S.Database:
+        """The state database: its size and, per history table, rows, oldest kept row and retention."""
+        days = api.ctl.cfg.controller.retention.days() if api.ctl is not None else {}
+        return S.Database(dialect=api.store.dialect, url=api.store.url, size_bytes=db.database_size(api.store),
+                          tables=[S.TableInfo(table=t.table, rows=t.rows, oldest=t.oldest,
+                                              retention_days=days.get(t.table))
+                                  for t in db.history_stats(api.store)])
 
     @app.get(f"{API}/jobs/{{name}}/reshards", response_model=S.ReshardList, response_model_by_alias=True,
              responses=_errors(400, 404, *READ_ERR), dependencies=deps, tags=["history"])
@@ -630,13 +657,59 @@ def create_app(store: db.Store, controller: Any | None = None, *, tokens: TokenS
     return app
 
 
+class StoreCollector:
+    """``/metrics`` gauges of the state database, read at scrape time: its size, and per history
+    table the rows kept and the oldest kept row (what retention bounds). A database that does not
+    answer yields none of them (the controller's ``elastic_controller_ready`` says why)."""
+
+    def __init__(self, store: db.Store) -> None:
+        self.store = store
+
+    def describe(self) -> list[Any]:
+        """The names, without reading the DB (lets the registry refuse a second copy)."""
+        from prometheus_client.core import GaugeMetricFamily
+
+        return [GaugeMetricFamily(n, "") for n in ("elastic_store_size_bytes", "elastic_store_rows",
+                                                   "elastic_store_oldest_row_timestamp_seconds")]
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        try:
+            size, tables = db.database_size(self.store), db.history_stats(self.store)
+        except (db.StoreError, OSError) as e:
+            log.debug("store metrics skipped: %s", e)
+            return
+        yield GaugeMetricFamily("elastic_store_size_bytes", "Bytes the state database takes (SQLite: the file's "
+                                "pages; PostgreSQL: elastic's tables with indexes)", value=size)
+        rows = GaugeMetricFamily("elastic_store_rows", "Rows kept per history table", labels=["table"])
+        oldest = GaugeMetricFamily("elastic_store_oldest_row_timestamp_seconds", "Time of the oldest kept row "
+                                   "per history table by the time retention judges it by (Unix); absent while no "
+                                   "row has ended", labels=["table"])
+        for t in tables:
+            rows.add_metric([t.table], t.rows)
+            if t.oldest is not None:
+                oldest.add_metric([t.table], t.oldest.timestamp())
+        yield rows
+        yield oldest
+
+
+def _register_store_metrics(registry: CollectorRegistry, store: db.Store) -> None:
+    try:
+        registry.register(StoreCollector(store))  # type: ignore[arg-type]
+    except ValueError:  # a second app on the same registry: its store gauges are already there
+        pass
+
+
 def _metrics_source(store: db.Store, controller: Any | None, registry: CollectorRegistry | None
                     ) -> Callable[[], bytes]:
     if registry is not None:
+        _register_store_metrics(registry, store)
         return lambda: generate_latest(registry)
     from elastic.metrics.exporter import Exporter
 
     exporter = Exporter()
+    _register_store_metrics(exporter.registry, store)
 
     def render() -> bytes:
         exporter.update_from(controller, store)

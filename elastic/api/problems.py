@@ -139,13 +139,21 @@ def validation_problem(errors: list[dict[str, Any]]) -> Problem:
     return Problem(422, "validation", detail, field=items[0].field if items else "body", errors=items)
 
 
+def log_refusal(method: str, path: str, p: Problem) -> None:
+    """One INFO line for a refused write (what was asked and why not); reads at DEBUG."""
+    if 400 <= p.status < 500:
+        write = method in ("POST", "PUT", "PATCH", "DELETE")
+        (log.info if write else log.debug)("refused %s %s: %d %s", method, path, p.status, p.detail)
+
+
 # ---- handlers ----------------------------------------------------------------------------------
 
 def install(app: FastAPI) -> None:
     """Register the handlers that make every error problem+json."""
 
     @app.exception_handler(Problem)
-    async def _problem(_: Request, exc: Problem) -> JSONResponse:
+    async def _problem(request: Request, exc: Problem) -> JSONResponse:
+        log_refusal(request.method, request.url.path, exc)
         return problem_response(exc)
 
     @app.exception_handler(RequestValidationError)
@@ -154,10 +162,12 @@ def install(app: FastAPI) -> None:
         ctype = request.headers.get("content-type", "")
         body_error = any(tuple(e.get("loc", ()))[:1] == ("body",) for e in errors)
         if body_error and "json" not in ctype.lower():
-            return problem_response(Problem(415, "unsupported-media-type", "body: send a JSON body with "
-                                            f"'Content-Type: application/json' (got '{ctype or 'none'}')",
-                                            field="body"))
-        return problem_response(validation_problem(errors))
+            p = Problem(415, "unsupported-media-type", "body: send a JSON body with "
+                        f"'Content-Type: application/json' (got '{ctype or 'none'}')", field="body")
+        else:
+            p = validation_problem(errors)
+        log_refusal(request.method, request.url.path, p)
+        return problem_response(p)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

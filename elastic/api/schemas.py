@@ -97,18 +97,42 @@ class WorkloadList(BaseModel):
 
 
 class Decision(BaseModel):
+    """A change (``hold`` false, ``count`` 1), or a run of ``count`` identical holds (ticks that
+    changed nothing, for the same reason) from ``first_at`` to ``last_at``."""
+
     id: int
-    tick_at: datetime
+    tick_at: datetime = Field(description="the row's first tick (same as first_at)")
     pool: str
     reason: str = Field(description="machine-readable reason code, e.g. InferenceDemand")
     message: str
-    inputs: dict[str, Any]
+    inputs: dict[str, Any] = Field(description="what the (latest) tick saw")
     plan: dict[str, Any]
+    hold: bool = Field(default=False, description="true: ticks that changed nothing (a run of them)")
+    count: int = Field(default=1, description="ticks this row stands for")
+    first_at: datetime | None = None
+    last_at: datetime | None = None
 
 
 class DecisionList(BaseModel):
     items: list[Decision]
     metadata: ListMeta
+
+
+class TableInfo(BaseModel):
+    table: str = Field(description="history table: decisions, allocations, actions, audit, reshards")
+    rows: int
+    oldest: datetime | None = Field(description="the oldest kept row by the time retention judges it by (a run "
+                                                "of holds: its last tick; an allocation, reshard or action: when "
+                                                "it ended); null while no row has ended")
+    retention_days: float | None = Field(description="rows older than this are deleted; null: kept (or no "
+                                                     "controller in this process to say)")
+
+
+class Database(BaseModel):
+    dialect: str = Field(description="sqlite or postgresql")
+    url: str = Field(description="the database URL, password masked")
+    size_bytes: int = Field(description="SQLite: the file's pages; PostgreSQL: elastic's tables with indexes")
+    tables: list[TableInfo]
 
 
 class Reshard(BaseModel):

@@ -264,6 +264,18 @@ POOL_COLUMNS = ["NAME", "HARDWARE", "NODES", "GPUS", "IN USE", "IDLE", "LEADER",
 _GET = {"services": (SERVICE_COLUMNS, service_row), "jobs": (JOB_COLUMNS, job_row), "pools": (POOL_COLUMNS, pool_row)}
 
 
+def decision_time(d: dict[str, Any]) -> str:
+    """A change's time; a run of holds as ``first .. last x N`` (N ticks that changed nothing)."""
+    count = int(d.get("count") or 1)
+    first = when(d.get("first_at") or d.get("tick_at"))
+    if count <= 1:
+        return first
+    last = when(d.get("last_at"))
+    if last[:11] == first[:11]:  # same day: the time of day is enough
+        last = last[11:]
+    return f"{first} .. {last} x {count}"
+
+
 def decision_rows(items: list[dict[str, Any]]) -> list[list[Any]]:
     """One row per plan step (id and time on the first); a decision without steps is one row."""
     rows: list[list[Any]] = []
@@ -274,9 +286,9 @@ def decision_rows(items: list[dict[str, Any]]) -> list[list[Any]]:
         if plan.get("error"):
             steps.append(("error", None, d.get("reason"), plan["error"]))
         if not steps:
-            steps = [(None, None, d.get("reason"), d.get("message"))]
+            steps = [("hold" if d.get("hold") else None, None, d.get("reason"), d.get("message"))]
         for i, (action, workload, reason, message) in enumerate(steps):
-            head = [d.get("id"), when(d.get("tick_at")), d.get("pool")] if i == 0 else ["", "", ""]
+            head = [d.get("id"), decision_time(d), d.get("pool")] if i == 0 else ["", "", ""]
             rows.append(head + [action, workload, reason, message])
     return rows
 
@@ -322,6 +334,17 @@ def status_fields(ctl: dict[str, Any], pools: list[dict[str, Any]]) -> list[tupl
     rows.append(("overrides", "; ".join(f"{s} {o.get('replicas')} replicas until {when(o.get('until'))}"
                                         for s, o in sorted(overrides.items())) or "none"))
     rows.append(("pinned", "; ".join(f"{j} {L}" for j, L in sorted((ctl.get("pinned") or {}).items())) or "none"))
+    return rows
+
+
+def database_fields(dbi: dict[str, Any]) -> list[tuple[str, Any]]:
+    """``elastic status`` rows of the state database: its size, then per history table the rows
+    kept, the oldest kept row and how long rows are kept."""
+    rows: list[tuple[str, Any]] = [("database", f"{dbi.get('dialect')}, {human_bytes(dbi.get('size_bytes'))}")]
+    for t in dbi.get("tables") or []:
+        days = t.get("retention_days")
+        kept = "kept" if days is None else f"kept {days:g} d"
+        rows.append((f"  {t.get('table')}", f"{t.get('rows')} rows, oldest {when(t.get('oldest'))}, {kept}"))
     return rows
 
 
@@ -391,10 +414,14 @@ def _register_reads(app: typer.Typer) -> None:
         """The running controller: leader, ready, paused, last tick, its pool's GPUs, overrides, pins."""
         conn = connect(api, token, timeout)
         ctl, pools = ask(conn, "GET", "/controller"), ask(conn, "GET", "/pools")
+        try:
+            dbi: dict[str, Any] | None = conn.request("GET", "/database")
+        except ApiError:  # a controller that predates the endpoint: the rest still says a lot
+            dbi = None
         if as_json:
-            _emit_json({"controller": ctl, "pools": pools.get("items", [])})
+            _emit_json({"controller": ctl, "pools": pools.get("items", []), "database": dbi})
             return
-        _fields(status_fields(ctl, pools.get("items", [])))
+        _fields(status_fields(ctl, pools.get("items", [])) + (database_fields(dbi) if dbi else []))
 
     @app.command("get")
     def get_cmd(kind: str = typer.Argument(..., metavar="services|jobs|pools", help="what to list"),
@@ -430,15 +457,21 @@ def _register_reads(app: typer.Typer) -> None:
     @app.command("decisions")
     def decisions_cmd(limit: int = typer.Option(20, "--limit", help="newest decisions to show (API: 1-500)"),
                       pool: str | None = typer.Option(None, "--pool", help="only this pool's"),
+                      all_: bool = typer.Option(False, "--all", help="include holds (runs of ticks that changed "
+                                                                     "nothing, shown as first .. last x N)"),
                       api: str = _API, token: str | None = _TOKEN, as_json: bool = _JSON,
                       timeout: float = _TIMEOUT) -> None:
-        """The decision log, newest first: each plan step with its action, workload, reason and message."""
+        """The decision log, latest changes first: each plan step with its action, workload, reason and
+        message. ``--all`` includes the holds between them."""
         conn = connect(api, token, timeout)
-        out = ask(conn, "GET", "/decisions", params={"limit": limit, "pool": pool})
+        out = ask(conn, "GET", "/decisions", params={"limit": limit, "pool": pool,
+                                                     "changes": None if all_ else "true"})
         if as_json:
             _emit_json(out)
             return
         _table(DECISION_COLUMNS, decision_rows(out.get("items", [])))
+        if not all_ and not out.get("items"):
+            _say("no changes on record; --all shows the holds too")
         _more_hint(out)
 
     @app.command("reshards")

@@ -60,11 +60,16 @@ def connect_ray(pool: Any, ray_address: str | None) -> tuple[Any, bool]:
         os.environ.setdefault(k, v)
     import ray
 
+    from elastic.logs import quiet_libraries
+
     if ray_address is None:
-        return init_local_ray(num_gpus=pool.total_gpus), False
-    if not ray.is_initialized():
-        ray.init(address=ray_address, namespace=f"elastic-{pool.name}", log_to_driver=False)
-    return ray, True
+        handle, detached = init_local_ray(num_gpus=pool.total_gpus), False
+    else:
+        if not ray.is_initialized():
+            ray.init(address=ray_address, namespace=f"elastic-{pool.name}", log_to_driver=False)
+        handle, detached = ray, True
+    quiet_libraries()  # ray.init put Ray's own logger back at INFO
+    return handle, detached
 
 
 def build(cfg: Any, *, db_url: str, ray_address: str | None = None, owner: str | None = None,
@@ -84,7 +89,9 @@ def build(cfg: Any, *, db_url: str, ray_address: str | None = None, owner: str |
     check_feasible(cfg, tables)
 
     # 2. state
-    db.upgrade(db_url)
+    migrated = db.upgrade(db_url)
+    if migrated.applied:
+        log.info("%s", migrated.describe())
     store = db.Store.from_url(db_url)
     # 3. cluster
     try:
@@ -133,6 +140,7 @@ def run(served: Served, *, ticks: int | None = None, stop: threading.Event | Non
     ctl = served.controller
     stop = stop or threading.Event()
     n = 0
+    last_error: str | None = None
     while not stop.is_set():
         started = ctl.clock()
         res = ctl.tick()
@@ -144,10 +152,12 @@ def run(served: Served, *, ticks: int | None = None, stop: threading.Event | Non
                 log.exception("exporter failed")
         if on_tick is not None:
             on_tick(res)
-        if res.error:
+        if res.error and res.error != last_error:  # once while the same error lasts
             log.warning("tick: %s: %s", res.reason, res.error)
+        last_error = res.error
         if ticks is not None and n >= ticks:
             break
+        ctl.housekeep()  # retention, between ticks, on the lease holder only
         stop.wait(max(0.0, ctl.cfg.controller.tick_seconds - (ctl.clock() - started)))
     return n
 
@@ -181,6 +191,11 @@ def register(app: typer.Typer) -> None:
         owner: str | None = typer.Option(None, "--owner", help="lease identity (default: $ELASTIC_CONTROLLER_ID "
                                                                "or the host name)"),
         ticks: int | None = typer.Option(None, "--ticks", min=1, help="stop after this many ticks"),
+        log_level: str = typer.Option("INFO", "--log-level", envvar="ELASTIC_LOG_LEVEL",
+                                      help="DEBUG, INFO, WARNING or ERROR; below DEBUG, libraries' per-request "
+                                           "lines (httpx, urllib3, ...) stay out"),
+        log_format: str = typer.Option("text", "--log-format", envvar="ELASTIC_LOG_FORMAT",
+                                       help="text, or json: one JSON object per line for log shippers"),
         spare_workers: int = typer.Option(0, "--spare-workers", min=0,
                                           help="per job, training workers kept started without a GPU (torch "
                                                "imported) to join the next grow at once; embedded Ray only"),
@@ -193,7 +208,14 @@ def register(app: typer.Typer) -> None:
         from elastic.cli import console
         from elastic.config import load_config
         from elastic.controller import check_feasible, job_throughput_tables
+        from elastic.logs import check_format, check_level, setup
+        from elastic.model import SpecError
 
+        try:
+            log_level, log_format = check_level(log_level), check_format(log_format)
+        except SpecError as e:
+            option, _, why = str(e).partition(": ")
+            raise typer.BadParameter(why, param_hint=option) from None
         if ray_address is not None and (spare_workers or spare_replicas):
             raise typer.BadParameter("spares are kept by the embedded Ray only (detached actors on a cluster "
                                      "cannot take them over); drop --ray-address or the --spare-* options",
@@ -209,8 +231,7 @@ def register(app: typer.Typer) -> None:
         cfg = load_config(config)
         tables = job_throughput_tables(cfg)
         check_feasible(cfg, tables)
-        logging.basicConfig(level=os.environ.get("ELASTIC_LOG_LEVEL", "INFO"),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        setup(log_level, log_format)
         served = build(cfg, db_url=db_url, ray_address=ray_address, owner=owner, throughput=tables,
                        spare_workers=spare_workers, spare_replicas=spare_replicas)
         stop = threading.Event()

@@ -149,18 +149,29 @@ class AllocationRow(Base):
 
 
 class DecisionRow(Base):
-    """One controller tick's decision: what it saw (summary), what it planned, and why."""
+    """A controller decision: what it saw (summary), what it planned, and why.
+
+    A change is one row per tick; a run of identical holds (ticks that changed nothing, for the
+    same reason) is one row whose ``count`` and ``last_at`` grow with every tick of the run.
+    """
 
     __tablename__ = "decisions"
-    __table_args__ = (sa.Index("ix_decisions_pool_id", "pool", "id"),)
+    __table_args__ = (sa.Index("ix_decisions_pool_id", "pool", "id"), sa.Index("ix_decisions_last_at", "last_at"))
 
     id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    #: the first tick of the row (a run of identical holds spans ``tick_at`` .. ``last_at``)
     tick_at: Mapped[datetime]
     pool: Mapped[str] = mapped_column(sa.String(253))
     inputs: Mapped[dict[str, Any]]
     plan: Mapped[dict[str, Any]]
     reason: Mapped[str] = mapped_column(sa.String(64))
     message: Mapped[str] = mapped_column(sa.Text)
+    #: ticks this row stands for: 1 for a change; n for a run of n identical holds
+    count: Mapped[int] = mapped_column(sa.Integer, server_default=sa.text("1"))
+    last_at: Mapped[datetime]
+    #: NULL for a change (a decision that acted, failed or recovered); for a hold (a tick that
+    #: changed nothing), a digest of what it held on: the next identical hold extends this row
+    hold: Mapped[str | None] = mapped_column(sa.String(64))
 
 
 class ReshardEvent(Base):

@@ -88,6 +88,9 @@ class AllocationRecord:
 
 @dataclasses.dataclass(frozen=True)
 class DecisionRecord:
+    """A change (``hold`` None, ``count`` 1) or a run of ``count`` identical holds from
+    ``tick_at`` (its first tick) to ``last_at``; ``inputs`` are the run's latest tick's."""
+
     id: int
     tick_at: datetime
     pool: str
@@ -95,6 +98,9 @@ class DecisionRecord:
     plan: dict[str, Any]
     reason: str
     message: str
+    count: int = 1
+    last_at: datetime | None = None
+    hold: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,11 +441,30 @@ def allocation_history(db: DB, pool: str, workload: str | None = None, *, limit:
 
 
 def record_decision(db: DB, *, pool: str, tick_at: datetime, reason: str, message: str,
-                    plan: Any, inputs: Any) -> int:
-    """Append one tick's decision; returns its id (monotonic, the pagination cursor)."""
-    row = DecisionRow(tick_at=_now(tick_at), pool=pool, inputs=_doc(inputs, "inputs"), plan=_doc(plan, "plan"),
-                      reason=reason, message=message)
+                    plan: Any, inputs: Any, hold: str | None = None) -> int:
+    """Record one tick's decision; returns the id of the row that holds it (monotonic, the
+    pagination cursor).
+
+    ``hold`` None: a change, always a new row. ``hold`` given (a digest of what a tick that
+    changed nothing held on): when the pool's newest row is a hold with the same digest, that
+    row stands for this tick too (``count`` + 1, ``last_at`` = ``tick_at``, ``inputs`` the
+    latest); otherwise a new run starts.
+    """
+    t, ins, doc = _now(tick_at), _doc(inputs, "inputs"), _doc(plan, "plan")
+    if hold is not None and not 1 <= len(hold) <= 64:
+        raise ValueError(f"hold={hold!r} must be 1-64 characters (a digest of what the tick held on)")
     with _tx(db) as s:
+        if hold is not None:
+            newest = s.scalars(sa.select(DecisionRow).where(DecisionRow.pool == pool)
+                               .order_by(DecisionRow.id.desc()).limit(1).with_for_update()).first()
+            if newest is not None and newest.hold == hold and newest.reason == reason:
+                newest.count += 1
+                newest.last_at = max(t, newest.last_at)
+                newest.inputs = ins
+                s.flush()
+                return newest.id
+        row = DecisionRow(tick_at=t, pool=pool, inputs=ins, plan=doc, reason=reason, message=message,
+                          count=1, last_at=t, hold=hold)
         s.add(row)
         s.flush()
         return row.id
@@ -453,12 +478,14 @@ def get_decision(db: DB, decision_id: int) -> DecisionRecord | None:
 
 def list_decisions(db: DB, limit: int = 50, after_id: int | None = None, *, pool: str | None = None,
                    newest_first: bool = False, reason: str | None = None,
-                   up_to_id: int | None = None) -> list[DecisionRecord]:
+                   up_to_id: int | None = None, changes_only: bool = False) -> list[DecisionRecord]:
     """A page of decisions after the cursor ``after_id`` (oldest first unless ``newest_first``),
-    optionally only those with ``reason`` and ids up to ``up_to_id``."""
+    optionally only those with ``reason``, ids up to ``up_to_id``, and only changes (no holds)."""
     stmt = sa.select(DecisionRow)
     if pool is not None:
         stmt = stmt.where(DecisionRow.pool == pool)
+    if changes_only:
+        stmt = stmt.where(DecisionRow.hold.is_(None))
     if reason is not None:
         stmt = stmt.where(DecisionRow.reason == reason)
     if up_to_id is not None:
@@ -696,3 +723,84 @@ def lease_holder(db: DB, pool: str, now: datetime | None = None) -> LeaseRecord 
         if row is None or row.expires_at < t:
             return None
         return _record(LeaseRecord, row)
+
+
+# --------------------------------------------------------------------------------------------
+# Retention and size
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _History:
+    """A history table as retention sees it: its age column and which rows may ever go."""
+
+    model: Any
+    age: Any  # a row is as old as this column says (NULL: open or in flight, never purged)
+    done: Any = None  # rows that must stay whatever their age (open, in flight) fail this
+
+
+#: retention name -> table; open allocations, in-flight reshards and actions are never purged
+HISTORY: dict[str, _History] = {
+    "decisions": _History(DecisionRow, DecisionRow.last_at),  # a run of holds: as old as its last tick
+    "allocations": _History(AllocationRow, AllocationRow.valid_to, AllocationRow.valid_to.is_not(None)),
+    "audit": _History(AuditEntry, AuditEntry.at),
+    "reshards": _History(ReshardEvent, ReshardEvent.finished_at, ReshardEvent.status.not_in(IN_FLIGHT)),
+    "actions": _History(PendingAction, PendingAction.updated_at, PendingAction.status.not_in(IN_FLIGHT)),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TableStats:
+    table: str  # the retention name (decisions, allocations, audit, reshards, actions)
+    rows: int
+    #: the oldest kept row by the time retention judges it by (a run of holds: its last tick; an
+    #: allocation, reshard or action: when it ended); None when no row has ended yet
+    oldest: datetime | None
+
+
+def purge_history(db: DB, table: str, before: datetime, limit: int = 500) -> int:
+    """Delete at most ``limit`` of ``table``'s oldest rows older than ``before``; returns how many.
+
+    One bounded statement (``DELETE ... WHERE id IN (SELECT id ... ORDER BY id LIMIT n)``), so a
+    caller deletes in small batches and never holds a long write lock. Rows still open or in
+    flight (an allocation held now, a reshard or action not finished) are never deleted.
+    """
+    h = HISTORY.get(table)
+    if h is None:
+        raise ValueError(f"table='{table}' has no retention; one of {', '.join(HISTORY)}")
+    if not 1 <= limit <= 10_000:
+        raise ValueError(f"limit={limit} must be between 1 and 10000 rows per batch")
+    t = _now(before)
+    cond = [h.age < t] + ([h.done] if h.done is not None else [])
+    ids = sa.select(h.model.id).where(*cond).order_by(h.model.id).limit(limit).scalar_subquery()
+    with _tx(db) as s:
+        return s.execute(sa.delete(h.model).where(h.model.id.in_(ids))).rowcount or 0
+
+
+def history_stats(db: DB) -> list[TableStats]:
+    """Rows and oldest kept row of every history table (retention's view of the store)."""
+    out = []
+    with _tx(db, read=True) as s:
+        for name, h in HISTORY.items():
+            rows, oldest = s.execute(sa.select(sa.func.count(), sa.func.min(h.age)).select_from(h.model)).one()
+            if oldest is not None and not isinstance(oldest, datetime):  # SQLite's MIN gives the stored text
+                oldest = datetime.fromisoformat(str(oldest))
+            if oldest is not None:
+                oldest = oldest.replace(tzinfo=UTC) if oldest.tzinfo is None else oldest.astimezone(UTC)
+            out.append(TableStats(name, int(rows), oldest))
+    return out
+
+
+def database_size(db: DB) -> int:
+    """Bytes the state takes: the SQLite file's pages (freed pages are reused, never returned
+    to the disk without VACUUM), or on PostgreSQL the elastic tables with their indexes and TOAST."""
+    with _tx(db, read=True) as s:
+        dialect = s.get_bind().dialect.name
+        if dialect == "sqlite":
+            pages = s.execute(sa.text("PRAGMA page_count")).scalar_one()
+            size = s.execute(sa.text("PRAGMA page_size")).scalar_one()
+            return int(pages) * int(size)
+        total = 0
+        for table in Base.metadata.sorted_tables:
+            total += int(s.execute(sa.text("SELECT pg_total_relation_size(CAST(:t AS regclass))"),
+                                   {"t": table.name}).scalar_one() or 0)
+        return total

@@ -115,8 +115,13 @@ def _entry_from(argv: Sequence[str], env: Mapping[str, str], config: Mapping[str
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     argv = sys.argv[1:] if argv is None else list(argv)
-    logging.basicConfig(level=env.get("ELASTIC_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from elastic.logs import setup_from_env
+
+    try:
+        setup_from_env(env=env)  # ELASTIC_LOG_LEVEL / ELASTIC_LOG_FORMAT, as the controller logs
+    except SpecError as e:
+        print(f"elastic.torch.run: {e}", file=sys.stderr)
+        return 2
     from elastic.torch.coordinated import session_from_env, warm_up
     from elastic.train.rendezvous import RendezvousError
 

@@ -54,8 +54,11 @@ def init_local_ray(num_gpus: int = 8, num_cpus: int = 2, object_store_bytes: int
     saved = {k: os.environ.get(k) for k in mem}
     os.environ.update(mem)
     try:
+        # Ray's own start-up lines at WARNING, as elastic.logs keeps every library (DEBUG: all)
+        quiet = logging.getLogger().getEffectiveLevel() > logging.DEBUG
         ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
-                 object_store_memory=object_store_bytes, _node_ip_address="127.0.0.1", log_to_driver=False)
+                 object_store_memory=object_store_bytes, _node_ip_address="127.0.0.1", log_to_driver=False,
+                 logging_level=logging.WARNING if quiet else logging.DEBUG)
     finally:
         for k, v in saved.items():
             if v is None:

@@ -27,7 +27,6 @@ Exit codes: 0 stopped/finished/left, 1 the job failed (reason posted to the coor
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import sys
 from collections.abc import Mapping
@@ -134,8 +133,13 @@ def main(env: Mapping[str, str] | None = None) -> int:
         from elastic.torch.run import main as run_user
 
         return run_user([], env)
-    logging.basicConfig(level=os.environ.get("ELASTIC_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from elastic.logs import setup_from_env
+
+    try:
+        setup_from_env(env=env)  # ELASTIC_LOG_LEVEL / ELASTIC_LOG_FORMAT, as the controller logs
+    except SpecError as e:
+        print(f"elastic worker: {e}", file=sys.stderr)
+        return 2
     try:
         job, worker, url = (_require(env, n) for n in _REQUIRED)
         opts = options_from_env(env)

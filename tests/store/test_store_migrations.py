@@ -16,7 +16,7 @@ from elastic.cli import app
 from elastic.store import Store, current_revision, head_revision, upgrade
 from elastic.store.models import Base
 
-ALL = ("0001", "0002")  # every shipped revision, in order
+ALL = ("0001", "0002", "0003")  # every shipped revision, in order
 EXPECTED_TABLES = {
     "alembic_version", "pools", "inference_services", "training_jobs", "allocations", "decisions",
     "reshard_events", "pending_actions", "audit_log", "leases",
@@ -147,7 +147,7 @@ def test_0002_turns_called_off_rows_into_cancelled_and_keeps_the_in_flight_index
                 [dict(row, job="a", status="failed", error="cancelled: inference wants the GPUs back"),
                  dict(row, job="a", status="failed", error="joiner w5 never arrived"),
                  dict(row, job="a", status="done", error=None)])
-        assert upgrade(store).applied == ("0002",)
+        assert upgrade(store, "0002").applied == ("0002",)
         rows = db.list_reshards(store, job="a")
         assert [(r.status, r.error) for r in rows] == [
             ("cancelled", "inference wants the GPUs back"), ("failed", "joiner w5 never arrived"), ("done", None)]
@@ -178,6 +178,48 @@ def test_0002_turns_called_off_rows_into_cancelled_and_keeps_the_in_flight_index
         with store.engine.connect() as c:
             rows = c.execute(sa.text("SELECT status, error FROM reshard_events WHERE id = :i"), {"i": rid}).all()
         assert rows == [("failed", "cancelled: called off")]
-        assert upgrade(store).applied == ("0002",)
+        assert upgrade(store, "0002").applied == ("0002",)
+    finally:
+        store.dispose()
+
+
+def test_0003_keeps_each_old_decision_as_one_tick_and_marks_old_steady_rows_as_holds(db_url: str) -> None:
+    """Decisions written under 0002 survive 0003: each is one tick (count 1, last_at = tick_at);
+    the old per-tick ``Steady`` rows are holds (left out of the changes-only view), the rest are
+    changes; a new identical hold after the upgrade extends nothing old (a digest never matches
+    ``'Steady'``) and down-and-up again round-trips."""
+    from datetime import UTC, datetime, timedelta
+
+    from elastic import store as db
+
+    store = Store.from_url(db_url)
+    try:
+        assert upgrade(store, "0002").applied == ("0001", "0002")
+        t = datetime(2026, 12, 1, tzinfo=UTC)
+        with store.engine.begin() as c:
+            for i, reason in enumerate(("InferenceDemand", "Steady", "Steady")):
+                c.execute(db.models.DecisionRow.__table__.insert().values(
+                    tick_at=t + timedelta(seconds=5 * i), pool="p", inputs={}, plan={"steps": []}, reason=reason,
+                    message=f"tick {i}"))
+        assert upgrade(store).applied == ("0003",)
+        rows = db.list_decisions(store, pool="p")
+        assert [(r.reason, r.count, r.last_at, r.hold) for r in rows] == [
+            ("InferenceDemand", 1, t, None), ("Steady", 1, t + timedelta(seconds=5), "Steady"),
+            ("Steady", 1, t + timedelta(seconds=10), "Steady")]
+        assert [r.reason for r in db.list_decisions(store, pool="p", changes_only=True)] == ["InferenceDemand"]
+        new = db.record_decision(store, pool="p", tick_at=t + timedelta(seconds=15), reason="Steady",
+                                 message="tick 3", plan={}, inputs={}, hold="0" * 40)
+        assert new > rows[-1].id
+        from alembic import command
+
+        from elastic.store.migrate import alembic_config
+
+        store.dispose()
+        command.downgrade(alembic_config(db_url), "0002")
+        with store.engine.connect() as c:
+            cols = {col["name"] for col in sa.inspect(c).get_columns("decisions")}
+        assert {"count", "last_at", "hold"}.isdisjoint(cols)
+        assert upgrade(store).applied == ("0003",)
+        assert len(db.list_decisions(store, pool="p")) == 4
     finally:
         store.dispose()
