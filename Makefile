@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint bench bench-reshard bench-train soak demo clean example-byo
+.PHONY: venv test lint bench bench-reshard bench-train soak demo clean example-byo e2e-k8s
 
 venv: $(STAMP)
 
@@ -56,6 +56,11 @@ lint: venv
 # against one process that never rescales: one JSON line; exits 1 if the curve, state or data differ
 example-byo: venv
 	$(BIN)/python -m examples.llama.byo
+
+# Kubernetes end to end on the API emulator with live pods (a test-side node agent runs them): the
+# real operator shrinks a training job in place before a Deployment grows, and back; one JSON line
+e2e-k8s: venv
+	$(BIN)/python -m tests.operator.e2e
 
 bench: venv
 	@fail=0; for b in benchmarks/*_bench.py; do echo "== $$b"; $(BIN)/python $$b || { echo "!! $$b missed a goal or failed"; fail=1; }; done; exit $$fail

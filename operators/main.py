@@ -106,9 +106,10 @@ def pool_tick(name: str, **_: Any) -> None:
 @kopf.on.resume(GROUP, VERSION, SERVICES)
 @kopf.on.create(GROUP, VERSION, SERVICES)
 @kopf.on.update(GROUP, VERSION, SERVICES, field="spec")
+@kopf.on.update(GROUP, VERSION, SERVICES, field="metadata.annotations")
 def service_changed(namespace: str, name: str, spec: Any, meta: Any, status: Any, **_: Any) -> None:
     RUNTIME.set_service(namespace, name, dict(spec), meta.get("uid"), int(meta.get("generation") or 0),
-                        dict(status or {}))
+                        dict(status or {}), annotations=dict(meta.get("annotations") or {}))
 
 
 @kopf.on.delete(GROUP, VERSION, SERVICES, optional=True)

@@ -11,7 +11,12 @@ condition; ``tick_pool`` is one reconcile cycle of a pool:
 4. publish   status fields, conditions and Events carrying the controller's reasons.
 
 A refused spec never reaches the controller: a new bad CR is not registered; a bad update
-keeps the last good spec running. ``remove_job`` (the finalizer) deletes the job's pods.
+keeps the last good spec running. ``remove_job`` (the finalizer) deletes the job's pods. A job
+whose start fails (its pods exit at once, say) sits out the pool's cycles on a doubling back-off
+(``Ready=False``/``StartFailed``); a Deployment with fewer ready replicas than the pool gives it
+for longer than ``startupSeconds`` shows ``Ready=False``/``ReplicasNotReady`` naming each pod's
+trouble. An InferenceService opts in to draining replicas before a scale-down with the
+annotation ``elastic.dev/drain`` (see ``drain_options``).
 
 What it must not do: talk Kopf (handlers do), or decide anything itself (the controller does).
 """
@@ -31,7 +36,7 @@ from typing import Any
 
 from elastic import store as db
 from elastic.backends.base import BackendError
-from elastic.backends.kubernetes import JobTarget, KubernetesBackend, ServiceTarget, parse_gpu
+from elastic.backends.kubernetes import GPU_RESOURCE, JobTarget, KubernetesBackend, ServiceTarget, parse_gpu
 from elastic.config import ControllerConfig, ControllerSettings
 from elastic.controller import Controller, TickResult, throughput_table
 from elastic.crds import (
@@ -61,6 +66,7 @@ class OperatorSettings:
     db_url: str = "sqlite:///./elastic-operator.db"
     instance: str = "elastic-operator"  # POD_NAME: lease owner and Event reportingInstance
     pod_ip: str | None = None  # advertised to training workers (coordinator runtime)
+    coordinator_host: str = "0.0.0.0"  # where the training coordinators listen (coordinator runtime)
     job_runtime: str = "coordinator"
     field_manager: str = "elastic-operator"
     timer_seconds: float = 1.0
@@ -75,7 +81,8 @@ class OperatorSettings:
         e = dict(os.environ if env is None else env)
         return cls(
             db_url=e.get("ELASTIC_DB_URL") or cls.db_url, instance=e.get("POD_NAME") or cls.instance,
-            pod_ip=e.get("POD_IP") or None, job_runtime=e.get("ELASTIC_JOB_RUNTIME") or cls.job_runtime,
+            pod_ip=e.get("POD_IP") or None, coordinator_host=e.get("ELASTIC_COORDINATOR_HOST") or cls.coordinator_host,
+            job_runtime=e.get("ELASTIC_JOB_RUNTIME") or cls.job_runtime,
             field_manager=e.get("ELASTIC_FIELD_MANAGER") or cls.field_manager,
             timer_seconds=float(e.get("ELASTIC_OPERATOR_TIMER_SECONDS") or cls.timer_seconds),
             api_port=int(e.get("ELASTIC_API_PORT") or cls.api_port),
@@ -98,6 +105,7 @@ class Member:
     pool: str
     cr: Any  # InferenceServiceSpec | ElasticTrainingJobSpec (last good)
     spec: InferenceSpec | TrainingSpec  # the controller's view of it
+    options: dict[str, Any] = field(default_factory=dict)  # from annotations (a service's drain)
 
     @property
     def workload(self) -> str:
@@ -116,6 +124,11 @@ class Pool:
     last_tick: float = 0.0
     lock: threading.RLock = field(default_factory=threading.RLock)
     unschedulable: dict[str, str] = field(default_factory=dict)  # workload -> why the config refused it
+    # workload -> (retry at, seconds of this back-off, why): a job whose start failed is
+    # left out of the pool until then (as a kubelet backs off a crashing container), so a job whose
+    # pods exit at once does not churn pods every cycle; the rest of the pool goes on
+    backoff: dict[str, tuple[float, float, str]] = field(default_factory=dict)
+    not_ready_since: dict[str, float] = field(default_factory=dict)  # service -> when its replicas fell short
 
 
 SourceFactory = Callable[[InferenceSpec, KubernetesBackend], MetricSource]
@@ -131,8 +144,11 @@ class OperatorRuntime:
     """See module docstring. Thread-safe: Kopf runs sync handlers in worker threads."""
 
     def __init__(self, settings: OperatorSettings | None = None, *, api_client: Any = None,
-                 source_factory: SourceFactory = default_source, clock: Callable[[], float] = time.time) -> None:
+                 source_factory: SourceFactory = default_source, clock: Callable[[], float] = time.time,
+                 backend_options: dict[str, Any] | None = None) -> None:
         self.settings = settings or OperatorSettings.from_env()
+        # extra ``KubernetesBackend`` keywords (launch options, trainer config): embedding and tests
+        self.backend_options = dict(backend_options or {})
         self.api_client = api_client
         self.source_factory = source_factory
         self.clock = clock
@@ -142,6 +158,7 @@ class OperatorRuntime:
         self.store: db.Store | None = None
         self.status: StatusWriter | None = None
         self._throughput: dict[str, Any] = {}
+        self._annotations: dict[tuple[str, str, str], dict[str, str]] = {}
         self._lock = threading.RLock()
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -171,8 +188,9 @@ class OperatorRuntime:
         s = self.settings
         return KubernetesBackend(node_selector=cr.node_selector, gpus_per_node=cr.gpus_per_node,
                                  api_client=self.api_client, field_manager=s.field_manager, job_runtime=s.job_runtime,
-                                 advertise_host=s.pod_ip, hardware=cr.hardware, scale_down_wait_seconds=s.wait_seconds,
-                                 pod_gone_wait_seconds=s.wait_seconds)
+                                 coordinator_host=s.coordinator_host, advertise_host=s.pod_ip, hardware=cr.hardware,
+                                 scale_down_wait_seconds=s.wait_seconds, pod_gone_wait_seconds=s.wait_seconds,
+                                 **self.backend_options)
 
     # ---- registration (Kopf create/update/resume handlers) -------------------------------------
     def set_pool(self, name: str, spec: dict[str, Any], uid: str | None, generation: int,
@@ -207,18 +225,21 @@ class OperatorRuntime:
             self.status.forget(POOLS, None, name)
 
     def set_service(self, namespace: str, name: str, spec: dict[str, Any], uid: str | None, generation: int,
-                    status: dict[str, Any] | None = None) -> None:
+                    status: dict[str, Any] | None = None, *, annotations: dict[str, str] | None = None) -> None:
         assert self.status is not None
         self.status.seed(SERVICES, namespace, name, status)
         try:
             cr = parse_spec(InferenceServiceSpec, spec)
             isvc = to_inference_spec(f"{namespace}/{name}", cr)
             self._check_scale_target(namespace, cr)
+            if annotations is not None:  # a retry of a refused spec keeps the annotations it was given
+                self._annotations[(SERVICES, namespace, name)] = dict(annotations)
+            options = drain_options(self._annotations.get((SERVICES, namespace, name), {}))
         except CRError as e:
             self._refuse(SERVICES, namespace, name, uid, generation, e, spec=spec)
             return
         booked = tuple(parse_gpu(g) for g in (status or {}).get("gpus", []) if "/" in g)
-        self._register(Member(SERVICES, namespace, name, uid, generation, cr.pool, cr, isvc), booked)
+        self._register(Member(SERVICES, namespace, name, uid, generation, cr.pool, cr, isvc, options), booked)
 
     def set_job(self, namespace: str, name: str, spec: dict[str, Any], uid: str | None, generation: int,
                 status: dict[str, Any] | None = None) -> None:
@@ -228,6 +249,7 @@ class OperatorRuntime:
             cr = parse_spec(ElasticTrainingJobSpec, spec)
             tspec = to_training_spec(f"{namespace}/{name}", cr, self.settings.model_dir)
             load_model(tspec.model)
+            _check_template_gpus(cr)
         except CRError as e:
             self._refuse(JOBS, namespace, name, uid, generation, e, spec=spec)
             return
@@ -347,14 +369,33 @@ class OperatorRuntime:
                                      f"spec.nodeSelector: no schedulable node matches {sel} with allocatable "
                                      "nvidia.com/gpu")
                 return None
-            # 2. build
+            # 2. build (a job backing off after a failed start sits this cycle out)
             members = self._members_of(name)
-            ctl = self._controller(pool, len(nodes), members)
+            waiting = {w for w, (at, _, _) in pool.backoff.items() if now < at}
+            ctl = self._controller(pool, len(nodes), [m for m in members if m.workload not in waiting])
             # 3. tick
             res = ctl.tick()
             # 4. publish
+            self._back_off(pool, res, members, now)
             self._publish(pool, ctl, res, nodes, members)
             return res
+
+    def _back_off(self, pool: Pool, res: TickResult, members: list[Member], now: float) -> None:
+        """A failed start of a job (``"<action> <workload>: <why>"`` while it holds no GPU) puts it on
+        back-off: 5 s, doubling up to 5 min; a later cycle that applies a step to it clears it."""
+        for m in members:
+            if m.plural != JOBS:
+                continue
+            prefix = f" {m.workload}: "
+            failed = res.error and prefix in res.error and res.error.split(prefix, 1)[0].endswith("_training")
+            # only a job that holds no GPU: one that runs stays the controller's to shrink or stop
+            if failed and pool.backend.job_runtime(m.workload) is None:
+                last = pool.backoff.get(m.workload)
+                wait = min(last[1] * 2, 300.0) if last else 5.0
+                pool.backoff[m.workload] = (now + wait, wait, str(res.error).split(prefix, 1)[1])
+            elif m.workload in pool.backoff and now >= pool.backoff[m.workload][0] and (
+                    any(a.endswith(f" {m.workload}") for a in res.applied)):
+                pool.backoff.pop(m.workload, None)
 
     def _members_of(self, pool: str) -> list[Member]:
         with self._lock:
@@ -377,7 +418,7 @@ class OperatorRuntime:
         jobs = [m for m in members if m.plural == JOBS]
         cfg, pool.unschedulable = self._fit(pool_spec, services, jobs)
         # the worker template and the Deployment name are not in the controller's config: key on them too
-        targets = [(m.workload, m.cr.model_dump(mode="json", by_alias=True)) for m in members]
+        targets = [(m.workload, m.cr.model_dump(mode="json", by_alias=True), m.options) for m in members]
         key = json.dumps([cfg.model_dump(mode="json"), targets], sort_keys=True)
         old = pool.controller
         if old is not None and key == pool.config_key:
@@ -389,7 +430,8 @@ class OperatorRuntime:
             if m.workload not in live:
                 continue
             if m.plural == SERVICES:
-                pool.backend.set_service(m.workload, ServiceTarget(m.namespace, m.cr.scale_target_ref.name))
+                pool.backend.set_service(m.workload, ServiceTarget(
+                    m.namespace, m.cr.scale_target_ref.name, gpus_per_replica=m.spec.gpus_per_replica, **m.options))
             else:
                 pool.backend.set_job(m.workload, JobTarget(m.namespace, m.name, m.cr.template.model_dump(
                     by_alias=True, exclude_none=True), m.uid))
@@ -401,7 +443,7 @@ class OperatorRuntime:
                 self._throughput[tkey] = throughput_table(
                     load_model(j.model), hw, min(j.max_gpus, pool_spec.total_gpus),
                     gpus_per_node=pool_spec.gpus_per_node, global_batch=j.global_batch, allowed_tp=j.allowed_tp,
-                    allowed_pp=j.allowed_pp, zero=j.zero)
+                    allowed_pp=j.allowed_pp, zero=j.zero, replicate_optimizer=j.no_zero1)
             throughput[j.name] = self._throughput[tkey]
         sources = {s.name: self.source_factory(s, pool.backend) for s in cfg.services}
         ctl = Controller(cfg, pool.backend, self.store, sources, owner=self.settings.instance, clock=self.clock,
@@ -480,13 +522,27 @@ class OperatorRuntime:
                               note=str(res.error), action="Apply")
         applied = set(res.applied)
         by_workload = {m.workload: m for m in members}
+        for a in res.applied:  # a failed job the controller stopped this cycle (its GPUs back in the pool)
+            kind, _, rest = a.partition(" ")
+            workload, _, why = rest.partition(": ")
+            if kind == "stop_failed_training" and (m := by_workload.get(workload)) is not None:
+                self.status.event(m.plural, m.namespace, m.name, m.uid, type_="Warning", reason="WorkerFailed",
+                                  note=f"stopped, its GPUs back in pool {pool.name}: {why}", action="Stop")
         for step in (res.plan.steps if res.plan else ()):
             m = by_workload.get(step.workload)
             if m is not None and f"{step.action} {step.workload}" in applied:
                 self.status.event(m.plural, m.namespace, m.name, m.uid, type_="Normal", reason=step.reason,
                                   note=step.message, action=step.action)
         for m in members:
-            if m.workload in pool.unschedulable:
+            if m.workload in pool.backoff:
+                _, wait, why = pool.backoff[m.workload]
+                note = f"{why}; next try after a back-off of {wait:g} s"
+                if self.status.set_condition(m.plural, m.namespace, m.name, "Ready", False, "StartFailed", note,
+                                             m.generation):
+                    self.status.event(m.plural, m.namespace, m.name, m.uid, type_="Warning", reason="StartFailed",
+                                      note=note, action="Start")
+                self.status.patch(m.plural, m.namespace, m.name, {"phase": "BackOff", "worldSize": 0, "workers": []})
+            elif m.workload in pool.unschedulable:
                 self.status.set_condition(m.plural, m.namespace, m.name, "Ready", False, "Unschedulable",
                                           pool.unschedulable[m.workload], m.generation)
             elif m.plural == SERVICES:
@@ -515,9 +571,33 @@ class OperatorRuntime:
         if sd is not None:
             limited = sd.replicas < sd.demand_replicas
             conds = set_condition(conds, "ScalingLimited", limited, sd.reason, sd.message, m.generation)
-        conds = set_condition(conds, "Ready", True, "Reconciled", f"scaled by pool {pool.name}", m.generation)
+        ok, reason, note = self._replicas_ready(pool, m, extra["replicas"], ready)
+        was = next((c for c in conds if c.get("type") == "Ready"), {})
+        conds = set_condition(conds, "Ready", ok, reason, note, m.generation)
         self.status.patch(SERVICES, m.namespace, m.name, {**extra, "conditions": conds,
                                                          "observedGeneration": m.generation})
+        if not ok and was.get("reason") != reason:
+            self.status.event(SERVICES, m.namespace, m.name, m.uid, type_="Warning", reason=reason, note=note,
+                              action="Observe")
+
+    def _replicas_ready(self, pool: Pool, m: Member, replicas: int, ready: int) -> tuple[bool, str, str]:
+        """Ready=False ``ReplicasNotReady`` once the Deployment has had fewer ready replicas than the pool
+        gives it for longer than ``spec.startupSeconds``, naming each pod's trouble; the GPUs stay booked
+        to the service (its pods hold them), nothing else changes."""
+        now = self.clock()
+        if ready >= replicas:
+            pool.not_ready_since.pop(m.workload, None)
+            return True, "Reconciled", f"scaled by pool {pool.name}"
+        since = pool.not_ready_since.setdefault(m.workload, now)
+        if now - since <= m.spec.startup_seconds:
+            return True, "Reconciled", f"scaled by pool {pool.name}; {ready} of {replicas} replicas ready"
+        try:
+            why = "; ".join(pool.backend.unready_replicas(m.workload)) or "no pod yet"
+        except BackendError as e:
+            why = str(e)
+        dep = m.cr.scale_target_ref.name
+        return False, "ReplicasNotReady", (f"Deployment {m.namespace}/{dep}: {ready} of {replicas} replicas ready "
+                                           f"longer than startupSeconds ({m.spec.startup_seconds:g} s): {why}")
 
     def _selector(self, pool: Pool, m: Member) -> str:
         cached = self.status.known(SERVICES, m.namespace, m.name).get("selector") if self.status else None
@@ -549,10 +629,47 @@ class OperatorRuntime:
         if jd is not None:
             conds = set_condition(conds, "Scheduled", jd.gpus > 0, jd.reason, jd.message, m.generation)
         ready = rt is None or rt.phase != "Failed"
+        was = next((c for c in conds if c.get("type") == "Ready"), {})
         conds = set_condition(conds, "Ready", ready, "Reconciled" if ready else "WorkerFailed",
                               f"scheduled by pool {pool.name}" if ready else (rt.error or "a worker failed"),
                               m.generation)
+        if not ready and was.get("reason") != "WorkerFailed":
+            self.status.event(JOBS, m.namespace, m.name, m.uid, type_="Warning", reason="WorkerFailed",
+                              note=rt.error or "a worker failed", action="Observe")
         self.status.patch(JOBS, m.namespace, m.name, {**extra, "conditions": conds, "observedGeneration": m.generation})
+
+
+ANN_DRAIN, ANN_DRAIN_SECONDS = "elastic.dev/drain", "elastic.dev/drain-seconds"
+
+
+def drain_options(annotations: dict[str, str]) -> dict[str, Any]:
+    """An InferenceService opts in to draining its replicas before a scale-down with the annotation
+    ``elastic.dev/drain: "true"`` (and ``elastic.dev/drain-seconds``, default 30: how long to wait for
+    a leaving replica to go idle)."""
+    flag = annotations.get(ANN_DRAIN, "false").strip().lower()
+    if flag not in ("true", "false"):
+        raise CRError(f"metadata.annotations['{ANN_DRAIN}']", "InvalidAnnotation",
+                      f"{flag!r}: use \"true\" or \"false\"")
+    raw = annotations.get(ANN_DRAIN_SECONDS, "30")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= 3600:
+        raise CRError(f"metadata.annotations['{ANN_DRAIN_SECONDS}']", "InvalidAnnotation",
+                      f"{raw!r}: seconds between 0 and 3600")
+    return {"drain": flag == "true", "drain_seconds": seconds}
+
+
+def _check_template_gpus(cr: ElasticTrainingJobSpec) -> None:
+    """Every worker pod holds exactly one GPU, which the operator asks for: a template asking for its
+    own (``nvidia.com/gpu: 8``, say, more than a node may have) would be overridden silently."""
+    for kind in ("requests", "limits"):
+        v = (cr.template.resources.get(kind) or {}).get(GPU_RESOURCE)
+        if v is not None and str(v) != "1":
+            raise CRError(f"spec.template.resources.{kind}", "InvalidTemplate",
+                          f"{GPU_RESOURCE}: {v}: every worker pod holds one GPU and the operator asks for it; "
+                          f"remove {GPU_RESOURCE} from the template (the job's GPU count is minGPUs..maxGPUs)")
 
 
 def pool_spec_tick(rt: OperatorRuntime, pool_spec: Any) -> float:

@@ -22,15 +22,28 @@ Two job runtimes:
 ``coordinator`` (production): :class:`KubernetesJobHandle`, a ``JobHandle`` whose workers are
 pods, hosts the job's rendezvous coordinator inside the operator (bound on all interfaces,
 advertised at the operator pod's IP); start/rescale/stop go through it, so a rescale is the
-trainer's in-place, checkpoint-free reshard and returns after the new layout's first step.
+trainer's in-place, checkpoint-free reshard and returns after the new layout's first step. A
+leaver's pod is deleted once it has exited 0 (its bytes landed); a failed pod stays for
+``kubectl logs`` until the job stops. Every worker pod of a new layout is re-annotated with its
+generation. ``pause_job`` moves a job pushed below its minimum into keeper pods (the template
+without GPU requests or node pinning) and ``set_job_gpus`` resumes it from them in place. Worker
+pods found running without a coordinator in this process (the operator that hosted theirs was
+restarted or replaced) cannot be adopted: they are reported ``Failed`` on the GPUs their
+annotations name, so the controller stops them before anyone else gets those GPUs, and the job
+starts again from its newest checkpoint.
 
 ``pods`` (an API server without kubelets: the test emulator, dry runs): the job "runs" once
 its pods exist; a rescale deletes the leavers' pods, creates the joiners' and re-annotates the
 generation. No reshard happens and no step is ever reported: it exercises exactly the
 Kubernetes calls and their order, nothing of the trainer.
 
+Drain (opt-in per service, ``ServiceTarget.drain``): replicas leave the load balancer before a
+scale-down removes them, through a pod label the user's Service selects on and the ReplicaSet's
+``pod-deletion-cost`` (see ``ServiceTarget``).
+
 What it must not do: decide anything (the controller does) or edit what it does not own
-(the user's Deployment is touched only through ``/scale``).
+(the user's Deployment is touched only through ``/scale``; its pods only through the labels and
+annotations of a drain).
 """
 
 from __future__ import annotations
@@ -66,6 +79,11 @@ FIELD_MANAGER = "elastic-operator"
 LABEL_JOB = "elastic.dev/job"
 LABEL_WORKER = "elastic.dev/worker"
 LABEL_MANAGED = "app.kubernetes.io/managed-by"
+LABEL_KEEPER = "elastic.dev/keeper"
+LABEL_SERVING = "elastic.dev/serving"  # "false": drained, out of a Service that selects "true"
+ANN_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+ANN_DRAIN_UNTIL = "elastic.dev/drained-until"  # unix time: back into the balancer unless asked again
+DRAINED_COST = "-1000"
 ANN_GENERATION = "elastic.dev/generation"
 ANN_LAYOUT = "elastic.dev/layout"
 ANN_GPU = "elastic.dev/gpu"
@@ -75,10 +93,20 @@ MERGE = "application/merge-patch+json"
 
 @dataclass(frozen=True)
 class ServiceTarget:
-    """Where an inference service's replicas live: ``namespace/deployment``."""
+    """Where an inference service's replicas live: ``namespace/deployment``.
+
+    ``drain``: replicas leave the load balancer before a scale-down removes them (opt-in, the
+    InferenceService's annotation ``elastic.dev/drain``): the backend relabels the chosen pods
+    ``elastic.dev/serving=false`` (a Service selecting ``elastic.dev/serving: "true"`` drops them),
+    gives them the lowest ``controller.kubernetes.io/pod-deletion-cost`` (the ReplicaSet removes
+    exactly them) and scales once they are idle (their ``/metrics`` report no running or waiting
+    request) or ``drain_seconds`` have passed."""
 
     namespace: str
     deployment: str
+    drain: bool = False
+    drain_seconds: float = 30.0
+    gpus_per_replica: int = 1
 
 
 @dataclass(frozen=True)
@@ -141,6 +169,10 @@ class KubernetesBackend:
         self.scale_down_wait_seconds = scale_down_wait_seconds
         self.pod_gone_wait_seconds = pod_gone_wait_seconds
         self.poll_seconds = poll_seconds
+        if job_runtime == "pods":
+            # no coordinator to move a job's state into keepers: the controller must see that it
+            # can only preempt a job pushed below its minimum (it looks for a callable pause_job)
+            self.pause_job = None  # type: ignore[assignment]
         self.services: dict[str, ServiceTarget] = {}
         self.jobs: dict[str, JobTarget] = {}
         self.booked: dict[str, tuple[GPU, ...]] = {}  # service -> GPUs the controller gave its replicas
@@ -237,9 +269,124 @@ class KubernetesBackend:
                 urls.append(f"http://{p.status.pod_ip}:{ports[0]}")
         return sorted(urls)
 
+    def unready_replicas(self, service: str) -> list[str]:
+        """Why each of the Deployment's pods (not being deleted) is not ready, as ``kubectl describe`` would
+        say it: ``"<pod>: Unschedulable: 0/2 nodes are available: ..."``, ``"<pod>: CrashLoopBackOff
+        (exit code 1, 3 restarts)"``, ``"<pod>: running, not ready (readiness probe failing)"``."""
+        t = self._target(service)
+        out = []
+        for p in self._deployment_pods(t, self._deployment(service)):
+            if p.metadata.deletion_timestamp:
+                continue
+            conds = {c.type: c for c in ((p.status.conditions if p.status else None) or [])}
+            if conds.get("Ready") is not None and conds["Ready"].status == "True":
+                continue
+            sched = conds.get("PodScheduled")
+            if sched is not None and sched.status == "False":
+                out.append(f"{p.metadata.name}: {sched.reason or 'Pending'}: {sched.message or 'not scheduled'}")
+                continue
+            why = "not ready (readiness probe failing)"
+            for cs in (p.status.container_statuses if p.status else None) or []:
+                waiting = cs.state.waiting if cs.state else None
+                last = cs.last_state.terminated if cs.last_state else None
+                if waiting is not None:
+                    code = f"exit code {last.exit_code}, " if last is not None else ""
+                    why = f"{waiting.reason or 'Waiting'} ({code}{cs.restart_count} restarts)"
+                elif cs.state and cs.state.terminated is not None:
+                    why = f"terminated (exit code {cs.state.terminated.exit_code})"
+            out.append(f"{p.metadata.name}: {(p.status.phase if p.status else None) or 'Pending'}, {why}")
+        return sorted(out)
+
+    # ---- drain (opt-in per service: ServiceTarget.drain) -----------------------------------------
+    def drain_ahead(self, service: str, gpus: Sequence[GPU], hold_seconds: float) -> list[str]:
+        """Take as many replicas as ``gpus`` hold out of the load balancer ahead of a scale-down the
+        policy sees coming (GPU identities of pods are bookkeeping here: the pods chosen are those the
+        ReplicaSet would remove, those drained already first). They keep their GPUs and stay ready
+        (scraped as before); not asked again within ``hold_seconds``, they serve again. Returns the
+        drained pods' URLs; [] for a service without ``drain``."""
+        t = self._target(service)
+        if not t.drain:
+            return []
+        n = len(gpus) // max(1, t.gpus_per_replica)
+        pods = self._live_replica_pods(t)
+        chosen = self._drain_victims(pods, n)
+        until = time.time() + hold_seconds
+        for p in pods:
+            if p.metadata.name in chosen:
+                self._mark(t, p, until)
+            elif _drained(p) and float((p.metadata.annotations or {}).get(ANN_DRAIN_UNTIL, 0)) < time.time():
+                self._unmark(t, p)
+        return sorted(self._pod_url(p) for p in pods if p.metadata.name in chosen and self._pod_url(p))
+
+    def _live_replica_pods(self, t: ServiceTarget) -> list[Any]:
+        dep = self._call(f"get Deployment {t.namespace}/{t.deployment}", self.apps.read_namespaced_deployment,
+                         t.deployment, t.namespace)
+        return [p for p in self._deployment_pods(t, dep) if not p.metadata.deletion_timestamp]
+
+    @staticmethod
+    def _drain_victims(pods: list[Any], n: int) -> set[str]:
+        """``n`` pods to drain: those drained already, then the newest (the ReplicaSet's own order)."""
+        if n <= 0:
+            return set()
+        order = sorted(pods, key=lambda p: (not _drained(p), -(p.metadata.creation_timestamp.timestamp()
+                                                                if p.metadata.creation_timestamp else 0),
+                                            p.metadata.name))
+        return {p.metadata.name for p in order[:n]}
+
+    def _mark(self, t: ServiceTarget, p: Any, until: float) -> None:
+        body = {"metadata": {"labels": {LABEL_SERVING: "false"},
+                             "annotations": {ANN_DELETION_COST: DRAINED_COST, ANN_DRAIN_UNTIL: f"{until:.0f}"}}}
+        self._call(f"drain pod {t.namespace}/{p.metadata.name}", self.core.patch_namespaced_pod, p.metadata.name,
+                   t.namespace, body, _content_type=MERGE)
+
+    def _unmark(self, t: ServiceTarget, p: Any) -> None:
+        body = {"metadata": {"labels": {LABEL_SERVING: "true"},
+                             "annotations": {ANN_DELETION_COST: None, ANN_DRAIN_UNTIL: None}}}
+        self._call(f"undrain pod {t.namespace}/{p.metadata.name}", self.core.patch_namespaced_pod,
+                   p.metadata.name, t.namespace, body, _content_type=MERGE)
+
+    @staticmethod
+    def _pod_url(p: Any) -> str:
+        ports = [port.container_port for c in p.spec.containers for port in (c.ports or [])]
+        ip = p.status.pod_ip if p.status else None
+        return f"http://{ip}:{ports[0]}" if ip and ports else ""
+
+    def _drain_before_scale_down(self, t: ServiceTarget, replicas: int) -> list[str]:
+        """Mark the pods a scale-down to ``replicas`` removes and wait (bounded by ``drain_seconds``)
+        until they are idle. Returns the pods still busy at the deadline (they go anyway)."""
+        pods = self._live_replica_pods(t)
+        victims = self._drain_victims(pods, len(pods) - replicas)
+        if not victims:
+            return []
+        until = time.time() + t.drain_seconds + 60
+        for p in pods:
+            if p.metadata.name in victims:
+                self._mark(t, p, until)
+            elif _drained(p):
+                self._unmark(t, p)
+        urls = {p.metadata.name: self._pod_url(p) for p in pods if p.metadata.name in victims}
+        deadline = time.monotonic() + t.drain_seconds
+        busy = sorted(urls)
+        while busy and time.monotonic() < deadline:
+            busy = [n for n in busy if not _idle(urls[n])]
+            if busy:
+                time.sleep(self.poll_seconds)
+        return busy
+
     def set_service_gpus(self, spec: InferenceSpec, gpus: tuple[GPU, ...]) -> None:
         t = self._target(spec.name)
         replicas = len(gpus) // spec.gpus_per_replica
+        if t.drain:
+            have = len(self._live_replica_pods(t))
+            if replicas < have:
+                busy = self._drain_before_scale_down(t, replicas)
+                if busy:
+                    log.warning("%s: replica pod(s) %s still busy %.0f s into their drain; scaling down anyway",
+                                spec.name, ", ".join(busy), t.drain_seconds)
+            else:  # nobody leaves: every replica drained ahead serves again
+                for p in self._live_replica_pods(t):
+                    if _drained(p):
+                        self._unmark(t, p)
         what = f"scale Deployment {t.namespace}/{t.deployment} to {replicas}"
         self._call(what, self.apps.patch_namespaced_deployment_scale, t.deployment, t.namespace,
                    {"spec": {"replicas": replicas}}, _content_type=MERGE)
@@ -326,11 +473,33 @@ class KubernetesBackend:
         with self._lock:
             j = self._jobs.get(job)
         if j is None or j.handle is None:
-            return None
+            return self._orphaned_runtime(job)
         st = j.handle.status()
         if st.phase == "running":
             j.workers = still_held(j.workers, st.workers)  # after a recovery on its own: fewer
         return coordinator_runtime(job, st, j.workers, j.last)
+
+    def _orphaned_runtime(self, job: str) -> JobRuntime | None:
+        """Worker pods that run with no coordinator in this process: the operator process that hosted
+        theirs is gone (restarted, or a standby took over). Their state lives only in their memory and
+        their coordinator's, neither of which can be adopted, so they are reported ``Failed`` on the GPUs
+        their annotations name: the controller then stops them (their GPUs are on record until their pods
+        are gone, so none is handed out twice) and starts the job again, from its newest checkpoint if
+        it keeps any. None when no such pod runs."""
+        pods = [p for p in self.worker_pods(job)
+                if not (p.status is not None and p.status.phase in ("Succeeded", "Failed"))]
+        if not pods:
+            return None
+        ann = [p.metadata.annotations or {} for p in pods]
+        gpus = tuple(sorted({parse_gpu(a[ANN_GPU]) for a in ann if ANN_GPU in a}, key=lambda g: (g.node, g.index)))
+        gen = max(int(a.get(ANN_GENERATION, 0)) for a in ann)
+        layouts = {a.get(ANN_LAYOUT) for a in ann if int(a.get(ANN_GENERATION, 0)) == gen}
+        names = ", ".join(p.metadata.name for p in pods)
+        return JobRuntime(job, "Failed", layouts.pop() if len(layouts) == 1 else None, gpus, gen,
+                          error=f"worker pod(s) {names} run without their coordinator: the operator process that "
+                                "hosted it is gone (restarted or replaced) and their in-memory state cannot be "
+                                "adopted; they are stopped and the job starts again, from its newest checkpoint "
+                                "if it keeps any")
 
     def checkpoint_job(self, job: str, wait_seconds: float = 0.0) -> CheckpointOutcome:
         """Coordinator runtime: save ``job``'s state at its next step boundary (``checkpoint_through``)."""
@@ -340,6 +509,36 @@ class KubernetesBackend:
         with self._lock:
             j = self._jobs.get(job)
         return checkpoint_through(j.handle if j is not None else None, job, wait_seconds)
+
+    def pause_job(self, spec: TrainingSpec) -> RescaleOutcome:
+        """Coordinator runtime: free every GPU of the job and keep its state in keeper pods (the job's
+        template without GPU requests or node pinning: CPU and host memory), which hold it at its step
+        until ``set_job_gpus`` resumes it in place (see ``JobHandle.pause``)."""
+        with self._lock:
+            j = self._jobs.get(spec.name)
+        if j is None or j.handle is None:
+            return RescaleOutcome(spec.name, None, None, 0)
+        before = j.handle.status()
+        if before.phase == "paused":
+            return RescaleOutcome(spec.name, before.layout, before.layout, before.generation, step=max(before.step, 0))
+        if not before.layout:
+            raise BackendError(f"{spec.name}: cannot pause a job that is {before.phase}")
+        n = Layout.parse(before.layout).held().world_size
+        base = self._job_target(spec.name).name
+        keepers = [f"{base}-k{j.next_id + i}" for i in range(n)]  # the workers' counter: no name reused
+        try:
+            res = j.handle.pause(keepers)
+        except Exception as e:  # noqa: BLE001 - refused/abandoned: the job trains on, on its GPUs
+            raise BackendError(f"{spec.name}: pause of {before.layout} failed: {e}") from e
+        with self._lock:
+            j.workers, j.next_id = {}, j.next_id + n
+        self._stamp_generation(spec.name, keepers, res.generation, Layout.parse(res.to_layout))
+        out = RescaleOutcome(spec.name, before.layout, res.to_layout, res.generation,
+                             pause_seconds=res.pause_seconds or 0.0, total_seconds=res.wall_seconds,
+                             bytes_moved=res.bytes_moved, bytes_planned=res.planned_bytes,
+                             bytes_lower_bound=res.lower_bound_bytes, step=res.switch_step)
+        j.last = out
+        return out
 
     def cancel_grow(self, job: str) -> bool:
         """Coordinator runtime: call off a rescale whose joiner pods have not joined yet.
@@ -435,12 +634,25 @@ class KubernetesBackend:
             raise BackendError(f"{spec.name}: {'start' if starting else 'rescale'} on {layout} failed: {e}") from e
         with self._lock:
             j.workers, j.next_id = new_workers, nxt
+        self._stamp_generation(spec.name, list(new_workers.values()), res.generation, layout)
         out = RescaleOutcome(spec.name, st.layout, str(layout), res.generation, pause_seconds=res.pause_seconds or 0.0,
                              total_seconds=res.wall_seconds, bytes_moved=res.bytes_moved,
                              bytes_planned=res.planned_bytes, bytes_lower_bound=res.lower_bound_bytes,
                              step=res.switch_step)
         j.last = out
         return out
+
+    def _stamp_generation(self, job: str, pods: Sequence[str], generation: int, layout: Layout) -> None:
+        """Every worker pod of the new layout carries its generation and layout: survivors were created
+        under an older one. Best effort: the coordinator, not the annotation, is what the job runs by."""
+        ns = self._job_target(job).namespace
+        body = {"metadata": {"annotations": {ANN_GENERATION: str(generation), ANN_LAYOUT: str(layout)}}}
+        for pod in pods:
+            try:
+                self._call(f"annotate pod {ns}/{pod}", self.core.patch_namespaced_pod, pod, ns, body,
+                           _content_type=MERGE)
+            except BackendError as e:
+                log.warning("%s: %s", job, e)
 
     def _new_handle(self, spec: TrainingSpec) -> KubernetesJobHandle:
         if spec.entrypoint is not None:  # the user's code: its config whatever tunes the reference trainer
@@ -517,9 +729,24 @@ class KubernetesBackend:
                                         "controller": True, "blockOwnerDeletion": False}]
         return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
-    def apply_worker_pod(self, spec: TrainingSpec, pod: str, gpu: GPU, layout: Layout, generation: int,
+    def keeper_pod_manifest(self, spec: TrainingSpec, pod: str, layout: Layout, generation: int,
+                            env: dict[str, str]) -> dict[str, Any]:
+        """A keeper: the worker pod of the job's template holding a paused job's state in host memory,
+        without a GPU (no ``nvidia.com/gpu`` request, no node pinning: any node with the memory will do)."""
+        body = self.worker_pod_manifest(spec, pod, GPU("-", 0), layout, generation, env)
+        ctr = body["spec"]["containers"][0]
+        for kind in ("requests", "limits"):
+            ctr["resources"].get(kind, {}).pop(GPU_RESOURCE, None)
+        ctr["resources"] = {k: v for k, v in ctr["resources"].items() if v}
+        del body["spec"]["affinity"]
+        del body["metadata"]["annotations"][ANN_GPU]
+        body["metadata"]["labels"][LABEL_KEEPER] = "true"
+        return body
+
+    def apply_worker_pod(self, spec: TrainingSpec, pod: str, gpu: GPU | None, layout: Layout, generation: int,
                          env: dict[str, str]) -> None:
-        body = self.worker_pod_manifest(spec, pod, gpu, layout, generation, env)
+        body = (self.keeper_pod_manifest(spec, pod, layout, generation, env) if gpu is None
+                else self.worker_pod_manifest(spec, pod, gpu, layout, generation, env))
         self._call(f"apply pod {body['metadata']['namespace']}/{pod}", self.core.patch_namespaced_pod, pod,
                    body["metadata"]["namespace"], body, field_manager=self.field_manager, force=True,
                    _content_type=APPLY)
@@ -610,6 +837,31 @@ def user_code_env(spec: TrainingSpec) -> dict[str, str]:
     return {"ELASTIC_ENTRYPOINT": spec.entrypoint, "ELASTIC_ARGS": json.dumps(list(spec.args))}
 
 
+def _drained(p: Any) -> bool:
+    return (p.metadata.labels or {}).get(LABEL_SERVING) == "false"
+
+
+def _idle(url: str) -> bool:
+    """A replica that reports no running or waiting request (vLLM's metric names); unreachable counts
+    as idle (it serves nobody)."""
+    if not url:
+        return True
+    import httpx
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=2.0).text
+    except httpx.HTTPError:
+        return True
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                continue
+    return total == 0
+
+
 def _worker_index(pod: str) -> int:
     tail = pod.rsplit("-w", 1)[-1]
     return int(tail) if tail.isdigit() else -1
@@ -636,9 +888,15 @@ class KubernetesJobHandle(JobHandle):
         self.placement: dict[str, tuple[GPU, Layout]] = {}
 
     def _spawn(self, worker: str, env: dict[str, str]) -> None:
-        gpu, layout = self.placement[worker]
+        gen = self.coordinator.status().generation + 1
         env = {k: v for k, v in env.items() if k not in ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")}
-        self.backend.apply_worker_pod(self.spec, worker, gpu, layout, self.coordinator.status().generation + 1, env)
+        if env.get("ELASTIC_KEEPER") == "1":  # holds a paused job's state: no GPU, on any node
+            st = self.coordinator.status()
+            held = Layout.parse(st.layout).held() if st.layout else Layout(1, 1, 1)
+            self.backend.apply_worker_pod(self.spec, worker, None, held, gen, env)
+            return
+        gpu, layout = self.placement[worker]
+        self.backend.apply_worker_pod(self.spec, worker, gpu, layout, gen, env)
 
     def _exit_reason(self, worker: str) -> str | None:
         from kubernetes.client.exceptions import ApiException
@@ -669,3 +927,33 @@ class KubernetesJobHandle(JobHandle):
             self.backend.core.delete_namespaced_pod(worker, t.namespace, grace_period_seconds=0)
         except (ApiException, OSError):
             pass
+
+    def _reap(self, worker: str) -> None:
+        """A worker that ended with exit code 0 (a leaver once its bytes landed, a stopped worker) has its
+        pod deleted: it is done. A failed pod stays for ``kubectl logs``/``describe`` until the job
+        stops; a terminated pod holds no GPU either way."""
+        from kubernetes.client.exceptions import ApiException
+
+        t = self.backend._job_target(self.spec.name)
+        try:
+            pod = self.backend.core.read_namespaced_pod(worker, t.namespace)
+            if pod.status is not None and pod.status.phase == "Succeeded":
+                self.backend.core.delete_namespaced_pod(worker, t.namespace)
+        except (ApiException, OSError):
+            pass
+
+    def _after_gone(self, workers: Sequence[str], timeout: float) -> None:
+        """Wait (bounded) until no pod of ``workers`` still runs (gone, or ended): the kube-scheduler
+        may then give their GPUs to someone else."""
+        deadline = time.monotonic() + timeout
+        pending = set(workers)
+        while pending:
+            pods = {p.metadata.name: p for p in self.backend.worker_pods_including_deleting(self.spec.name)}
+            pending = {w for w in pending if w in pods and not (
+                pods[w].status is not None and pods[w].status.phase in ("Succeeded", "Failed"))}
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                log.warning("job %s: pod(s) %s still running %.0f s after leaving", self.job, sorted(pending), timeout)
+                return
+            time.sleep(self.backend.poll_seconds)

@@ -102,3 +102,15 @@ def start_in_thread(backend: Any, spec: Any, layout: str) -> tuple[Any, dict[str
     t = threading.Thread(target=start, daemon=True)
     t.start()
     return t, out
+
+
+@pytest.fixture
+def node_agent(emulator: tuple[StrictEmulator, Any], tmp_path: Path) -> Iterator[Any]:
+    """Two fake nodes of 4 GPUs (label ``pool=a``) run by the test-side node agent
+    (``tests.operator.kubelet``): pods become local processes, deletions are graceful."""
+    from .kubelet import NodeAgent
+
+    emu, api = emulator
+    agent = NodeAgent(emu, api, {"n0": 4, "n1": 4}, namespace=NS, log_dir=tmp_path / "pods", poll=0.05).start()
+    yield agent
+    agent.stop()

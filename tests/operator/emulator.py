@@ -12,9 +12,14 @@ subresources. This subclass does those the way an API server does, simply:
 * ``/scale`` of Deployments and of kinds declared with a scale subresource (GET and PATCH);
 * PATCH as JSON merge / strategic merge (treated as merge) / JSON patch / server-side apply
   (creates a missing object, merges the applied fields, records the field manager);
-* PUT with optimistic concurrency (a stale ``resourceVersion`` gets 409);
+* PUT with optimistic concurrency (a stale ``resourceVersion`` gets 409); a JSON patch whose
+  ``test`` op fails gets 422, as Kopf's optimistic lock expects;
 * DELETE honours finalizers (``deletionTimestamp``, then gone once they are removed);
-  pods are deleted at once (no kubelet here);
+  pods are deleted at once (no kubelet here) unless ``graceful_pods`` is set (a node agent,
+  ``tests.operator.kubelet``, runs them): a pod bound to a node and not terminated is then
+  only marked (``deletionTimestamp``, ``deletionGracePeriodSeconds`` from ``gracePeriodSeconds``
+  or its ``terminationGracePeriodSeconds``), and goes when deleted again with grace 0 (the agent,
+  once its process ended) -- or at once when asked with grace 0 in the first place;
 * the namespace comes from the URL; ``generateName`` gets a suffix; list and watch honour
   ``labelSelector`` (equality terms) and watch replays events after ``resourceVersion``.
 
@@ -100,6 +105,7 @@ class StrictEmulator(kmock.KubernetesEmulator):
         self.last_rv = 100
         self.lock = threading.RLock()
         self._cond: asyncio.Condition | None = None
+        self.graceful_pods = False  # True where a node agent terminates pods (see module docstring)
 
     # ---- set-up ---------------------------------------------------------------------------------
     def declare(self, group: str, version: str, plural: str, kind: str, *, namespaced: bool,
@@ -190,7 +196,7 @@ class StrictEmulator(kmock.KubernetesEmulator):
                 raise _Fail(404, "NotFound", f'{rkey[2]} "{name}" not found')
             return self._scale_view(rkey, live) if sub == "scale" else copy.deepcopy(live)
         if method == "DELETE":
-            return self._delete(rkey, key, live, name)
+            return self._delete(rkey, key, live, name, _grace(request, data))
         if live is None:
             if method == "PATCH" and ctype == "application/apply-patch+yaml" and not sub:
                 obj = dict(data or {})
@@ -211,7 +217,9 @@ class StrictEmulator(kmock.KubernetesEmulator):
             if new.get("spec") != live.get("spec"):
                 new["metadata"]["generation"] = int(live["metadata"].get("generation", 1)) + 1
             self._stamp(new)
-            if new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers"):
+            # the last finalizer removed from an object marked for deletion: it goes
+            if (new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers")
+                    and live["metadata"].get("finalizers")):
                 del self.store[key]
                 self._emit(rkey, "DELETED", new)
             else:
@@ -243,10 +251,24 @@ class StrictEmulator(kmock.KubernetesEmulator):
         self._emit(rkey, "ADDED", obj)
         return copy.deepcopy(obj)
 
-    def _delete(self, rkey: tuple[str, str, str], key: Key, live: dict[str, Any] | None, name: str | None
-                ) -> dict[str, Any]:
+    def _delete(self, rkey: tuple[str, str, str], key: Key, live: dict[str, Any] | None, name: str | None,
+                grace: int | None = None) -> dict[str, Any]:
         if live is None:
             raise _Fail(404, "NotFound", f'{rkey[2]} "{name}" not found')
+        if rkey[2] == "pods" and self.graceful_pods and not live["metadata"].get("finalizers"):
+            bound = bool((live.get("spec") or {}).get("nodeName"))
+            ended = (live.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+            if grace is None:
+                grace = int((live.get("spec") or {}).get("terminationGracePeriodSeconds", 30))
+            if bound and not ended and grace > 0:
+                if not live["metadata"].get("deletionTimestamp"):  # a second DELETE does not restart the clock
+                    live = copy.deepcopy(live)
+                    live["metadata"]["deletionTimestamp"] = _now()
+                    live["metadata"]["deletionGracePeriodSeconds"] = grace
+                    self._stamp(live)
+                    self.store[key] = live
+                    self._emit(rkey, "MODIFIED", live)
+                return copy.deepcopy(live)
         if live["metadata"].get("finalizers"):
             if not live["metadata"].get("deletionTimestamp"):
                 live = copy.deepcopy(live)
@@ -279,7 +301,12 @@ class StrictEmulator(kmock.KubernetesEmulator):
             candidate["metadata"] = {**live["metadata"], **{k: v for k, v in candidate.get("metadata", {}).items()
                                                             if k in ("labels", "annotations", "finalizers")}}
         elif ctype == "application/json-patch+json":
-            candidate = jsonpatch.apply_patch(live, data)
+            try:
+                candidate = jsonpatch.apply_patch(live, data)
+            except (jsonpatch.JsonPatchTestFailed, jsonpatch.JsonPatchConflict) as e:
+                # as the API server answers a failed ``test`` op (Kopf's optimistic lock on resourceVersion)
+                raise _Fail(422, "Invalid", f"the server rejected our request due to an error in our request: {e}"
+                            ) from None
         else:  # merge, strategic merge (as merge), apply (merge of the applied fields)
             candidate = merge_patch(live, data or {})
         has_status = rkey[2] in STATUS_KINDS
@@ -292,7 +319,7 @@ class StrictEmulator(kmock.KubernetesEmulator):
             return new
         new = candidate
         for fixed in ("uid", "creationTimestamp", "generation", "resourceVersion", "namespace", "name",
-                      "deletionTimestamp"):
+                      "deletionTimestamp", "deletionGracePeriodSeconds"):
             if fixed in live["metadata"]:
                 new["metadata"][fixed] = live["metadata"][fixed]
         if has_status:
@@ -360,6 +387,14 @@ class StrictEmulator(kmock.KubernetesEmulator):
                         await asyncio.wait_for(self._cond.wait(), timeout=1.0)
                     except TimeoutError:
                         pass
+
+
+def _grace(request: kmock.Request, body: Any) -> int | None:
+    """A DELETE's grace period: the ``gracePeriodSeconds`` query parameter or DeleteOptions body field."""
+    v = request.params.get("gracePeriodSeconds")
+    if v is None and isinstance(body, dict):
+        v = body.get("gracePeriodSeconds")
+    return None if v is None else int(v)
 
 
 class _Fail(Exception):
