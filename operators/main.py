@@ -36,6 +36,13 @@ _api_server: Any = None
 
 @kopf.on.startup()
 def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    from elastic.logs import setup_from_env
+    from elastic.model import SpecError
+
+    try:  # ELASTIC_LOG_LEVEL / ELASTIC_LOG_FORMAT (text|json); replaces Kopf's root handler
+        setup_from_env(replace_kopf=True)
+    except SpecError as e:
+        raise kopf.PermanentError(str(e)) from None
     settings.posting.enabled = False  # events.k8s.io/v1 are posted by operators.status
     settings.persistence.finalizer = "elastic.dev/release-gpus"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="elastic.dev")

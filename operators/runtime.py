@@ -378,6 +378,7 @@ class OperatorRuntime:
             # 4. publish
             self._back_off(pool, res, members, now)
             self._publish(pool, ctl, res, nodes, members)
+            ctl.housekeep()  # retention: the lease holder only, between ticks, in bounded batches
             return res
 
     def _back_off(self, pool: Pool, res: TickResult, members: list[Member], now: float) -> None:
