@@ -48,6 +48,7 @@ annotations of a drain).
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import threading
@@ -70,7 +71,7 @@ from elastic.backends.base import (
 )
 from elastic.model import GPU, InferenceSpec, Layout, TrainingSpec, load_model
 from elastic.train.launch import JobHandle, job_options
-from elastic.train.rendezvous import RescaleCancelled
+from elastic.train.rendezvous import SECRET_ENV, RescaleCancelled
 
 log = logging.getLogger("elastic.backends.kubernetes")
 
@@ -85,6 +86,7 @@ ANN_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 ANN_DRAIN_UNTIL = "elastic.dev/drained-until"  # unix time: back into the balancer unless asked again
 DRAINED_COST = "-1000"
 ANN_GENERATION = "elastic.dev/generation"
+SECRET_KEY = "secret"  # the key of the job's Secret that holds its coordinator secret
 ANN_LAYOUT = "elastic.dev/layout"
 ANN_GPU = "elastic.dev/gpu"
 APPLY = "application/apply-patch+yaml"
@@ -669,9 +671,13 @@ class KubernetesBackend:
         # the coordinator runs in this process, without the workers' volume: it starts a job at the
         # newest checkpoint its workers report when they register
         opts = job_options(self.launch_options, spec, coordinator_sees=False)
-        return KubernetesJobHandle(self, spec, cfg, options=opts, hardware=self.hardware,
-                                   gpus_per_node=self.gpus_per_node, host=self.coordinator_host,
-                                   advertise_host=self.advertise_host)
+        handle = KubernetesJobHandle(self, spec, cfg, options=opts, hardware=self.hardware,
+                                     gpus_per_node=self.gpus_per_node, host=self.coordinator_host,
+                                     advertise_host=self.advertise_host)
+        # the job's secret reaches its pods through a Secret, not as a literal in the pod spec
+        # (readable by anyone who may get pods)
+        self.apply_job_secret(spec.name, handle.coordinator.secret)
+        return handle
 
     def _stop_coordinated(self, spec: TrainingSpec, j: _Job | None) -> RescaleOutcome:
         st = j.handle.status() if j and j.handle else None
@@ -683,6 +689,7 @@ class KubernetesBackend:
         # whatever the coordinator did, no pod of the job may keep its GPU
         self.delete_pods(spec.name, [p.metadata.name for p in self.worker_pods(spec.name)])
         self.delete_worker_service(spec.name)
+        self.delete_job_secret(spec.name)
         with self._lock:
             self._jobs.pop(spec.name, None)
         return RescaleOutcome(spec.name, st.layout if st else None, None, st.generation if st else 0,
@@ -697,7 +704,8 @@ class KubernetesBackend:
                       if "/" not in spec.model else "", "ELASTIC_GLOBAL_BATCH": str(spec.global_batch),
                       "ELASTIC_MICRO_BATCH": str(spec.micro_batch), **user_code_env(spec), **env}
         env_list = [{"name": e["name"], "value": e.get("value", "")} for e in tpl.get("env", [])]
-        env_list += [{"name": k, "value": v} for k, v in worker_env.items() if v]
+        env_list += [{"name": k, "valueFrom": {"secretKeyRef": {"name": self.secret_name(spec.name), "key": SECRET_KEY}}}
+                     if k == SECRET_ENV else {"name": k, "value": v} for k, v in worker_env.items() if v]
         resources = {k: dict(v) for k, v in (tpl.get("resources") or {}).items()}
         for kind in ("requests", "limits"):
             resources.setdefault(kind, {})[GPU_RESOURCE] = "1"
@@ -800,6 +808,33 @@ class KubernetesBackend:
         self._call(f"apply service {m['namespace']}/{m['name']}", self.core.patch_namespaced_service, m["name"],
                    m["namespace"], body, field_manager=self.field_manager, force=True, _content_type=APPLY)
 
+    def secret_name(self, job: str) -> str:
+        return f"{self._job_target(job).name}-rendezvous"
+
+    def apply_job_secret(self, job: str, secret: str) -> None:
+        """The Secret holding the job's coordinator secret (``ELASTIC_JOB_SECRET`` of its pods), owned
+        by the job's resource so that it goes with it."""
+        t = self._job_target(job)
+        meta: dict[str, Any] = {"name": self.secret_name(job), "namespace": t.namespace,
+                                "labels": {LABEL_JOB: t.name, LABEL_MANAGED: self.field_manager}}
+        if t.uid:
+            meta["ownerReferences"] = [{"apiVersion": t.api_version, "kind": t.kind, "name": t.name, "uid": t.uid,
+                                        "controller": True, "blockOwnerDeletion": False}]
+        body = {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque",
+                "data": {SECRET_KEY: base64.b64encode(secret.encode()).decode()}}
+        self._call(f"apply secret {t.namespace}/{meta['name']}", self.core.patch_namespaced_secret, meta["name"],
+                   t.namespace, body, field_manager=self.field_manager, force=True, _content_type=APPLY)
+
+    def delete_job_secret(self, job: str) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        t = self._job_target(job)
+        try:
+            self.core.delete_namespaced_secret(self.secret_name(job), t.namespace)
+        except ApiException as e:
+            if e.status != 404:
+                raise BackendError(f"{job}: delete secret {t.namespace}/{self.secret_name(job)}: HTTP {e.status}") from e
+
     def delete_worker_service(self, job: str) -> None:
         from kubernetes.client.exceptions import ApiException
 
@@ -824,6 +859,7 @@ class KubernetesBackend:
                 log.warning("%s: coordinator stop failed: %s", job, e)
         self.delete_pods(job, pods)
         self.delete_worker_service(job)
+        self.delete_job_secret(job)
         with self._lock:
             self._jobs.pop(job, None)
         return len(pods)

@@ -22,6 +22,7 @@ def declare_all(emu: StrictEmulator) -> None:
     emu.declare("", "v1", "nodes", "Node", namespaced=False, subresources=("status",))
     emu.declare("", "v1", "pods", "Pod", namespaced=True, subresources=("status",))
     emu.declare("", "v1", "services", "Service", namespaced=True, subresources=("status",))
+    emu.declare("", "v1", "secrets", "Secret", namespaced=True)
     emu.declare("apps", "v1", "deployments", "Deployment", namespaced=True, subresources=("status", "scale"))
     emu.declare("events.k8s.io", "v1", "events", "Event", namespaced=True)
     emu.declare("elastic.dev", "v1alpha1", "gpupools", "GPUPool", namespaced=False, subresources=("status",))

@@ -316,7 +316,20 @@ class NodeAgent:
                 env[e["name"]] = _expand(str(e["value"]), env)
             elif (ref := ((e.get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath")) is not None:
                 env[e["name"]] = _field(p, ref, ip)
+            elif (key := (e.get("valueFrom") or {}).get("secretKeyRef")) is not None:
+                env[e["name"]] = self._secret(p["metadata"].get("namespace") or self.namespace, key)
         return env
+
+    def _secret(self, namespace: str, ref: dict[str, Any]) -> str:
+        """A ``secretKeyRef``'s value, as kubelet reads it (a missing Secret or key fails the container
+        start, as it would with CreateContainerConfigError)."""
+        import base64
+
+        sec = self.emu.get("secrets", namespace, ref["name"])
+        data = (sec or {}).get("data") or {}
+        if ref["key"] not in data:
+            raise RuntimeError(f"secret {namespace}/{ref['name']} has no key {ref['key']!r}")
+        return base64.b64decode(data[ref["key"]]).decode()
 
     def _observe(self, p: dict[str, Any], c: _Container) -> None:
         """Restart a crashed container when its policy says so; report the pod's status when it changed."""

@@ -8,15 +8,17 @@ import yaml
 
 RBAC = Path(__file__).resolve().parents[2] / "manifests" / "rbac.yaml"
 
-# Granted but not reachable against the emulator: the coordinator runtime reads a worker pod to
-# learn why it exited (``KubernetesJobHandle._exit_reason``); the emulator runs the pods runtime.
-NOT_EXERCISED = {("get", "", "pods")}
+# Granted but not reachable against the emulator in the pods runtime: the coordinator runtime reads a
+# worker pod to learn why it exited (``KubernetesJobHandle._exit_reason``) and applies each job's
+# Secret (its coordinator secret); this test runs the pods runtime.
+NOT_EXERCISED = {("get", "", "pods"), ("patch", "", "secrets"), ("create", "", "secrets")}
 
 
 # A server-side apply (PATCH) of an object that does not exist yet is authorised by the API server
 # as `create` (kubernetes.io/docs/reference/using-api/api-concepts/#patch-and-apply); the
 # emulator only records the PATCH, so an apply of pods/services implies these grants.
-APPLY_CREATES = {("patch", "", "pods"): ("create", "", "pods"), ("patch", "", "services"): ("create", "", "services")}
+APPLY_CREATES = {("patch", "", "pods"): ("create", "", "pods"), ("patch", "", "services"): ("create", "", "services"),
+                 ("patch", "", "secrets"): ("create", "", "secrets")}
 
 
 def granted() -> set[tuple[str, str, str]]:
