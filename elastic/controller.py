@@ -32,12 +32,13 @@ were given; the reshard is then recorded ``done`` with the bytes and pause the j
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -137,8 +138,9 @@ class Controller:
     def __init__(self, cfg: ControllerConfig, backend: Backend, store: db.Store, sources: Mapping[str, MetricSource],
                  *, owner: str, clock: Callable[[], float] = time.time,
                  throughput: Mapping[str, Mapping[int, tuple[str, float]]] | None = None,
-                 async_grow: bool = False) -> None:
+                 async_grow: bool = False, config_source: str | None = None) -> None:
         self.cfg = cfg
+        self.config_source = config_source  # the file the workloads of cfg were declared in, if any
         # A training grow waits for joiners to start (seconds); with async_grow the tick does not
         # wait for it: the job holds its target GPUs meanwhile and a later shrink of it waits.
         self.async_grow = async_grow
@@ -164,6 +166,7 @@ class Controller:
         self.overrides: dict[str, tuple[int, float]] = {}
         self._ahead: dict[str, set[GPU]] = {}  # service -> GPUs last drained ahead (to log changes only)
         self._hold: str | None = None  # digest of the hold run being recorded (None after a change)
+        self._vanished_seen: set[tuple[str, str]] = set()
         self._source_errors: dict[str, str] = {}  # service -> its metric source's failure, logged once
         self._lease_state: bool | None = None  # leader at the last tick (None: no tick yet), to log changes
         self._housekept_at: float | None = None
@@ -755,19 +758,37 @@ class Controller:
         self._log_decision(reason, message, plan, replicas, applied, error, hold)
         self._record_allocations(self._observed_allocation(), generation=int(now))
         for name, d in replicas.items():
-            db.set_service_status(self.store, name, {
-                "currentReplicas": d.current, "desiredReplicas": d.replicas, "observedValue": d.metric,
-                "leavingReplicas": d.leaving, "reason": str(d.reason), "message": d.message}, now=_dt(now))
+            with self._vanished("service", name):
+                db.set_service_status(self.store, name, {
+                    "currentReplicas": d.current, "desiredReplicas": d.replicas, "observedValue": d.metric,
+                    "leavingReplicas": d.leaving, "reason": str(d.reason), "message": d.message}, now=_dt(now))
         for j in self.cfg.jobs:
             rt = self.backend.job_runtime(j.name)
             jd = plan.jobs.get(j.name)
-            db.set_job_status(self.store, j.name, {
-                "phase": rt.phase if rt else "Pending", "layout": _recorded_layout(rt) if rt else None,
-                "generation": rt.generation if rt else 0, "step": rt.step if rt else 0,
-                "loss": rt.loss if rt else None, "tokensPerSecond": rt.tokens_per_second if rt else 0.0,
-                "worldSize": len(rt.gpus) if rt else 0,
-                "checkpointStep": rt.checkpoint_step if rt else None,
-                "reason": jd.reason if jd else None, "message": jd.message if jd else None}, now=_dt(now))
+            with self._vanished("job", j.name):
+                self._set_job_status(j.name, rt, jd, now)
+
+    @contextlib.contextmanager
+    def _vanished(self, kind: str, name: str) -> Iterator[None]:
+        """A workload this controller manages whose row was deleted from the store (by hand, or by a
+        client that bypassed the API's refusal) costs its status line, never the tick: said once."""
+        try:
+            yield
+        except db.NotFound:
+            if (kind, name) not in self._vanished_seen:
+                self._vanished_seen.add((kind, name))
+                log.warning("%s %s is gone from the store but declared in the controller's config (%s): its "
+                            "status is not recorded; restart with the config that says what it is",
+                            kind, name, self.config_source or "given at start")
+
+    def _set_job_status(self, name: str, rt: Any, jd: Any, now: float) -> None:
+        db.set_job_status(self.store, name, {
+            "phase": rt.phase if rt else "Pending", "layout": _recorded_layout(rt) if rt else None,
+            "generation": rt.generation if rt else 0, "step": rt.step if rt else 0,
+            "loss": rt.loss if rt else None, "tokensPerSecond": rt.tokens_per_second if rt else 0.0,
+            "worldSize": len(rt.gpus) if rt else 0,
+            "checkpointStep": rt.checkpoint_step if rt else None,
+            "reason": jd.reason if jd else None, "message": jd.message if jd else None}, now=_dt(now))
 
     def _log_decision(self, reason: str, message: str, plan: SchedulePlan, replicas: dict[str, ReplicaDecision],
                       applied: list[str], error: str | None, hold: str | None) -> None:

@@ -212,6 +212,19 @@ class _Api:
                           f"{kind} specs are owned by Kubernetes custom resources in operator mode; use "
                           f"'kubectl apply -f <{crd}.yaml>' or 'kubectl delete {crd.lower()} {name}' instead")
 
+    def deletable(self, kind: str, name: str) -> None:
+        """A workload the running controller manages from its config file cannot be deleted here: the
+        controller would go on with it (and the next start would bring it back)."""
+        ctl = self.ctl
+        if ctl is None:
+            return
+        declared = ctl.cfg.services if kind == "service" else ctl.cfg.jobs
+        if any(w.name == name for w in declared):
+            where = getattr(ctl, "config_source", None) or "the config file given to the controller"
+            raise Problem(409, "declared-in-config",
+                          f"{kind} '{name}' is declared in {where} and the running controller manages it from "
+                          "there; remove it from that file and restart the controller to delete it")
+
     def pool_spec(self, name: str, field: str = "pool") -> PoolSpec:
         rec = db.get_pool(self.store, name)
         if rec is None:
@@ -423,6 +436,7 @@ def _spec_writes(app: FastAPI, api: _Api, kind: str, body_t: Any, checker: Any, 
                 name=f"delete_{kind}")
     def delete(name: Name, who: Writer) -> Response:
         api.specs_writable(kind, name)
+        api.deletable(kind, name)
         with api.audited(who, f"{kind}.delete", f"{kind}/{name}", {}) as s:
             if not deleter(s, name):
                 raise Problem(404, "not-found", f"{what} '{name}' not found")

@@ -75,7 +75,7 @@ def connect_ray(pool: Any, ray_address: str | None) -> tuple[Any, bool]:
 def build(cfg: Any, *, db_url: str, ray_address: str | None = None, owner: str | None = None,
           sources: Mapping[str, Any] | None = None, replica_config: Any = None, train_options: Any = None,
           clock: Callable[[], float] | None = None, throughput: Mapping[str, Any] | None = None,
-          spare_workers: int = 0, spare_replicas: int = 0) -> Served:
+          spare_workers: int = 0, spare_replicas: int = 0, config_source: str | None = None) -> Served:
     """Steps 1b-4 of the module docstring. ``sources`` overrides the metric sources (tests);
     ``throughput``: the jobs' planner tables if the caller already computed them."""
     from elastic import store as db
@@ -107,7 +107,8 @@ def build(cfg: Any, *, db_url: str, ray_address: str | None = None, owner: str |
         sources = {s.name: build_source(s.metric, targets=backend.metric_targets)
                    for s in cfg.services if s.metric is not None}
     kw = {"clock": clock} if clock is not None else {}
-    ctl = Controller(cfg, backend, store, sources, owner=owner or default_owner(), throughput=tables, **kw)
+    ctl = Controller(cfg, backend, store, sources, owner=owner or default_owner(), throughput=tables,
+                     config_source=config_source, **kw)
     exporter = None
     try:
         from elastic.metrics.exporter import Exporter
@@ -233,6 +234,7 @@ def register(app: typer.Typer) -> None:
         check_feasible(cfg, tables)
         setup(log_level, log_format)
         served = build(cfg, db_url=db_url, ray_address=ray_address, owner=owner, throughput=tables,
+                       config_source=str(config),
                        spare_workers=spare_workers, spare_replicas=spare_replicas)
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
