@@ -10,8 +10,16 @@ Two predictors, both pure and incremental:
   time T is ``level + trend * buckets_ahead + season(T)``, the seasonal term interpolated
   between bucket centres so that a 5-minute horizon sees the slope of yesterday's ramp.
 
-The policy takes ``max(reactive, forecast)``: a forecast only ever adds replicas early.
-Nothing here reads the clock.
+``seasonal_rise`` turns the season into a safe look-ahead: how much the load rose over the
+next ``horizon`` and ``season_lead`` more (a ramp may come early) on the days seen so far,
+added to today's load (yesterday's ramp at today's level). ``ramp_headroom`` is the slope of
+the last few minutes times the horizon, when the slope is more than noise. With
+``holt-winters`` the policy forecasts ``max(trend, load now + max(seasonal rise, ramp
+headroom), highest load of the last horizon)``: a day that ramps earlier than the season
+says is still caught by the ramp headroom, and a day that stays flat while the season rises
+only costs replicas, never the SLO. The policy takes
+``max(reactive, forecast)``: a forecast only ever adds replicas early. Nothing here reads the
+clock.
 """
 
 from __future__ import annotations
@@ -102,3 +110,50 @@ def holt_forecast(state: HoltWintersState | None, at: float) -> float | None:
     m = state.buckets
     season = (1 - frac) * state.season[lo % m] + frac * state.season[(lo + 1) % m]
     return max(0.0, state.level + state.trend * ahead + season)
+
+
+def seasonal_rise(state: HoltWintersState | None, now: float, horizon: float, points: int = 6) -> float | None:
+    """Largest rise of the seasonal forecast between ``now`` and any time up to ``now + horizon``
+    (never negative); None before one full season. The season's increment, not its level: a day
+    that runs 10% above the last ones still gets the last ones' ramp on top of its own load.
+    Season 10 at 06:00 and 40 at 06:15, horizon 5 min -> a rise of about 10 (interpolated)."""
+    base = holt_forecast(state, now)
+    if base is None:
+        return None
+    ahead = [holt_forecast(state, now + horizon * k / points) for k in range(1, points + 1)]
+    return max(0.0, max(a for a in ahead if a is not None) - base)
+
+SEASON_LEAD = 1800.0  # the season's rise is looked for up to this far beyond the horizon: a ramp may come early
+SEASON_LEAD_HORIZONS = 3.0  # ... and no further than this many horizons
+
+
+def season_lead(horizon: float) -> float:
+    """How far beyond the horizon the season's rise is looked for. A ramp that comes early is
+    caught by the ramp headroom a few readings in, plus a start-up: the longer the start-up, the
+    more of an early ramp only the season can cover. Horizon 275 s -> 825 s; 610 s -> 1800 s."""
+    return min(SEASON_LEAD, SEASON_LEAD_HORIZONS * horizon)
+RAMP_Z = 2.0  # standard errors a slope must clear to count as a ramp
+RAMP_WINDOW = 240.0  # seconds of load the ramp rate is measured over: a few ticks, so a ramp that just began shows
+
+
+def ramp_headroom(samples: tuple[tuple[float, float], ...], now: float, horizon: float,
+                  window: float = RAMP_WINDOW) -> float | None:
+    """Load the current ramp adds over ``horizon``: the least-squares slope of the last ``window``
+    seconds (at least 3 readings) times the horizon, never negative. Shorter than the trend's
+    window on purpose: a 10-minute line still averages the flat trough into a ramp that began
+    3 minutes ago. Load 100, 110, 120 at 60 s steps, horizon 300 s -> 50."""
+    pts = [(t, y) for t, y in samples if now - window <= t <= now]
+    if len(pts) < 3:
+        return None
+    n = len(pts)
+    mt = sum(t for t, _ in pts) / n
+    my = sum(y for _, y in pts) / n
+    var = sum((t - mt) ** 2 for t, _ in pts)
+    if var <= 0:
+        return 0.0
+    slope = sum((t - mt) * (y - my) for t, y in pts) / var
+    # a ramp, not noise: the slope must stand RAMP_Z standard errors clear of zero
+    resid = sum((y - my - slope * (t - mt)) ** 2 for t, y in pts) / max(n - 2, 1)
+    if slope <= RAMP_Z * math.sqrt(resid / var):
+        return 0.0
+    return slope * horizon

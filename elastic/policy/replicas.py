@@ -70,7 +70,7 @@ def decide(ctx: PolicyContext) -> tuple[ReplicaDecision, PolicyState]:
     state = _observe(state, spec, now, load)
 
     # 4. Forecast: only ever adds replicas, only when the service is active.
-    predicted = _forecast_replicas(spec, state, cur, now, up) if reactive > 0 else None
+    predicted = _forecast_replicas(spec, state, cur, now, up, load) if reactive > 0 else None
     desired = reactive
     if predicted is not None and predicted > reactive:
         desired = predicted
@@ -107,6 +107,19 @@ def decide(ctx: PolicyContext) -> tuple[ReplicaDecision, PolicyState]:
     if cur == 0 and final > 0:
         reason = Reason.ACTIVATED
     return _finish(ctx, state, final, reason, msg, reactive, predicted, leaving)
+
+
+def remember(spec: InferenceSpec, state: PolicyState, times: list[float], loads: list[float]) -> PolicyState:
+    """Feed the forecast the service's past load (``times`` ascending, before the first ``decide``):
+    a seasonal forecast needs a day of history before it can see a ramp coming. Only the
+    forecast's memory changes; the windows and rate policies start empty."""
+    if spec.metric is None:
+        return state
+    for t, load in zip(times, loads, strict=True):
+        state = _observe(state, spec, t, max(0.0, load))
+    if times:
+        state = replace(state, samples=tuple(x for x in state.samples if x[0] >= times[-1] - spec.forecast_window_seconds))
+    return state
 
 
 def landed(state: PolicyState, at: float, replicas: int) -> PolicyState:
@@ -205,22 +218,33 @@ def _load(spec: InferenceSpec, cur: int, metric: float) -> float:
 
 
 def _observe(state: PolicyState, spec: InferenceSpec, now: float, load: float) -> PolicyState:
-    if spec.forecast == "trend":
-        return replace(state, samples=state.samples + ((now, load),))
+    if spec.forecast == "off":
+        return state
+    state = replace(state, samples=state.samples + ((now, load),))  # the trend (also the seasonal floor)
     if spec.forecast == "holt-winters":
         holt = state.holt or fc.holt_new(spec.forecast_season_seconds)
-        return replace(state, holt=fc.holt_observe(holt, now, load))
+        state = replace(state, holt=fc.holt_observe(holt, now, load))
     return state
 
 
-def _forecast_replicas(spec: InferenceSpec, state: PolicyState, cur: int, now: float, up: Rules) -> int | None:
+def _forecast_replicas(spec: InferenceSpec, state: PolicyState, cur: int, now: float, up: Rules,
+                       load_now: float) -> int | None:
     horizon = spec.startup_seconds
-    if spec.forecast == "trend":
-        load = fc.trend_forecast(state.samples, now, horizon, spec.forecast_window_seconds)
-    elif spec.forecast == "holt-winters":
-        load = fc.holt_forecast(state.holt, now + horizon)
-    else:
+    if spec.forecast == "off":
         return None
+    load = fc.trend_forecast(state.samples, now, horizon, spec.forecast_window_seconds)
+    if spec.forecast == "holt-winters":
+        # the season's rise over the start-up on top of today's load; the trend stays the floor
+        # (a ramp the season does not know yet: an early morning)
+        rise = fc.seasonal_rise(state.holt, now, horizon + fc.season_lead(horizon))
+        ramp = fc.ramp_headroom(state.samples, now, horizon)
+        if rise is not None or ramp is not None:
+            load = max(load or 0.0, load_now + max(rise or 0.0, ramp or 0.0))
+        # a replica given back now cannot return sooner than a start-up: keep what the last
+        # start-up's worth of load needed (a dip in a noisy plateau is not a fall)
+        recent = [y for t, y in state.samples if t > now - horizon]
+        if recent:
+            load = max(load or 0.0, max(recent))
     if load is None:
         return None
     m = spec.metric

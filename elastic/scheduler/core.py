@@ -65,6 +65,7 @@ class _Ctx:
         self.drained: set = set()
         self.evicted: set[str] = set()
         self.unplaced: dict[str, int] = {}
+        self._inf_nodes: set[str] | None = None
 
     # ---- 1 ------------------------------------------------------------------------------------
     def load_previous(self) -> None:
@@ -152,6 +153,12 @@ class _Ctx:
             if short > 0:
                 self.unplaced[s.name] = short
 
+    def _inference_nodes(self) -> set[str]:
+        """Nodes where a service holds GPUs (built once per decision, grown as replicas are placed)."""
+        if self._inf_nodes is None:
+            self._inf_nodes = {n for s in self.snap.services for n in self.board.on_nodes(s.name)}
+        return self._inf_nodes
+
     def _replicas(self, s: ServiceDemand) -> int:
         return self.board.count(s.name) // s.gpus_per_replica
 
@@ -160,11 +167,16 @@ class _Ctx:
         while self._replicas(s) < want:
             node = None
             if g <= b.max_cap:
-                # best fit: the fullest node that still has room keeps whole nodes free
-                node = next((n for n in b.nodes_with_free(g) if b.cap[n] >= g), None)
-                if node is None:
+                # best fit among nodes that already serve inference, then among the rest: the fullest
+                # node that still has room keeps whole nodes free, and replicas smaller than a node
+                # kept together leave training's nodes whole for a whole-node replica to take back
+                fits = [n for n in b.nodes_with_free(g) if b.cap[n] >= g]
+                if not fits:
                     return
+                inf = self._inference_nodes()
+                node = next((n for n in fits if n in inf), fits[0])
                 b.take(s.name, node, g)
+                inf.add(node)
             else:
                 empty = [n for n in b.empty_nodes()]
                 picked, got = [], 0

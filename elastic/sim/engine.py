@@ -4,7 +4,7 @@ One tick (``tick_seconds``) reads as numbered steps:
 
 1. observe: each service's request rate at the tick (trace or generator);
 2. decide replicas: the policy under test (``cosched``: ``elastic.policy.replicas.decide``
-   with a trend forecast; ``static``: peak; ``daynight``: a clock schedule; ``oracle``:
+   with the service's forecast, fed ``history_days`` of past load before t=0; ``static``: peak; ``daynight``: a clock schedule; ``oracle``:
    the true future rate over the start-up horizon);
 3. decide the split: ``elastic.scheduler.decide`` (the same pure function the controller runs);
 4. apply: every GPU has an "available from" time — a GPU a shrinking job gives back is
@@ -32,10 +32,11 @@ import numpy as np
 
 from elastic.model import GPU, Allocation, InferenceSpec, MetricTarget
 from elastic.policy.replicas import decide as policy_decide
+from elastic.policy.replicas import remember
 from elastic.policy.types import PolicyContext, PolicyState
 from elastic.scheduler import JobState, Knobs, SchedulePlan, Snapshot, StepTarget, decide
 from elastic.scheduler import ServiceDemand as Demand
-from elastic.sim.scenario import Scenario, ServiceCfg, rate_function
+from elastic.sim.scenario import Scenario, ServiceCfg, rate_and_history
 from elastic.sim.throughput import Table, rescale_pause, tables_for
 
 PolicyName = Literal["cosched", "static", "daynight", "oracle"]
@@ -145,8 +146,8 @@ class _Sim:
         self._schedule = {s.cfg.name: self._clock_schedule(s) for s in self.svcs} if policy == "daynight" else {}
 
     def _svc(self, cfg: ServiceCfg, base_dir: Path, startup_scale: float) -> _Svc:
-        rate, shape = rate_function(cfg, base_dir, self.sc.seed, self.duration + 86400.0,
-                                    self.sc.daynight.start_clock_hour)
+        rate, shape, past = rate_and_history(cfg, base_dir, self.sc.seed, self.duration + 86400.0,
+                                             self.sc.daynight.start_clock_hour)
         startup = cfg.startup_seconds * startup_scale
         # The policy looks ahead as far as a new replica really takes: its start-up, plus up to
         # one tick until the next decision, plus the reshard pause of the training shrink that
@@ -158,7 +159,12 @@ class _Sim:
             metric=MetricTarget(preset="request-rate", type="AverageValue", target=cfg.capacity_rps_per_replica),
             startup_seconds=horizon, forecast=cfg.forecast, drain_ahead_seconds=cfg.drain_ahead_seconds,
         )
-        return _Svc(cfg, spec, rate, shape, startup)
+        svc = _Svc(cfg, spec, rate, shape, startup)
+        if cfg.history_days:
+            # the forecast's memory of the days before t=0, one reading per tick
+            t = np.arange(-cfg.history_days * 86400.0, 0.0, self.dt)
+            svc.policy_state = remember(spec, svc.policy_state, t.tolist(), past(t).tolist())
+        return svc
 
     # ---- baselines ----------------------------------------------------------------------------
     def _replicas_for(self, s: _Svc, rps: float) -> int:

@@ -47,8 +47,12 @@ class PoolCfg(_Strict):
 
 
 class GeneratorCfg(_Strict):
-    """A built-in load shape. ``deepseek-day``: the published serving day (params below);
-    ``diurnal``: a cosine between ``low_rps`` and ``peak_rps``; ``constant``: ``rps``."""
+    """A built-in load shape. ``deepseek-day``: the published serving day (``share``,
+    ``rps_per_node``, ``level``, ``ramp_seconds``, ``depth``, ``phase_seconds``);
+    ``diurnal``: a cosine between ``low_rps`` and ``peak_rps``; ``constant``: ``rps``. All take
+    ``noise`` (AR(1) multiplicative sigma) and the parameters of a day that differs from the
+    usual one: ``today_scale`` (whole day x this) and, for ``deepseek-day``,
+    ``today_morning_shift_seconds`` (the morning ramp that many seconds later; negative: earlier)."""
 
     name: Literal["deepseek-day", "diurnal", "constant"]
     params: dict[str, float] = Field(default_factory=dict)
@@ -71,6 +75,9 @@ class ServiceCfg(_Strict):
     behavior: Behavior | None = None
     priority: int = 100
     forecast: Literal["off", "trend", "holt-winters"] = "trend"
+    # days of the service's own past load the policy has seen before t=0 (its forecast's history);
+    # the past follows the generator without its ``today_*`` parameters, with its own noise
+    history_days: int = Field(default=0, ge=0, le=14)
 
     @model_validator(mode="after")
     def _check(self) -> ServiceCfg:
@@ -233,10 +240,24 @@ DEEPSEEK_KNOTS: tuple[tuple[float, float], ...] = (
 )
 
 
-def deepseek_nodes(t: np.ndarray, ramp: float = 1800.0, start_clock_hour: float = 12.0) -> np.ndarray:
-    """Nodes-equivalent load of the published day at scenario times ``t`` (t=0 is 12:00)."""
+MORNING = (5.25, 10.5)  # clock hours of the trough's start and the morning ramp's end
+
+
+def deepseek_nodes(t: np.ndarray, ramp: float = 1800.0, start_clock_hour: float = 12.0, depth: float = 1.0,
+                   morning_shift: float = 0.0) -> np.ndarray:
+    """Nodes-equivalent load of the published day at scenario times ``t`` (t=0 is 12:00).
+
+    ``depth`` scales how far each knot sits below the 278-node peak (0.5: the trough at ~174
+    nodes instead of ~70); ``morning_shift`` moves the morning ramp's knots (after the trough
+    begins) by that many seconds (-7200: the ramp comes two hours early)."""
     day = 86400.0
-    knots = sorted(((h - start_clock_hour) % 24 * 3600.0, n) for h, n in DEEPSEEK_KNOTS)
+    peak = DEEPSEEK_KNOTS[0][1]
+
+    def clock(h: float) -> float:
+        moved = h + morning_shift / 3600.0 if MORNING[0] < h <= MORNING[1] else h
+        return (moved - start_clock_hour) % 24 * 3600.0
+
+    knots = sorted((clock(h), peak - (peak - n) * depth) for h, n in DEEPSEEK_KNOTS)
     tt = np.mod(t, day)
     out = np.full_like(tt, knots[-1][1], dtype=float)
     prev = knots[-1][1]
@@ -263,9 +284,23 @@ def _noise(seed: int, name: str, duration: float, sigma: float, corr_seconds: fl
     return lambda t: 1.0 + np.interp(t, grid, x)
 
 
+Rate = Callable[[np.ndarray], np.ndarray]
+
+
 def rate_function(svc: ServiceCfg, base_dir: Path, seed: int, duration: float,
-                  start_clock_hour: float = 12.0) -> tuple[Callable[[np.ndarray], np.ndarray], Callable]:
-    """(rate(t), mean_shape(t)): the request rate, and its noise-free shape (for clock schedules)."""
+                  start_clock_hour: float = 12.0) -> tuple[Rate, Rate]:
+    """(rate(t), mean_shape(t)): the request rate, and its noise-free usual shape (for clock schedules).
+
+    The usual shape leaves out the generator's ``today_*`` parameters: a clock schedule and the
+    forecast's history know the usual day, not today's surprise."""
+    rate, shape, _ = rate_and_history(svc, base_dir, seed, duration, start_clock_hour)
+    return rate, shape
+
+
+def rate_and_history(svc: ServiceCfg, base_dir: Path, seed: int, duration: float,
+                     start_clock_hour: float = 12.0) -> tuple[Rate, Rate, Rate]:
+    """(rate, usual shape, past rate): the past rate is defined for ``t < 0`` (the days before the
+    scenario starts): the usual shape times noise of its own."""
     if svc.trace is not None:
         ts, rs = read_trace((base_dir / svc.trace).resolve())
         period = ts[-1]
@@ -273,18 +308,30 @@ def rate_function(svc: ServiceCfg, base_dir: Path, seed: int, duration: float,
         def trace_rate(t: np.ndarray) -> np.ndarray:
             return np.interp(np.mod(t, period) if period > 0 else t, ts, rs)
 
-        return trace_rate, trace_rate
+        return trace_rate, trace_rate, trace_rate
     g = svc.generator
     assert g is not None
     p = dict(g.params)
-    noise = _noise(seed, svc.name, duration, p.pop("noise", 0.0))
+    sigma = p.pop("noise", 0.0)
+    noise = _noise(seed, svc.name, duration, sigma)
+    past_span = svc.history_days * 86400.0
+    past_noise = _noise(seed, svc.name + "/history", past_span, sigma)
+    today_scale = p.pop("today_scale", 1.0)
     if g.name == "deepseek-day":
         share, rps_per_node = p.pop("share", 1.0), p.pop("rps_per_node", 10.0)
         level, ramp = p.pop("level", 0.99), p.pop("ramp_seconds", 1800.0)
+        depth, phase = p.pop("depth", 1.0), p.pop("phase_seconds", 0.0)
+        shift = p.pop("today_morning_shift_seconds", 0.0)
         _no_extra(svc, p)
 
-        def shape(t: np.ndarray) -> np.ndarray:
-            return deepseek_nodes(np.asarray(t, float), ramp, start_clock_hour) * share * rps_per_node * level
+        def usual(t: np.ndarray, morning: float = 0.0) -> np.ndarray:
+            tt = np.asarray(t, float) - phase
+            return deepseek_nodes(tt, ramp, start_clock_hour, depth, morning) * share * rps_per_node * level
+
+        def past(t: np.ndarray) -> np.ndarray:
+            return usual(t) * past_noise(np.asarray(t, float) + past_span)
+
+        return (lambda t: usual(t, shift) * today_scale * noise(np.asarray(t, float))), usual, past
     elif g.name == "diurnal":
         low, peak, period = p.pop("low_rps", 1.0), p.pop("peak_rps", 10.0), p.pop("period_seconds", 86400.0)
         _no_extra(svc, p)
@@ -298,7 +345,8 @@ def rate_function(svc: ServiceCfg, base_dir: Path, seed: int, duration: float,
         def shape(t: np.ndarray) -> np.ndarray:
             return np.full_like(np.asarray(t, float), rps)
 
-    return (lambda t: shape(t) * noise(np.asarray(t, float))), shape
+    return ((lambda t: shape(t) * today_scale * noise(np.asarray(t, float))), shape,
+            (lambda t: shape(t) * past_noise(np.asarray(t, float) + past_span)))
 
 
 def _no_extra(svc: ServiceCfg, p: dict[str, float]) -> None:
