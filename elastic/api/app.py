@@ -32,7 +32,7 @@ from typing import Annotated, Any, Literal
 from fastapi import Depends, FastAPI, Path, Query, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import elastic
 from elastic import store as db
@@ -95,6 +95,57 @@ WRITE_ERR = (400, 401, 403, 409, 415, 422, 503)
 def _unauthorized(detail: str, error: str | None = None) -> Problem:
     challenge = 'Bearer realm="elastic"' + (f', error="{error}"' if error else "")
     return Problem(401, "unauthorized", detail, headers={"WWW-Authenticate": challenge})
+
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` is refused (413) before it is read whole.
+
+    A declared ``Content-Length`` over the limit is refused at once; a body without one (chunked)
+    is read up to the limit and refused when it goes past. What is accepted is handed on as read
+    (at most ``max_bytes`` held in memory)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        self.app, self.max = app, int(max_bytes)
+
+    def _too_large(self, size: str) -> Problem:
+        return Problem(413, "too-large", f"body: {size} bytes; the admin API takes bodies of at most {self.max} "
+                                         "bytes (elastic serve --max-body-bytes)", field="body")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in WRITE_METHODS:
+            await self.app(scope, receive, send)
+            return
+        declared = next((v.decode("latin-1") for k, v in scope.get("headers") or () if k == b"content-length"), None)
+        if declared is not None and (not declared.strip().isdigit() or int(declared) > self.max):
+            await problem_response(self._too_large(declared.strip()[:20]))(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max:
+                await problem_response(self._too_large(f"more than {self.max}"))(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                break
+        body, handed = b"".join(chunks), False
+
+        async def replay() -> Message:
+            nonlocal handed
+            if not handed:
+                handed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
 
 class AuthGate:
@@ -649,19 +700,23 @@ def _routes_ops(app: FastAPI, api: _Api, metrics: Callable[[], bytes]) -> None:
 
 def create_app(store: db.Store, controller: Any | None = None, *, tokens: TokenSet, operator_mode: bool = False,
                registry: CollectorRegistry | None = None, require_auth_for_reads: bool = False,
-               clock: Callable[[], float] = time.time, continue_key: bytes | None = None) -> FastAPI:
+               clock: Callable[[], float] = time.time, continue_key: bytes | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The admin API over ``store`` (and ``controller`` for interventions; None: read-only ops).
 
     ``registry``: what ``/metrics`` serves (the serve loop's ``Exporter.registry``). None: an
     ``Exporter`` of this app refreshed from the store and controller on every scrape.
     ``continue_key``: key of the continue-token tag; API replicas over one DB should share it
-    (default: derived from the store URL, password masked).
+    (default: derived from the store URL, password masked). ``max_body_bytes``: the largest request
+    body taken (413 above it).
     """
     codec = ContinueCodec(continue_key if continue_key is not None else hashlib.sha256(store.url.encode()).digest())
     api = _Api(store, controller, operator_mode, clock, codec)
     app = FastAPI(title="elastic admin API", version=elastic.__version__,
                   description="Where every GPU is and why; pause the controller, pin a service, force a rescale.")
     install(app)
+    # the last added runs first: authentication before any body is read, then the body's size
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(AuthGate, tokens=tokens, require_auth_for_reads=require_auth_for_reads)
     _routes_reads(app, api, require_auth_for_reads)
     _routes_spec_writes(app, api)

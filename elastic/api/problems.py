@@ -35,7 +35,8 @@ PROBLEM_JSON = "application/problem+json"
 _PREFIX = "urn:elastic:problem:"
 
 _TITLES = {400: "Bad request", 401: "Unauthorized", 403: "Forbidden", 404: "Not found",
-           405: "Method not allowed", 409: "Conflict", 415: "Unsupported media type", 422: "Invalid request",
+           405: "Method not allowed", 409: "Conflict", 413: "Content too large", 415: "Unsupported media type",
+           422: "Invalid request",
            500: "Internal server error", 502: "Bad gateway", 503: "Service unavailable", 504: "Gateway timeout"}
 
 
@@ -55,12 +56,17 @@ class ProblemDetail(BaseModel):
     errors: list[FieldError] | None = None
 
 
+MAX_DETAIL = 1000  # characters of a problem's detail (a message quoting a bad value stops here)
+
+
 class Problem(Exception):  # noqa: N818 - the RFC's name for it
     """Raise to answer with a problem+json response."""
 
     def __init__(self, status: int, slug: str, detail: str, *, field: str | None = None,
                  title: str | None = None, headers: dict[str, str] | None = None,
                  errors: list[FieldError] | None = None) -> None:
+        if len(detail) > MAX_DETAIL:  # a huge bad value is never echoed back whole
+            detail = f"{detail[:MAX_DETAIL]}... ({len(detail) - MAX_DETAIL} more characters)"
         super().__init__(detail)
         self.status, self.slug, self.detail, self.field = status, slug, detail, field
         self.errors = errors

@@ -1,0 +1,45 @@
+"""Request bodies are bounded (413 before a large body is read whole) and a bad value is never
+echoed back whole."""
+
+from __future__ import annotations
+
+import socket
+
+from .conftest import ADMIN, Env, assert_problem, db_state
+
+SPEC = {"name": "summarise", "min_replicas": 0, "max_replicas": 2, "metric": {"preset": "vllm-running", "target": 5}}
+
+
+def test_a_body_over_the_limit_is_refused_and_nothing_changes(env: Env) -> None:
+    before = db_state(env.store)
+    big = {"pool": "p", "spec": {**SPEC, "name": "x" * (2 << 20)}}
+    body = assert_problem(env.send("POST", "/api/v1/services", ADMIN, json=big), 413, field="body",
+                          needle="at most 1048576 bytes")
+    assert len(str(body)) < 2000
+    assert db_state(env.store) == before
+    # a body within the limit is read and judged on its content
+    assert env.send("POST", "/api/v1/services", ADMIN, json={"pool": "p", "spec": SPEC}).status_code == 201
+
+
+def test_a_chunked_body_over_the_limit_is_refused_without_a_content_length(env: Env) -> None:
+    def chunks():
+        for _ in range(40):
+            yield b"x" * 65536  # 2.5 MiB in all, no Content-Length
+
+    r = env.send("POST", "/api/v1/services", ADMIN, content=chunks(), headers={"Content-Type": "application/json"})
+    assert_problem(r, 413, field="body", needle="more than 1048576")
+
+
+def test_an_unauthenticated_client_learns_nothing_however_large_its_body(env: Env) -> None:
+    host, port = env.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /api/v1/services HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 999999999\r\n\r\n")
+        head = s.recv(4096).decode("latin-1")
+    assert head.startswith("HTTP/1.1 401"), head  # authentication first, before any body
+
+
+def test_a_huge_bad_value_is_not_echoed_back_whole(env: Env) -> None:
+    name = "y" * 200_000
+    r = env.send("POST", "/api/v1/services", ADMIN, json={"pool": name, "spec": SPEC})
+    assert r.status_code == 422 and len(r.text) < 5000, (r.status_code, len(r.text))
