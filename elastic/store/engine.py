@@ -142,6 +142,13 @@ class Store:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.url = mask_url(engine.url)
+        # a SQLite file removed (or replaced) under a running store: its connections would go on
+        # writing to the unlinked inode, and a restart would find an empty database. Its identity
+        # is noted when first seen and checked before every transaction.
+        path = (engine.url.database or "") if engine.dialect.name == "sqlite" else ""
+        self._sqlite_path = None if path in ("", ":memory:") or path.startswith("file:") else \
+            Path(path).expanduser().resolve()
+        self._sqlite_id: tuple[int, int] | None = None
         self._sessions = sessionmaker(engine, expire_on_commit=False)
         self._read_sessions = sessionmaker(engine.execution_options(elastic_read_only=True), expire_on_commit=False)
 
@@ -166,8 +173,27 @@ class Store:
         """``"sqlite"`` or ``"postgresql"``."""
         return self.engine.dialect.name
 
+    def _check_file(self) -> None:
+        """``StoreUnavailable`` when the SQLite file this store has used is gone or another file."""
+        if self._sqlite_path is None:
+            return
+        try:
+            st = self._sqlite_path.stat()
+        except FileNotFoundError:
+            if self._sqlite_id is None:
+                return  # not created yet: SQLite creates it on the first connection
+            raise StoreUnavailable(f"database {self.url} is unavailable: its file {self._sqlite_path} was removed "
+                                   "while in use; restore it, or restart to begin on a new one") from None
+        ident = (st.st_dev, st.st_ino)
+        if self._sqlite_id is None:
+            self._sqlite_id = ident
+        elif ident != self._sqlite_id:
+            raise StoreUnavailable(f"database {self.url} is unavailable: its file {self._sqlite_path} was replaced "
+                                   "by another while in use; restart to use the new one")
+
     def ping(self) -> None:
         """Run ``SELECT 1``; raise ``StoreUnavailable`` (one line, URL masked) if it fails."""
+        self._check_file()
         with self.translate_errors():
             with self.engine.connect() as conn:
                 conn.execute(sa.text("SELECT 1"))
@@ -186,6 +212,7 @@ class Store:
     def session(self, read_only: bool = False) -> Iterator[Session]:
         """One transaction: commit on success, roll back on error. ``read_only``: a snapshot
         read that never waits for writers (SQLite; PostgreSQL reads never do)."""
+        self._check_file()
         with self.translate_errors():
             with (self._read_sessions if read_only else self._sessions).begin() as s:
                 yield s
