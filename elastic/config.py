@@ -113,9 +113,9 @@ def load_config(path: str | Path | None = None, data: dict[str, Any] | None = No
             return ControllerConfig()
         p = Path(path)
         try:
-            import yaml
+            from elastic.model import load_yaml
 
-            data = yaml.safe_load(p.read_text()) or {}
+            data = load_yaml(p.read_text()) or {}
         except OSError as e:
             raise SpecError(f"config {p}: cannot read ({e.strerror})") from None
         except Exception as e:  # noqa: BLE001 - YAML errors become one line

@@ -216,9 +216,7 @@ class ModelSpec(BaseModel):
             if p.suffix == ".json":
                 data = json.loads(text)
             else:
-                import yaml
-
-                data = yaml.safe_load(text)
+                data = load_yaml(text)
         except Exception as e:  # noqa: BLE001 - parse errors of any library become one line
             raise SpecError(f"model file {_clip(str(p), 200)}: not valid {p.suffix.lstrip('.') or 'YAML'}: "
                             f"{_parse_error(e)}") from None
@@ -307,6 +305,33 @@ PUBLISHED_PARAMS: dict[str, float] = {
 
 
 MODEL_FILE_MAX_BYTES = 1 << 20
+_STRICT_LOADER: Any = None
+
+
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load`` that refuses a key given twice in one mapping (YAML would keep the last
+    silently: a setting written twice means one of them is not what the author thinks)."""
+    global _STRICT_LOADER
+    import yaml
+
+    if _STRICT_LOADER is None:
+        class Strict(yaml.SafeLoader):
+            pass
+
+        def mapping(loader: Any, node: Any) -> Any:
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                key = loader.construct_object(key_node, deep=True)
+                if isinstance(key, (str, int, float, bool)) and key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is given twice (line {key_node.start_mark.line + 1}); keep one",
+                        key_node.start_mark)
+                seen.add(key)
+            return loader.construct_mapping(node, deep=True)
+
+        Strict.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+        _STRICT_LOADER = Strict
+    return yaml.load(text, Loader=_STRICT_LOADER)  # noqa: S506 - a SafeLoader subclass
 
 
 def _parse_error(e: Exception) -> str:

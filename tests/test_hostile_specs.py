@@ -85,3 +85,40 @@ def test_a_base_dir_confines_model_files(tmp_path) -> None:
         with pytest.raises(SpecError, match=f"model files are read from {models} only"):
             load_model(escape, base_dir=models)
     assert load_model("tiny", base_dir=models).name == "tiny"  # presets need no file
+
+
+def test_a_key_given_twice_is_refused_in_configs_and_model_files(tmp_path) -> None:
+    from elastic.config import load_config
+    from elastic.model import load_model
+
+    cfg = tmp_path / "pool.yaml"
+    cfg.write_text("pool:\n  name: p\n  nodes: 1\n  gpus_per_node: 8\npool:\n  name: q\n")
+    with pytest.raises(SpecError, match=r"config .*pool\.yaml: not valid YAML: key 'pool' is given twice \(line 5\)"):
+        load_config(cfg)
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("pool:\n  name: p\n  nodes: 1\n  nodes: 2\n")
+    with pytest.raises(SpecError, match=r"key 'nodes' is given twice \(line 4\)"):
+        load_config(nested)
+    model = tmp_path / "m.yaml"
+    model.write_text("name: m\nlayers: 2\nlayers: 4\n")
+    with pytest.raises(SpecError, match=r"not valid yaml: line 3: key 'layers' is given twice"):
+        load_model(str(model))
+
+
+def test_a_world_readable_token_file_is_loaded_with_a_warning(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+    import os
+
+    from elastic.api.auth import TokenSet
+
+    f = tmp_path / "tokens"
+    f.write_text("admin-token-0123456789abcdef admin alice\n")
+    os.chmod(f, 0o644)
+    with caplog.at_level(logging.WARNING, logger="elastic.api.auth"):
+        assert len(TokenSet.from_file(f)) == 1
+    assert any("can be read by other users (mode 644)" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    os.chmod(f, 0o600)
+    with caplog.at_level(logging.WARNING, logger="elastic.api.auth"):
+        TokenSet.from_file(f)
+    assert not caplog.records

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from pathlib import Path
 from typing import Literal
 
 from elastic.model import SpecError
+
+log = logging.getLogger(__name__)
 
 Role = Literal["admin", "read"]
 ROLES: tuple[str, ...] = ("admin", "read")
@@ -129,8 +132,12 @@ class TokenSet:
         p = Path(path)
         try:
             text = p.read_text()
+            mode = p.stat().st_mode
         except OSError as e:
             raise SpecError(f"--token-file {p}: cannot read ({e.strerror})") from None
+        if mode & 0o077:
+            log.warning("--token-file %s can be read by other users (mode %o): they can act as its admins; "
+                        "chmod 600 it", p, mode & 0o777)
         return cls.parse(text, f"--token-file {p}")
 
     @classmethod

@@ -216,7 +216,7 @@ def _k8s_backend(job_runtime: str) -> Any:
 
 
 def _env(manifest: dict[str, Any]) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in manifest["spec"]["containers"][0]["env"]}
+    return {e["name"]: e["value"] for e in manifest["spec"]["containers"][0]["env"] if "value" in e}
 
 
 def test_a_user_jobs_pod_runs_its_entrypoint() -> None:
@@ -240,6 +240,8 @@ def test_the_coordinator_runtime_launches_user_code_with_its_config() -> None:
     spec = TrainingSpec(**{**USER, "args": ["a b", "c"], "dp_replicas": True})
     applied: list[dict[str, Any]] = []
     b.apply_worker_pod = lambda *a, **kw: applied.append(b.worker_pod_manifest(*a, **kw))  # type: ignore[method-assign]
+    secrets: list[tuple[str, str]] = []
+    b.apply_job_secret = lambda job, secret: secrets.append((job, secret))  # type: ignore[method-assign]
     handle = b._new_handle(spec)
     try:
         assert isinstance(handle.cfg, UserJobConfig) and handle.cfg.args == ("a b", "c") and handle.cfg.dp_replicas
@@ -250,6 +252,10 @@ def test_the_coordinator_runtime_launches_user_code_with_its_config() -> None:
     env = _env(applied[0])
     assert (env["ELASTIC_ENTRYPOINT"], json.loads(env["ELASTIC_ARGS"])) == (ENTRY, ["a b", "c"])
     assert env["ELASTIC_RENDEZVOUS_URL"].startswith("http://127.0.0.1:")
+    # the job's coordinator secret goes into the job's Secret, the pod only names it
+    assert secrets == [("llama", handle.coordinator.secret)] and "ELASTIC_JOB_SECRET" not in env
+    (ref,) = [e for e in applied[0]["spec"]["containers"][0]["env"] if e["name"] == "ELASTIC_JOB_SECRET"]
+    assert ref["valueFrom"]["secretKeyRef"] == {"name": "llama-rendezvous", "key": "secret"}
 
 
 def test_the_example_user_job_config_loads_and_every_gpu_count_has_a_layout() -> None:
