@@ -61,6 +61,12 @@ def main() -> None:
 
     try:
         app()
-    except (SpecError, UserError) as e:
+    except Exception as e:
+        from elastic.backends.base import BackendUnavailable
+        from elastic.store import StoreError
+
+        # what a user can fix (a spec, an unreachable database or cluster): one line, not a traceback
+        if not isinstance(e, (SpecError, UserError, StoreError, BackendUnavailable)):
+            raise
         err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(2)

@@ -142,3 +142,17 @@ def test_serve_runs_the_loop_with_the_api_and_stops_on_sigterm(tmp_path: Path) -
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+@pytest.mark.parametrize(("db", "needle"), [
+    ("sqlite:////nonexistent-elastic-dir/x.db", "directory /nonexistent-elastic-dir does not exist"),
+    ("postgresql+psycopg://elastic:hunter2@127.0.0.1:1/elastic", "elastic:***@127.0.0.1:1/elastic is unavailable"),
+])
+def test_an_unusable_database_is_one_line_and_exit_2(tmp_path: Path, db: str, needle: str) -> None:
+    cfg = tmp_path / "pool.yaml"
+    cfg.write_text(yaml.safe_dump(BASE))
+    p = subprocess.run([ELASTIC, "serve", "--config", str(cfg), "--db", db], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "COLUMNS": "400"})
+    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
+    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and needle in lines[0] and "hunter2" not in p.stderr, p.stderr
