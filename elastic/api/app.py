@@ -244,6 +244,7 @@ class _Api:
                  clock: Callable[[], float], codec: ContinueCodec) -> None:
         self.store, self.ctl, self.operator_mode, self.codec = store, controller, operator_mode, codec
         self.clock = clock
+        self.tokens: TokenSet | None = None  # set by create_app: who may read the details of /readyz
 
     # ---- helpers -------------------------------------------------------------------------------------
     def now(self) -> float:
@@ -672,18 +673,23 @@ def _routes_ops(app: FastAPI, api: _Api, metrics: Callable[[], bytes]) -> None:
         return S.Health(status="ok")
 
     @app.get("/readyz", response_model=S.Health, responses=_errors(503), tags=["ops"])
-    def readyz() -> S.Health:
+    def readyz(request: Request) -> S.Health:
+        # probes read it without a token: they learn ready or not, and which check failed; the why
+        # (which names the database's user, host and name) only for a valid token
+        token = _bearer(request.scope)
+        detailed = api.tokens is not None and token is not None and api.tokens.authenticate(token) is not None
         checks, failed = {}, []
         try:
             api.store.ping()
             checks["database"] = "ok"
         except db.StoreError as e:
-            checks["database"] = str(e)
-            failed.append(f"database: {e}")
+            checks["database"] = str(e) if detailed else "unavailable"
+            failed.append(f"database: {checks['database']}")
         if api.ctl is not None:
             ctl = api.ctl
             ok = bool(ctl.ready) and not ctl.last_error
-            checks["controller"] = "ok" if ok else (ctl.last_error or "no successful tick yet")
+            why = (ctl.last_error or "no successful tick yet") if detailed else "not acting"
+            checks["controller"] = "ok" if ok else why
             if not ok:
                 failed.append(f"controller: {checks['controller']}")
         if failed:
@@ -712,6 +718,7 @@ def create_app(store: db.Store, controller: Any | None = None, *, tokens: TokenS
     """
     codec = ContinueCodec(continue_key if continue_key is not None else hashlib.sha256(store.url.encode()).digest())
     api = _Api(store, controller, operator_mode, clock, codec)
+    api.tokens = tokens
     app = FastAPI(title="elastic admin API", version=elastic.__version__,
                   description="Where every GPU is and why; pause the controller, pin a service, force a rescale.")
     install(app)

@@ -44,13 +44,16 @@ def test_reads_show_pools_services_jobs_and_controller(env: Env) -> None:
 def test_health_ready_metrics_openapi(env: Env) -> None:
     assert env.get("/healthz").json()["status"] == "ok"
     # before the first tick the controller has not shown it can reach the backend: not ready
-    assert_problem(env.get("/readyz"), 503, needle="controller: no successful tick yet")
+    assert_problem(env.get("/readyz"), 503, needle="controller: not acting")
+    assert_problem(env.get("/readyz", READER), 503, needle="controller: no successful tick yet")
     env.tick(10.0)
     assert env.get("/readyz").json() == {"status": "ready", "checks": {"database": "ok", "controller": "ok"}}
     env.backend.set_reachable(False)
     env.clock.t += 5
     env.ctl.tick()
-    assert_problem(env.get("/readyz"), 503, needle="fake cluster unreachable")
+    assert_problem(env.get("/readyz", READER), 503, needle="fake cluster unreachable")
+    # a probe without a token learns which check failed, not why (no names of hosts or databases)
+    assert "fake cluster" not in env.get("/readyz").text
     env.backend.set_reachable(True)
     env.tick(10.0)
     metrics = env.get("/metrics")
@@ -73,7 +76,9 @@ def test_readyz_is_503_when_the_database_is_gone(tmp_path) -> None:
 
         api = e.server.config.app.state.api
         api.store = db.Store(sa.create_engine(f"sqlite:///{tmp_path / 'missing-dir' / 'x.db'}"))
-        assert_problem(e.get("/readyz"), 503, needle="database")
+        anonymous = assert_problem(e.get("/readyz"), 503, needle="database: unavailable")
+        assert "missing-dir" not in str(anonymous)
+        assert_problem(e.get("/readyz", READER), 503, needle="missing-dir")
         assert_problem(e.get("/api/v1/pools"), 503, needle="unavailable")
     finally:
         close_env(e)

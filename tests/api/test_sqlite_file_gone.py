@@ -12,7 +12,7 @@ import pytest
 
 from elastic import store as db
 
-from .conftest import Env, close_env, make_env
+from .conftest import READER, Env, close_env, make_env
 
 
 @pytest.fixture
@@ -40,8 +40,9 @@ def test_the_controller_stops_acting_and_readyz_says_why(sqlite_env: Env, tmp_pa
     res = env.ctl.tick()
     assert res.reason == "Unavailable" and f"was {how}" in (res.error or "")
     assert not env.ctl.ready
-    r = env.get("/readyz")
+    r = env.get("/readyz", READER)
     assert r.status_code == 503 and f"was {how}" in r.json()["detail"], r.text
+    assert env.get("/readyz").json()["detail"] == "not ready: database: unavailable; controller: not acting"
 
 
 def test_a_file_not_created_yet_is_not_an_error(tmp_path: Path) -> None:
