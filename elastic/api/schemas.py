@@ -8,10 +8,10 @@ accept. Responses are plain documents; ``spec``/``status`` are the JSON the stor
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator
 
 from elastic.model import InferenceSpec, TrainingSpec
 
@@ -56,6 +56,16 @@ class OverrideRequest(_In):
 
     replicas: int = Field(ge=0, description="replica count to hold (within the service's min/max)")
     until: AwareDatetime = Field(description="RFC 3339 time with offset, in the future, e.g. 2030-01-01T12:00:00Z")
+
+    @field_validator("until")
+    @classmethod
+    def _representable(cls, v: AwareDatetime) -> AwareDatetime:
+        # 9999-12-31T23:59:59-23:59 is year 10000 in UTC: every later read of it would fail
+        try:
+            v.astimezone(UTC).timestamp()
+        except (OverflowError, ValueError):
+            raise ValueError("too far in the future: give a time before 9999-12-31 in UTC") from None
+        return v
 
 
 # ---- responses ---------------------------------------------------------------------------------

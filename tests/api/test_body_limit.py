@@ -1,5 +1,6 @@
-"""Request bodies are bounded (413 before a large body is read whole) and a bad value is never
-echoed back whole."""
+"""Request bodies are bounded (413 before a large body is read whole), a bad value is never
+echoed back whole, and a value that would only fail later (an override's end past what can be
+stored) is refused when it is given."""
 
 from __future__ import annotations
 
@@ -43,3 +44,15 @@ def test_a_huge_bad_value_is_not_echoed_back_whole(env: Env) -> None:
     name = "y" * 200_000
     r = env.send("POST", "/api/v1/services", ADMIN, json={"pool": name, "spec": SPEC})
     assert r.status_code == 422 and len(r.text) < 5000, (r.status_code, len(r.text))
+
+
+def test_an_override_until_past_the_last_representable_time_is_refused_naming_it(env: Env) -> None:
+    from .conftest import controller_state
+
+    env.tick(5.0)
+    before = controller_state(env.ctl)
+    r = env.send("PUT", "/api/v1/services/chat/override", ADMIN,
+                 json={"replicas": 2, "until": "9999-12-31T23:59:59-23:59"})
+    assert_problem(r, 422, field="until", needle="too far in the future")
+    assert controller_state(env.ctl) == before
+    assert env.get("/api/v1/controller", ADMIN).status_code == 200
