@@ -54,9 +54,14 @@ class ContinueCodec:
             doc = json.loads(payload)
         except ValueError:
             raise bad from None
-        if not isinstance(doc, dict) or doc.get("v") != _VERSION or not isinstance(doc.get("after"), int):
+        if not isinstance(doc, dict) or doc.get("v") != _VERSION:
+            raise bad
+        after = doc.get("after")
+        # a row id fits a signed 64-bit column: anything else was not minted here (a database would
+        # refuse to compare with it)
+        if not isinstance(after, int) or isinstance(after, bool) or not 0 <= after < 2**63:
             raise bad
         if doc.get("q") != query:
             raise invalid("continue", f"this continue token belongs to the listing {doc.get('q')}, not {query}; "
                                       "keep the other query parameters unchanged while paging", status=400)
-        return int(doc["after"])
+        return after

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from .conftest import ADMIN, Env, assert_problem, db_state
 
 SPEC = {"name": "summarise", "min_replicas": 0, "max_replicas": 2, "metric": {"preset": "vllm-running", "target": 5}}
@@ -56,3 +58,13 @@ def test_an_override_until_past_the_last_representable_time_is_refused_naming_it
     assert_problem(r, 422, field="until", needle="too far in the future")
     assert controller_state(env.ctl) == before
     assert env.get("/api/v1/controller", ADMIN).status_code == 200
+
+
+@pytest.mark.parametrize("after", [2**63, 10**30, -1, True])
+def test_a_continue_token_with_an_id_no_row_can_have_is_refused(env: Env, after: object) -> None:
+    # minted with the server's own key, as a forger who knew it would: still a 400, never a 500
+    codec = env.server.config.app.state.api.codec
+    token = codec.encode(after, {"pool": None, "order": "desc"})  # type: ignore[arg-type]
+    assert env.get("/api/v1/decisions", ADMIN, params={"continue": codec.encode(0, {"pool": None, "order": "desc"})}).status_code == 200
+    r = env.get("/api/v1/decisions", ADMIN, params={"continue": token})
+    assert_problem(r, 400, field="continue")
