@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -245,6 +246,9 @@ class _Api:
         self.store, self.ctl, self.operator_mode, self.codec = store, controller, operator_mode, codec
         self.clock = clock
         self.tokens: TokenSet | None = None  # set by create_app: who may read the details of /readyz
+        # interventions one at a time: the controller's live state and the audit log's last entry
+        # must be the same write (two overrides racing could leave the other one live)
+        self.serial = threading.Lock()
 
     # ---- helpers -------------------------------------------------------------------------------------
     def now(self) -> float:
@@ -505,7 +509,8 @@ def _routes_interventions(app: FastAPI, api: _Api) -> None:
             raise Problem(404, "not-found", f"training job '{name}' not found")
         planned = None if body.layout is None else _feasible(api, rec, body.layout)
         layout = None if planned is None else planned.layout
-        with _restoring(ctl.pinned, name), api.audited(who, "job.rescale", f"job/{name}", body.model_dump()):
+        with api.serial, _restoring(ctl.pinned, name), api.audited(who, "job.rescale", f"job/{name}",
+                                                                   body.model_dump()):
             try:
                 ctl.pin_layout(name, layout)
             except KeyError:
@@ -566,8 +571,8 @@ def _routes_interventions(app: FastAPI, api: _Api) -> None:
         if not spec.min_replicas <= body.replicas <= spec.max_replicas:
             raise invalid("replicas", f"{body.replicas} is outside [{spec.min_replicas}, {spec.max_replicas}] "
                                       f"(min_replicas, max_replicas) of '{name}'")
-        with _restoring(ctl.overrides, name), api.audited(who, "service.override", f"service/{name}",
-                                                          body.model_dump(mode="json")):
+        with api.serial, _restoring(ctl.overrides, name), api.audited(who, "service.override", f"service/{name}",
+                                                                      body.model_dump(mode="json")):
             try:
                 ctl.set_override(name, body.replicas, until)
             except ValueError as e:
@@ -580,7 +585,8 @@ def _routes_interventions(app: FastAPI, api: _Api) -> None:
     def clear_override(name: Name, who: Writer) -> S.Override:
         ctl = api.controller()
         _managed_service(api, ctl, name)
-        with _restoring(ctl.overrides, name), api.audited(who, "service.override.clear", f"service/{name}", {}):
+        with api.serial, _restoring(ctl.overrides, name), api.audited(who, "service.override.clear",
+                                                                      f"service/{name}", {}):
             ctl.clear_override(name)
         return S.Override(service=name, replicas=None, until=None, message="override cleared; the policy decides")
 
@@ -595,7 +601,7 @@ def _pause_route(app: FastAPI, api: _Api, verb: str) -> None:
         ctl = api.controller()
         before = ctl.paused
         try:
-            with api.audited(who, f"controller.{verb}", f"pool/{ctl.pool}", {}):
+            with api.serial, api.audited(who, f"controller.{verb}", f"pool/{ctl.pool}", {}):
                 ctl.pause() if verb == "pause" else ctl.resume()
         except BaseException:
             ctl.paused = before  # the audit write failed: undo, so the DB and the controller agree

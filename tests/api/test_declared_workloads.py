@@ -1,6 +1,7 @@
 """A workload the running controller manages from its config file: deleting it through the API is
 refused (409, naming the file), and one deleted from the store behind the API's back costs its
-status line, never the tick."""
+status line, never the tick. Interventions on the running controller go one at a time, so the
+live one is the one audited last."""
 
 from __future__ import annotations
 
@@ -44,3 +45,23 @@ def test_a_declared_workload_gone_from_the_store_never_kills_the_tick(env: Env, 
             assert res.error is None and res.reason != "Unavailable", res
     gone = [r.getMessage() for r in caplog.records if "is gone from the store" in r.getMessage()]
     assert len(gone) == 2, gone  # once per workload, not every tick
+
+
+def test_parallel_overrides_leave_live_the_one_audited_last(env: Env) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    env.tick(5.0)
+
+    def put(replicas: int) -> int:
+        with httpx.Client(base_url=env.url, timeout=30) as c:
+            return c.put("/api/v1/services/chat/override", headers={"Authorization": f"Bearer {ADMIN}"},
+                         json={"replicas": replicas, "until": "2099-01-01T00:00:00Z"}).status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        codes = list(pool.map(put, [1 + i % 6 for i in range(24)]))
+    assert codes == [200] * 24
+    last = db.list_audit(env.store, limit=1, newest_first=True)[0]
+    assert last.action == "service.override"
+    assert env.ctl.overrides["chat"][0] == last.detail["request"]["replicas"]
