@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -48,8 +49,10 @@ class Served:
 
 
 def default_owner() -> str:
-    """A controller's lease identity: stable across restarts of the same host/pod (``HOSTNAME``)."""
-    return os.environ.get("ELASTIC_CONTROLLER_ID") or socket.gethostname()
+    """A controller's lease identity: ``ELASTIC_CONTROLLER_ID``, else one of this process alone
+    (host, pid and a random part). Two controllers sharing an identity would both take the lease
+    as theirs and act at once; a restarted one waits out its predecessor's lease instead."""
+    return os.environ.get("ELASTIC_CONTROLLER_ID") or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 def connect_ray(pool: Any, ray_address: str | None) -> tuple[Any, bool]:
@@ -192,8 +195,8 @@ def register(app: typer.Typer) -> None:
                                            help="largest request body the admin API takes (413 above it)"),
         ray_address: str | None = typer.Option(None, "--ray-address", envvar="ELASTIC_RAY_ADDRESS",
                                                help="join this Ray cluster (detached actors); none = embedded"),
-        owner: str | None = typer.Option(None, "--owner", help="lease identity (default: $ELASTIC_CONTROLLER_ID "
-                                                               "or the host name)"),
+        owner: str | None = typer.Option(None, "--owner", help="lease identity (default: $ELASTIC_CONTROLLER_ID, "
+                                                               "else one for this process alone)"),
         ticks: int | None = typer.Option(None, "--ticks", min=1, help="stop after this many ticks"),
         log_level: str = typer.Option("INFO", "--log-level", envvar="ELASTIC_LOG_LEVEL",
                                       help="DEBUG, INFO, WARNING or ERROR; below DEBUG, libraries' per-request "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -156,3 +157,13 @@ def test_an_unusable_database_is_one_line_and_exit_2(tmp_path: Path, db: str, ne
     assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
     lines = [x for x in p.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and needle in lines[0] and "hunter2" not in p.stderr, p.stderr
+
+
+def test_two_controllers_on_one_host_never_share_a_lease_identity(monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastic.cli.serve import default_owner
+
+    monkeypatch.delenv("ELASTIC_CONTROLLER_ID", raising=False)
+    a, b = default_owner(), default_owner()
+    assert a != b and a.startswith(socket.gethostname())
+    monkeypatch.setenv("ELASTIC_CONTROLLER_ID", "ctl-east")
+    assert default_owner() == "ctl-east"
