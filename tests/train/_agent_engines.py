@@ -84,6 +84,32 @@ def slow_micro_batches(config: dict[str, Any], layout: Layout, rank: int, state:
     return engine
 
 
+_HELD: list[int] = []  # the step this process held in (once)
+
+
+def held_checked_micro_batches(config: dict[str, Any], layout: Layout, rank: int, state: State | None) -> Any:
+    """:func:`slow_checked_micro_batches` that, in step ``ELASTIC_TEST_HOLD_STEP`` (once per process),
+    waits before its second micro-batch's check until the agent has asked it to give the step up
+    (bounded): a rescale posted while that step is in progress is then caught at micro-batch 1
+    whatever the machine's load, instead of only when it lands before the last check."""
+    engine = slow_checked_micro_batches(config, layout, rank, state)
+    # the first generation's engines only (built from no state): a joiner or a rescaled member
+    # finishing the given-up step must not wait for a request that will not come
+    hold = int(os.environ.get("ELASTIC_TEST_HOLD_STEP", "-1")) if state is None else -1
+    forward = engine._forward_step  # type: ignore[attr-defined]
+
+    def held(step: int, micro: int, x: Any, losses: list[Any]) -> Any:
+        if step == hold and micro == 1 and not _HELD:
+            _HELD.append(step)
+            deadline = time.monotonic() + 120
+            while getattr(engine, "_give_up_step", None) != step and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return forward(step, micro, x, losses)
+
+    engine._forward_step = held  # type: ignore[attr-defined]
+    return engine
+
+
 def slow_checked_micro_batches(config: dict[str, Any], layout: Layout, rank: int, state: State | None) -> Any:
     """The real engine, each micro-batch padded by ``ELASTIC_TEST_MICRO_SECONDS``: before its give-up
     check from the second on, after it on the first. A rescale posted at any time inside a step is

@@ -255,11 +255,15 @@ def test_a_grow_gives_up_the_step_in_progress_and_the_joiners_finish_it_from_the
     samples left. The pause counts from the boundary, and the step counter and loss curve are those
     of a job never rescaled."""
     assert OPTS.grow_gives_up_step
-    h = padded_job(tmp_path, monkeypatch, "growkeep", "slow_checked_micro_batches", 0.4)
+    # step 2 (begun once step 1 is done) waits at its second micro-batch for the give-up request:
+    # the grow, posted once its joiners registered, always lands inside it
+    monkeypatch.setenv("ELASTIC_TEST_HOLD_STEP", "2")
+    h = padded_job(tmp_path, monkeypatch, "growkeep", "held_checked_micro_batches", 0.4)
     try:
         h.start(layout, workers, timeout=180)
         h.wait_step(1, timeout=120)
         grow = h.rescale(after, grown, timeout=120)
+        assert grow.switch_step == 2, grow
         rec = grow.record
         assert rec.ok and rec.joiners == [w for w in grown if w not in workers], rec
         assert rec.gave_up_step == grow.switch_step and 1 <= rec.kept_micro_batches <= 7, rec
