@@ -87,27 +87,41 @@ def slow_micro_batches(config: dict[str, Any], layout: Layout, rank: int, state:
 _HELD: list[int] = []  # the step this process held in (once)
 
 
-def held_checked_micro_batches(config: dict[str, Any], layout: Layout, rank: int, state: State | None) -> Any:
-    """:func:`slow_checked_micro_batches` that, in step ``ELASTIC_TEST_HOLD_STEP`` (once per process),
-    waits before its second micro-batch's check until the agent has asked it to give the step up
+def _held(engine: Any, state: State | None) -> Any:
+    """In step ``ELASTIC_TEST_HOLD_STEP`` (once per process, first generation only), wait before the
+    second micro-batch's give-up check until the agent has asked for the step to be given up
     (bounded): a rescale posted while that step is in progress is then caught at micro-batch 1
-    whatever the machine's load, instead of only when it lands before the last check."""
-    engine = slow_checked_micro_batches(config, layout, rank, state)
-    # the first generation's engines only (built from no state): a joiner or a rescaled member
-    # finishing the given-up step must not wait for a request that will not come
+    whatever the machine's load, not only when it lands before the last check. With
+    ``ELASTIC_TEST_HOLD_MARK=<dir>`` each worker says it is holding (``<dir>/<worker>.held``): a
+    test that posts after every mark is there knows micro-batch 0's work is done and kept."""
+    # built from no state: the first generation. A joiner or a rescaled member finishing the
+    # given-up step must not wait for a request that will not come
     hold = int(os.environ.get("ELASTIC_TEST_HOLD_STEP", "-1")) if state is None else -1
     forward = engine._forward_step  # type: ignore[attr-defined]
 
     def held(step: int, micro: int, x: Any, losses: list[Any]) -> Any:
         if step == hold and micro == 1 and not _HELD:
             _HELD.append(step)
+            if mark := os.environ.get("ELASTIC_TEST_HOLD_MARK"):  # the test posts once every member is here
+                with open(os.path.join(mark, f"{os.environ.get('ELASTIC_WORKER_ID', os.getpid())}.held"), "w"):
+                    pass
             deadline = time.monotonic() + 120
             while getattr(engine, "_give_up_step", None) != step and time.monotonic() < deadline:
                 time.sleep(0.01)
-        return forward(step, micro, x, losses)
+        return forward(step, micro, x, losses)  # its give-up check comes first
 
     engine._forward_step = held  # type: ignore[attr-defined]
     return engine
+
+
+def held_checked_micro_batches(config: dict[str, Any], layout: Layout, rank: int, state: State | None) -> Any:
+    """:func:`slow_checked_micro_batches`, held for a give-up (:func:`_held`)."""
+    return _held(slow_checked_micro_batches(config, layout, rank, state), state)
+
+
+def held_micro_batches(config: dict[str, Any], layout: Layout, rank: int, state: State | None) -> Any:
+    """:func:`slow_micro_batches`, held for a give-up (:func:`_held`)."""
+    return _held(slow_micro_batches(config, layout, rank, state), state)
 
 
 def slow_checked_micro_batches(config: dict[str, Any], layout: Layout, rank: int, state: State | None) -> Any:

@@ -211,23 +211,32 @@ def test_a_shrink_that_need_not_wait_its_first_step_returns_with_its_leavers_gon
 def test_a_shrink_gives_up_the_step_in_progress_and_the_new_layout_finishes_it_on_the_same_loss_curve(
         tmp_path, monkeypatch, layout, workers, after, kept, gives_up, keeps_work) -> None:
     """``shrink_gives_up_step`` (the launch default): a step is 4 micro-batches of >= 0.6 s; a shrink
-    posted just after a step began switches at that step (given up, not finished) on one pipeline
-    stage, after it with two. A DP shrink keeps the work of the micro-batches done (the new layout
+    posted while a step is in progress (one stage: the step waits at its second micro-batch for the
+    request) switches at that step (given up, not finished) on one pipeline stage, after it with two. A DP shrink keeps the work of the micro-batches done (the new layout
     computes only the rest; the pause counts from the boundary); a TP change redoes the step whole
     (the pause counts from the step's begin). Either way the step counter and loss curve are those
     of a job never rescaled."""
     assert OPTS.shrink_gives_up_step
-    h = padded_job(tmp_path, monkeypatch, "giveup", "slow_micro_batches", 0.6)
+    if gives_up:  # step 2 waits at its second micro-batch for the request: the shrink lands inside it
+        monkeypatch.setenv("ELASTIC_TEST_HOLD_STEP", "2")
+        monkeypatch.setenv("ELASTIC_TEST_HOLD_MARK", str(tmp_path))
+    h = padded_job(tmp_path, monkeypatch, "giveup", "held_micro_batches" if gives_up else "slow_micro_batches", 0.6)
     try:
         h.start(layout, workers, timeout=180)
         h.wait_step(1, timeout=120)  # step 1 done: step 2 is being computed (>= 2.4 s)
         in_progress = h.status().step + 1
-        time.sleep(0.9)  # into its second micro-batch: the first one's work is there to keep
+        if gives_up:  # every member holds at micro-batch 1: micro-batch 0's work is there to keep
+            deadline = time.monotonic() + 120
+            while len(list(tmp_path.glob("*.held"))) < len(workers) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(list(tmp_path.glob("*.held"))) == len(workers)
+        else:
+            time.sleep(0.9)  # inside step 2: with two stages it is finished, then the switch
         shrink = h.rescale(after, kept, timeout=120, wait_first_step=False)
         rec = shrink.record
         if gives_up:
-            assert (shrink.switch_step, rec.gave_up_step) == (in_progress, in_progress), rec
-            assert 0.0 < rec.gave_up_seconds < 2.4, rec
+            assert (shrink.switch_step, rec.gave_up_step) == (in_progress, in_progress) == (2, 2), rec
+            assert rec.gave_up_seconds > 0.0, rec
             if keeps_work:  # given up at micro-batch 1..3 of 4: that many kept, the pause from the boundary
                 assert 1 <= rec.kept_micro_batches <= 3 and shrink.pause_seconds < rec.gave_up_seconds, rec
             else:
@@ -258,10 +267,14 @@ def test_a_grow_gives_up_the_step_in_progress_and_the_joiners_finish_it_from_the
     # step 2 (begun once step 1 is done) waits at its second micro-batch for the give-up request:
     # the grow, posted once its joiners registered, always lands inside it
     monkeypatch.setenv("ELASTIC_TEST_HOLD_STEP", "2")
+    monkeypatch.setenv("ELASTIC_TEST_HOLD_MARK", str(tmp_path))
     h = padded_job(tmp_path, monkeypatch, "growkeep", "held_checked_micro_batches", 0.4)
     try:
         h.start(layout, workers, timeout=180)
         h.wait_step(1, timeout=120)
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("*.held"))) < len(workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
         grow = h.rescale(after, grown, timeout=120)
         assert grow.switch_step == 2, grow
         rec = grow.record
