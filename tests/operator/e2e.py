@@ -35,6 +35,8 @@ from typing import Any
 
 import yaml
 
+from .conftest import wait_for
+
 REPO = Path(__file__).resolve().parents[2]
 NS = "ml"
 G, V = "elastic.dev", "v1alpha1"
@@ -47,15 +49,6 @@ def log(msg: str) -> None:
         print(f"[e2e {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def wait_for(what: str, cond: Callable[[], Any], timeout: float, interval: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = cond()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what} (last: {last!r})")
 
 
 def free_port() -> int:
@@ -447,19 +440,10 @@ def last_rv(log_: list[tuple[int, str, str, dict[str, Any]]], pred: Callable[[st
 
 
 def reference_losses(cfg: Any, steps: int) -> list[float]:
-    """The never-rescaled run: one process, tp1.pp1.dp1, the same config."""
-    import torch
+    """The never-rescaled run: one process, tp1.pp1.dp1, the same config (the trainer tests' own)."""
+    from tests.train._mp import reference_losses as single_process
 
-    from elastic.model import Layout
-    from elastic.train.engine import TrainEngine
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        eng = TrainEngine(cfg, Layout(1, 1, 1), 0)
-        return [eng.train_step(s).loss for s in range(steps)]
-    finally:
-        torch.set_num_threads(threads)
+    return single_process(cfg, steps)
 
 
 # ---- the scenario ----------------------------------------------------------------------------------
