@@ -135,10 +135,11 @@ class TokenSet:
             mode = p.stat().st_mode
         except OSError as e:
             raise SpecError(f"--token-file {p}: cannot read ({e.strerror})") from None
+        tokens = cls.parse(text, f"--token-file {p}")  # a file refused anyway needs no second word
         if mode & 0o077:
             log.warning("--token-file %s can be read by other users (mode %o): they can act as its admins; "
                         "chmod 600 it", p, mode & 0o777)
-        return cls.parse(text, f"--token-file {p}")
+        return tokens
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> TokenSet:

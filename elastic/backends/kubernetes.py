@@ -406,12 +406,15 @@ class KubernetesBackend:
         while True:
             dep = self._deployment(service)
             have = dep.status.replicas if dep.status and dep.status.replicas is not None else None
-            leaving = self._terminating_pods(t, dep) if have is None or have <= replicas else []
-            if (have is None or have <= replicas) and not leaving:
+            pods = self._deployment_pods(t, dep) if have is None or have <= replicas else []
+            leaving = sorted(p.metadata.name for p in pods if p.metadata.deletion_timestamp)
+            # the pods themselves, not only the status: the status may already count the new number
+            # while the pods over it are not even marked for deletion yet
+            if (have is None or have <= replicas) and not leaving and len(pods) <= replicas:
                 return
             if time.monotonic() > deadline:
                 what = (f"pod(s) {', '.join(leaving)} still terminating (draining their requests)" if leaving
-                        else f"still has {have} replicas")
+                        else f"still has {have if have is not None and have > replicas else len(pods)} replicas")
                 raise BackendError(f"{service}: Deployment {t.namespace}/{t.deployment} {what} "
                                    f"{self.scale_down_wait_seconds:g} s after scaling to {replicas}")
             time.sleep(self.poll_seconds)
