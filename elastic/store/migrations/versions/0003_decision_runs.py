@@ -7,7 +7,6 @@ change). ``ix_decisions_last_at`` serves retention (oldest rows first by age).
 
 Revision ID: 0003
 Revises: 0002
-Create Date: 2026-12-06
 
 Rows written before are one tick each (``count`` 1, ``last_at`` = ``tick_at``); those with
 reason ``Steady`` are holds (that reason meant no step), marked ``hold = 'Steady'`` so the
