@@ -45,14 +45,21 @@ def trend_forecast(samples: tuple[tuple[float, float], ...], now: float, horizon
     pts = [(t, y) for t, y in samples if now - window <= t <= now]
     if len(pts) < MIN_TREND_POINTS or pts[-1][0] - pts[0][0] < window / 2:
         return None
+    mt, my, var, slope = _fit(pts)
+    if var <= 0:
+        return my
+    return max(0.0, my + slope * (now + horizon - mt))
+
+
+def _fit(pts: list[tuple[float, float]]) -> tuple[float, float, float, float]:
+    """Least squares through ``pts``: (mean t, mean y, sum of squared t deviations, slope; 0 when
+    every t is the same)."""
     n = len(pts)
     mt = sum(t for t, _ in pts) / n
     my = sum(y for _, y in pts) / n
     var = sum((t - mt) ** 2 for t, _ in pts)
-    if var <= 0:
-        return my
-    slope = sum((t - mt) * (y - my) for t, y in pts) / var
-    return max(0.0, my + slope * (now + horizon - mt))
+    slope = sum((t - mt) * (y - my) for t, y in pts) / var if var > 0 else 0.0
+    return mt, my, var, slope
 
 
 def holt_new(season_seconds: float, buckets: int = DEFAULT_BUCKETS) -> HoltWintersState:
@@ -145,13 +152,10 @@ def ramp_headroom(samples: tuple[tuple[float, float], ...], now: float, horizon:
     pts = [(t, y) for t, y in samples if now - window <= t <= now]
     if len(pts) < 3:
         return None
-    n = len(pts)
-    mt = sum(t for t, _ in pts) / n
-    my = sum(y for _, y in pts) / n
-    var = sum((t - mt) ** 2 for t, _ in pts)
+    mt, my, var, slope = _fit(pts)
     if var <= 0:
         return 0.0
-    slope = sum((t - mt) * (y - my) for t, y in pts) / var
+    n = len(pts)
     # a ramp, not noise: the slope must stand RAMP_Z standard errors clear of zero
     resid = sum((y - my - slope * (t - mt)) ** 2 for t, y in pts) / max(n - 2, 1)
     if slope <= RAMP_Z * math.sqrt(resid / var):
