@@ -363,8 +363,8 @@ class Session:
         if not self._checks or step is None or self.phase != "training":
             return
         asked = self._give_up_req == (self.gen, step) != self._given_up
-        dev = self.opts.device if self.opts.device.startswith("cuda") else "cpu"
-        flag = torch.tensor([1.0 if asked else 0.0], device=dev)
+        # on the CPU (the world group has gloo beside NCCL on CUDA): no device sync per micro-batch
+        flag = torch.tensor([1.0 if asked else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         micro, self._micro = self._micro, self._micro + 1
         if flag.item() > 0:
