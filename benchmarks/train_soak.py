@@ -1,7 +1,7 @@
 """Soak: one live job of real worker processes driven through a long random walk of in-place rescales.
 
 What it is for: finding bugs in the trainer's critical path -- coordinator
-(``elastic/train/rendezvous.py``), worker agent (``agent.py``), launcher (``launch.py``) and the
+(``elastic/train/rendezvous/``), worker agent (``agent.py``), launcher (``launch.py``) and the
 resharder (``elastic/reshard/``) -- with nothing mocked. A job of ``python -m elastic.train.worker``
 processes (:class:`~elastic.train.launch.ProcessJobHandle`, gloo on loopback) starts on a random
 layout; then, ``--rescales`` times:

@@ -1,0 +1,642 @@
+"""The job's coordinator: directives posted by the launcher, the rescale's go/abandon, its status."""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from http.server import ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from elastic.model import Layout, SpecError
+from elastic.train.checkpoint import CheckpointRef, CheckpointSettings
+from elastic.train.checkpoint import latest as latest_checkpoint
+from elastic.train.rendezvous.liveness import _Liveness
+from elastic.train.rendezvous.messages import (
+    Directive,
+    JobFailed,
+    JobStatus,
+    RescaleFailed,
+    RescaleRecord,
+    StepRecord,
+)
+from elastic.train.rendezvous.routes import _Routes
+from elastic.train.rendezvous.state import Validator, _check_members, _Gen, _keeps_work, _Pending, _Recovery
+from elastic.train.rendezvous.wire import _bound_store, _make_handler, _Server
+from elastic.train.telemetry import TrainingMetrics
+
+log = logging.getLogger(__name__)
+
+class Coordinator(_Routes, _Liveness):
+    """One job's rendezvous. ``start()`` it, post ``directive()``s, read ``status()``."""
+
+    def __init__(
+        self,
+        job: str,
+        config: dict[str, Any] | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        registry: CollectorRegistry | None = None,
+        heartbeat_interval_s: float = 1.0,
+        heartbeat_timeout_s: float = 15.0,
+        join_timeout_s: float = 60.0,
+        lookahead_steps: int = 1,
+        shrink_lookahead_steps: int | None = None,
+        max_steps: int | None = None,
+        validator: Validator | None = None,
+        recover: bool = False,
+        transactional: bool = True,
+        recovery_timeout_s: float | None = None,
+        rendezvous_timeout_s: float | None = None,
+        checkpoint: CheckpointSettings | None = None,
+        shrink_gives_up_step: bool = False,
+        grow_gives_up_step: bool = False,
+        prepare_beside_step: bool = True,
+        secret: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if heartbeat_timeout_s <= heartbeat_interval_s:
+            raise SpecError(
+                f"heartbeat_timeout_s={heartbeat_timeout_s} must exceed heartbeat_interval_s={heartbeat_interval_s}"
+                " (a worker needs a few beats of slack)"
+            )
+        self.job = job
+        self.config = dict(config or {})
+        if secret is not None and len(secret) < 16:
+            raise SpecError("secret: at least 16 characters (or None: the coordinator generates one)")
+        # every request but /healthz must carry it (see the module doc); never logged
+        self.secret = secret or secrets.token_urlsafe(32)
+        self._auth = f"Bearer {self.secret}".encode()
+        self.host, self.port = host, port
+        self.advertise_host = advertise_host or host
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.join_timeout_s = join_timeout_s
+        self.lookahead_steps = lookahead_steps
+        # None: as any rescale
+        self.shrink_lookahead_steps = lookahead_steps if shrink_lookahead_steps is None else shrink_lookahead_steps
+        if min(self.lookahead_steps, self.shrink_lookahead_steps) < 0:
+            raise SpecError(f"lookahead_steps={lookahead_steps}, shrink_lookahead_steps={shrink_lookahead_steps}: "
+                            "a lookahead counts steps, >= 0")
+        self.max_steps = max_steps
+        self.validator = validator
+        # a shrink (with no lookahead, on one pipeline stage) asks its members to give the step in
+        # progress up instead of finishing it: the GPUs go a step sooner, the partial step is lost
+        self.shrink_gives_up_step = shrink_gives_up_step
+        # a grow (same: no lookahead, one pipeline stage; and the same TP split, so the work is
+        # kept) asks the same: its joiners' GPUs idle until the switch; the members keep the step's
+        # work and the new layout, joiners included, finishes it. Needs engines that check
+        # (generations posted with shrink_gives_up_step)
+        self.grow_gives_up_step = grow_gives_up_step
+        # members hear of a posted rescale on their heartbeat and prepare beside the step in
+        # progress (False: at the switch, or during the lookahead steps; for A/B measurements)
+        self.prepare_beside_step = prepare_beside_step
+        self.recover = recover
+        # rescales of a recoverable generation roll back on a loss mid-exchange (Directive.rollback)
+        self.transactional = transactional
+        # survivors must report within this after a loss (default: the heartbeat timeout)
+        self.recovery_timeout_s = recovery_timeout_s if recovery_timeout_s is not None else heartbeat_timeout_s
+        # how long a worker may block inside a group's rendezvous (its pg_timeout_s): gloo's C++
+        # rendezvous cannot be given up from Python, so a survivor that still beats and says it is
+        # building groups is waited for that long before it is given up (None: not at all)
+        self.rendezvous_timeout_s = rendezvous_timeout_s
+        self._building: dict[str, Any] = {}  # worker -> the generation its last heartbeat said it builds
+        # periodic checkpoints (the workers write them; a start begins at the newest complete one)
+        self.checkpoint = checkpoint
+        self.resumed_from: CheckpointRef | None = None
+        self._checkpoint_step = -1  # every worker of a generation wrote its part (from their step reports)
+        self._reported_checkpoints: dict[str, CheckpointRef | None] = {}  # worker -> what it sees, at register
+        # when to save (section 6 above): (generation, step) -> the answer every member gets; the save
+        # decided last, (generation, step it saves), until complete; its step and clock time; a request
+        self._save_answers: dict[tuple[int, int], bool] = {}
+        self._save_inflight: tuple[int, int] | None = None
+        self._save_last_step: int | None = None
+        self._save_last_at: float | None = None
+        self._save_requested = False
+        # the ranks that write the save in flight (its generation's members), each worker's last
+        # complete write as it reported it (step, generation), and a save cut short by a rescale or a
+        # recovery (a rank left before its write was reported): one is due at once on the new layout
+        self._save_writers: frozenset[str] = frozenset()
+        self._written_by: dict[str, tuple[int, int]] = {}
+        self._save_redo = False
+        self._save_failures: list[str] = []  # why decided saves did not complete (ranks' write errors)
+        self.metrics = TrainingMetrics(job, registry)
+        self._clock = clock
+        lock = threading.RLock()
+        self._cv = threading.Condition(lock)
+        # heartbeats long-poll on a condition of their own (same lock), woken only when a recovery
+        # starts or the job ends: every worker holds one all the time, and waking them all on each
+        # step result of each worker (``_cv``) would cost workers^2 wake-ups per step
+        self._alarm = threading.Condition(lock)
+        self._post_seq = 0  # directives posted so far (_Pending.seq)
+        self._server: ThreadingHTTPServer | None = None
+        self._store: Any = None
+        self._threads: list[threading.Thread] = []
+        self._closing = threading.Event()
+        # job state (guarded by _cv)
+        self._phase = "starting"
+        self._error: str | None = None
+        self._reason = ""
+        self._current: _Gen | None = None
+        self._pending: _Pending | None = None
+        self._max_begun = -1
+        self._max_begun_at = 0.0  # when the first member asked to begin step _max_begun
+        self._seen: dict[str, float] = {}  # worker -> last request time
+        self._left: set[str] = set()
+        self._registered: set[str] = set()
+        self._reports: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
+        self._gen_sizes: dict[int, tuple[str, int]] = {}  # generation -> (layout, world size)
+        self._history: list[StepRecord] = []
+        self._rescales: dict[int, RescaleRecord] = {}
+        self._decisions: dict[int, tuple[str, str]] = {}
+        self._finished: set[str] = set()
+        self._failures: list[str] = []
+        self._recovery: _Recovery | None = None
+        self._rolled_back: dict[int, str] = {}  # generation -> why its exchange was rolled back
+        self.lost: set[str] = set()  # workers given up for lost (a launcher makes sure they are gone)
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def start(self) -> Coordinator:
+        """1. host the TCPStore master, 2. serve HTTP, 3. watch heartbeats and deadlines."""
+
+        if self.checkpoint is not None and self.checkpoint.coordinator_sees:
+            self.checkpoint.check_writable()
+        self._store = _bound_store(self.host)
+        self._server = _Server((self.host, self.port), _make_handler(self))
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        for target, name in ((self._server.serve_forever, "http"), (self._watch, "watch")):
+            t = threading.Thread(target=target, name=f"rendezvous-{self.job}-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.advertise_host}:{self.port}"
+
+    @property
+    def store_port(self) -> int:
+        return int(self._store.port) if self._store is not None else 0
+
+    def stop(self) -> None:
+        """Stop serving. Workers that are still alive lose their coordinator and exit."""
+        self._closing.set()
+        with self._cv:
+            if self._phase not in ("failed", "finished"):
+                self._phase = "stopped"
+            self._cv.notify_all()
+            self._alarm.notify_all()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        self._store = None
+
+    # ---- controller API -------------------------------------------------------------------
+    def directive(self, generation: int, layout: Layout | str, members: Sequence[str], *, remap: bool = True,
+                  join_timeout_s: float | None = None, hold: bool = False,
+                  give_up_step: bool | None = None) -> Directive:
+        """Post generation ``generation``: train ``layout`` on ``members`` (new-rank order if not ``remap``).
+
+        ``hold=True`` pauses the job instead: ``members`` (keepers, no GPU) receive the state laid
+        out as ``layout`` and run no step until the next directive, which switches at the step
+        the job paused at. The validator (GPU memory) does not apply to keepers.
+
+        ``give_up_step`` (a shrink, None: ``shrink_gives_up_step``; a grow, None:
+        ``grow_gives_up_step``): ask the members to give the step in progress up at their next
+        micro-batch instead of finishing it, keeping its work; the rescale then switches at that
+        step, which the new layout finishes. Only where the current generation's engines check
+        (posted with ``shrink_gives_up_step`` on), with one pipeline stage and no lookahead, and
+        for a grow (only old members and joiners) with one stage and the same TP split after it;
+        elsewhere, or when the step gets past its last micro-batch first, it switches after the step.
+
+        Refused (SpecError) before anything changes when the generation is out of sequence,
+        another rescale is in flight, the member list does not match the layout, the job is
+        new (a first generation cannot hold: there is nothing to keep) or already held, or the
+        validator (model/planner checks) rejects it.
+        """
+        lay = layout if isinstance(layout, Layout) else Layout.parse(layout)
+        members = [str(m) for m in members]
+        _check_members(lay, members)
+        if self.validator is not None and not hold:
+            self.validator(lay, members)
+        with self._cv:
+            self._check_can_post(generation)
+            cur = self._current
+            if hold and (cur is None or cur.hold):
+                raise SpecError(f"job {self.job}: " + ("a job that has not started has no state to hold; start it"
+                                                       if cur is None else "is paused already; resume it first"))
+            old_ranks = dict(cur.ranks) if cur else {}
+            resume = self._resume_from_locked(members) if self.checkpoint and cur is None else None
+            shrink = cur is not None and not hold and not cur.hold and set(members) < set(cur.ranks)
+            switch = self._switch_step_locked(shrink) if cur else resume.step if resume else 0
+            self._check_before_max_steps(generation, switch)
+            d = Directive(
+                job=self.job, generation=generation, layout=str(lay), workers=tuple(members), remap=remap,
+                old_layout=cur.layout if cur else None, old_ranks=old_ranks, switch_step=switch,
+                store_host=self.advertise_host, store_port=self.store_port,
+                join_timeout_s=join_timeout_s if join_timeout_s is not None else self.join_timeout_s,
+                hold=hold, rollback=self.transactional and cur is not None and not hold and self._recoverable(cur),
+                resume=resume.path if resume else None, resume_layout=resume.layout if resume else None,
+                give_up_checks=self.shrink_gives_up_step,
+            )
+            if resume is not None:
+                self.resumed_from = resume
+                self._note_checkpoint_locked(resume.step)
+                log.info("job %s starts from checkpoint %s (step %d, saved on %s)", self.job, resume.path,
+                         resume.step, resume.layout)
+            rec = RescaleRecord(generation, d.old_layout, d.layout, list(members), list(d.joiners),
+                                list(d.leavers), switch, hold=hold)
+            self._post_seq += 1
+            self._pending = _Pending(d, rec, self._clock(), seq=self._post_seq)
+            self._alarm.notify_all()  # heartbeats tell the members in the step, who prepare meanwhile
+            grow = (cur is not None and not hold and not cur.hold and set(cur.ranks) < set(members)
+                    and _keeps_work(Layout.parse(cur.layout), lay))
+            asks = ((self.shrink_gives_up_step if shrink else self.grow_gives_up_step if grow else False)
+                    if give_up_step is None else give_up_step)
+            if (shrink or grow) and asks and self._gives_up_locked(cur, switch):
+                self._pending.give_up_step, self._pending.give_up_begun_at = switch - 1, self._max_begun_at
+                # (the heartbeats woken above carry the request too: they answer once the lock is free)
+            self._rescales[generation] = rec
+            # an abandoned (or rolled back) earlier try of this number decided nothing about this one
+            self._decisions.pop(generation, None)
+            self._rolled_back.pop(generation, None)
+            self._phase = "rescaling" if cur else "starting"
+            self._cv.notify_all()
+            return d
+
+    def _switch_step_locked(self, shrink: bool = False) -> int:
+        """The earliest step boundary every member of the current generation can still stop at.
+
+        Training: after the highest step any member has begun, plus the lookahead (a shrink's
+        own). Held: the step the keepers sit at (they begin no step)."""
+        cur = self._current
+        assert cur is not None
+        if cur.hold:
+            return cur.start_step
+        ahead = self.shrink_lookahead_steps if shrink else self.lookahead_steps
+        return max(self._max_begun + 1 + ahead, cur.start_step)
+
+    def _gives_up_locked(self, cur: _Gen, switch: int) -> bool:
+        """Whether a shrink or grow switching at ``switch`` can ask for the step in progress: no
+        lookahead (the step before the switch is the one in progress), engines that check (the
+        generation was posted with them), one pipeline stage (members meet at every micro-batch),
+        and a step of this generation in progress."""
+        return (min(self.shrink_lookahead_steps, self.lookahead_steps) == 0 and cur.give_up_checks
+                and Layout.parse(cur.layout).pp == 1 and switch - 1 == self._max_begun >= cur.start_step)
+
+    def _begin_step_locked(self, step: int) -> None:
+        if step > self._max_begun:
+            self._max_begun, self._max_begun_at = step, self._clock()
+
+    def _check_can_post(self, generation: int) -> None:
+        if self._phase in ("failed", "stopped", "stopping", "finished"):
+            raise SpecError(f"job {self.job} is {self._phase} ({self._error or self._reason}); cannot rescale it")
+        if self._pending is not None and self._pending.decision != "abandoned":
+            raise SpecError(
+                f"job {self.job}: generation {self._pending.directive.generation} is still in flight; "
+                "wait for it (wait_generation) before posting another"
+            )
+        if self._recovery is not None:
+            raise SpecError(f"job {self.job} is recovering from a lost worker ({self._recovery.reason}); "
+                            "post the rescale once it runs again")
+        expected = (self._current.generation if self._current else 0) + 1
+        if generation != expected:
+            raise SpecError(f"job {self.job}: directive generation={generation}, expected {expected} "
+                            "(generations count up by one from the current one)")
+
+    def check_directive(self, generation: int) -> None:
+        """Refuse (SpecError) now what :meth:`directive` would refuse for sequencing reasons, so a launcher
+        need not start joiners for it: job not running, another rescale in flight, wrong generation, or
+        the job's ``max_steps`` coming before the earliest switch step."""
+        with self._cv:
+            self._check_can_post(generation)
+            if self._current is not None:
+                self._check_before_max_steps(generation, self._switch_step_locked())
+
+    def _check_before_max_steps(self, generation: int, switch: int) -> None:
+        """A rescale must switch before the job's last step, or the old layout finishes first and the
+        joiners wait for a boundary that never comes."""
+        if self.max_steps is None or generation == 1 or switch < self.max_steps:
+            return
+        raise SpecError(
+            f"job {self.job}: generation {generation} would switch at step {switch} (after the step in progress "
+            f"and the lookahead), but the job ends at max_steps={self.max_steps} "
+            f"(last step {self.max_steps - 1}); nothing changed: the job finishes on its current layout"
+        )
+
+    def status(self) -> JobStatus:
+        with self._cv:
+            return self._status_locked()
+
+    def _status_locked(self) -> JobStatus:
+        cur, last = self._current, (self._history[-1] if self._history else None)
+        workers = sorted(cur.ranks, key=cur.ranks.__getitem__) if cur else []
+        rec = self._rescales[max(self._rescales)] if self._rescales else None
+        return JobStatus(
+            job=self.job, phase=self._phase, generation=cur.generation if cur else 0,
+            layout=cur.layout if cur else None, workers=workers, step=last.step if last else -1,
+            loss=last.loss if last else None, tokens_per_second=last.tokens_per_second if last else None,
+            step_seconds=last.seconds if last else None, error=self._error,
+            last_rescale=RescaleRecord(**asdict(rec)) if rec else None, reason=self._reason,
+            failures=list(self._failures),
+            checkpoint_step=self._checkpoint_step if self.checkpoint else None,
+        )
+
+    def history(self) -> list[StepRecord]:
+        with self._cv:
+            return list(self._history)
+
+    def rescale_record(self, generation: int) -> RescaleRecord | None:
+        with self._cv:
+            rec = self._rescales.get(generation)
+            return RescaleRecord(**asdict(rec)) if rec else None
+
+    def wait_generation(self, generation: int, timeout: float) -> RescaleRecord:
+        """Block until ``generation`` ran its first step. Raises RescaleFailed / JobFailed / TimeoutError."""
+
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._generation_over_locked(generation), timeout):
+                raise TimeoutError(f"job {self.job}: generation {generation} did not run a step within {timeout:.0f} s "
+                                   f"(phase {self._phase}, {self._reason or 'no reason recorded'})")
+            rec = self._rescales.get(generation)
+            if rec is not None and rec.ok:
+                return RescaleRecord(**asdict(rec))
+            if rec is not None and rec.ok is False:
+                raise RescaleFailed(rec.reason, RescaleRecord(**asdict(rec)))
+            raise JobFailed(self._error or f"job {self.job} is {self._phase}")
+
+    def wait_resumed(self, generation: int, timeout: float) -> RescaleRecord:
+        """Block until ``generation`` trains again: every new member has begun its first step (the
+        pause is over) and every member has reported its part of the reshard, so its leavers are
+        leaving. The record is returned as known then (``ok`` stays None until the first step has
+        finished: see :meth:`wait_generation`). For a caller that waits for the GPUs a shrink frees:
+        the new layout's first step adds nothing to them and takes a whole step. A generation that
+        completed, failed or was abandoned meanwhile answers as :meth:`wait_generation` does.
+        Raises RescaleFailed / JobFailed / TimeoutError."""
+
+        def resumed() -> bool:
+            p = self._pending
+            return (p is not None and p.directive.generation == generation and p.decision == "go"
+                    and p.record.pause_seconds is not None and set(p.directive.members) <= set(p.results))
+
+        with self._cv:
+            if not self._cv.wait_for(lambda: resumed() or self._generation_over_locked(generation), timeout):
+                raise TimeoutError(f"job {self.job}: generation {generation} did not begin a step within "
+                                   f"{timeout:.0f} s (phase {self._phase}, {self._reason or 'no reason recorded'})")
+            if resumed():
+                p = self._pending
+                assert p is not None
+                return self._fill_record(RescaleRecord(**asdict(p.record)), p.results)
+        return self.wait_generation(generation, 0.0)
+
+    def _generation_over_locked(self, generation: int) -> bool:
+        rec = self._rescales.get(generation)
+        return self._phase in ("failed", "stopped", "finished") or (rec is not None and rec.ok is not None)
+
+    def wait_step(self, step: int, timeout: float) -> StepRecord:
+        """Block until step ``step`` has finished on every worker. Raises JobFailed / TimeoutError."""
+        with self._cv:
+            ok = self._cv.wait_for(
+                lambda: (self._history and self._history[-1].step >= step) or self._phase in ("failed", "stopped"),
+                timeout)
+            if self._history and self._history[-1].step >= step:
+                return next(r for r in self._history if r.step >= step)
+            if not ok:
+                raise TimeoutError(f"job {self.job}: step {step} not reached within {timeout:.0f} s "
+                                   f"(at step {self._history[-1].step if self._history else -1}, phase {self._phase})")
+            raise JobFailed(self._error or f"job {self.job} is {self._phase}")
+
+    def wait_phase(self, phases: Sequence[str], timeout: float) -> str:
+        with self._cv:
+            self._cv.wait_for(lambda: self._phase in phases, timeout)
+            return self._phase
+
+    def request_stop(self, reason: str = "stopped by the controller") -> None:
+        """Workers stop at their next step boundary (or now, if waiting) and exit."""
+        with self._cv:
+            if self._phase not in ("failed", "finished", "stopped"):
+                self._phase, self._reason = "stopping", reason
+                if self._pending is not None and self._pending.decision is None:
+                    self._abandon_locked(f"job stopping: {reason}")
+            self._cv.notify_all()
+
+    def fail(self, reason: str) -> None:
+        """Mark the job failed (a launcher saw a process die, ...). Idempotent: the first reason wins."""
+        with self._cv:
+            self._fail_locked(reason)
+
+    def worker_lost(self, worker: str, reason: str) -> None:
+        """A launcher saw ``worker`` die (or a check gave it up): recover without it if the job can,
+        else fail the job with ``reason``. Idempotent."""
+        with self._cv:
+            self._lost_locked(worker, reason)
+
+    def lost_workers(self) -> list[str]:
+        """Workers given up for lost; a launcher makes sure each is gone (a frozen process still
+        holds its sockets, and its peers would wait for it)."""
+        with self._cv:
+            return sorted(self.lost)
+
+    def worker_left(self, worker: str) -> None:
+        """A launcher confirms ``worker`` is gone on purpose; its silence is not a failure."""
+        with self._cv:
+            self._left.add(worker)
+            self._seen.pop(worker, None)
+            self._building.pop(worker, None)
+
+    def registered(self, worker: str) -> bool:
+        """``worker``'s process has registered and has not left since. A name given again to a
+        new process (a worker that left and is launched anew) counts only once that process has
+        registered: the launcher must not post a directive that would wait, inside the pause, for
+        a process still starting."""
+        with self._cv:
+            return worker in self._registered and worker not in self._left
+
+    def has_left(self, worker: str) -> bool:
+        """``worker`` exited on purpose (leaver, stopped, abandoned joiner): its exit is no failure."""
+        with self._cv:
+            return worker in self._left
+
+    # ---- state transitions (call with _cv held) ------------------------------------------
+    def _fail_locked(self, reason: str) -> None:
+        if self._phase in ("stopping", "stopped", "finished"):
+            return  # workers exiting on a stop request are not failures
+        if len(self._failures) < 20:
+            self._failures.append(reason)
+        if self._phase == "failed":
+            return
+        log.error("training job %s failed: %s", self.job, reason)
+        self._phase, self._error, self._reason = "failed", reason, reason
+        p = self._pending
+        if p is not None and p.record.ok is None:
+            p.record.ok, p.record.reason = False, f"job failed during the rescale: {reason}"
+            if p.decision is None:
+                p.decision = "abandoned"
+                self._decisions[p.directive.generation] = ("abandoned", p.record.reason)
+        self.metrics.record_failed(True)
+        self._cv.notify_all()
+        self._alarm.notify_all()
+
+    def _abandon_locked(self, reason: str) -> None:
+        p = self._pending
+        assert p is not None and p.decision is None
+        gen = p.directive.generation
+        p.decision, p.record.ok, p.record.reason = "abandoned", False, reason
+        self._decisions[gen] = ("abandoned", reason)
+        self._reason = f"rescale to generation {gen} ({p.directive.layout}) abandoned: {reason}"
+        log.warning("job %s: %s", self.job, self._reason)
+        self.metrics.record_rescale_failure()
+        if self._recovery is not None:
+            self._recovery = None
+            self._fail_locked(f"recovery failed: {reason}")
+        elif self._current is None:
+            self._fail_locked(f"job could not start: {reason}")
+        elif self._phase == "rescaling":
+            self._phase = "paused" if self._current.hold else "running"
+        self._cv.notify_all()
+
+    def _go_locked(self) -> None:
+        """Every member arrived with the same plan: the new generation becomes current."""
+        p = self._pending
+        assert p is not None
+        d = p.directive
+        info = p.plan_info
+        new_ranks = {str(k): int(v) for k, v in info.get("new_ranks", {}).items()} or {
+            w: i for i, w in enumerate(d.workers)}
+        p.decision = "go"
+        p.record.new_ranks = new_ranks
+        p.record.planned_bytes = int(info.get("planned_bytes", 0))
+        p.record.lower_bound_bytes = int(info.get("lower_bound_bytes", 0))
+        p.record.plan_seconds = float(info.get("plan_seconds", 0.0))
+        self._decisions[d.generation] = ("go", "")
+        p.previous = self._current
+        self._current = _Gen(d.generation, d.layout, new_ranks, d.switch_step, hold=d.hold,
+                             give_up_checks=d.give_up_checks)
+        self._gen_sizes[d.generation] = (d.layout, len(d.workers))
+        self._max_begun = d.switch_step - 1
+        self.metrics.record_generation(d.generation, len(d.workers))
+        if not d.hold:
+            self.metrics.record_paused(False)
+        self._cv.notify_all()
+
+    def _maybe_complete_locked(self) -> None:
+        """The rescale is done once every new member reported and the first new step finished."""
+        p = self._pending
+        if p is None or p.decision != "go" or p.record.ok is not None:
+            return
+        d = p.directive
+        if not set(d.members) <= set(p.results):
+            return
+        if not d.hold and not any(r.generation == d.generation for r in self._history[-3:]):
+            return
+        rec = p.record
+        if self._recovery is not None:
+            if rec.pause_seconds is None:
+                rec.pause_seconds = self._clock() - self._recovery.started_at
+            self._recovery = None
+            self.metrics.record_recovery()
+        if d.hold and p.stopped_at is not None and rec.pause_seconds is None:  # held: nothing will step
+            rec.pause_seconds = self._clock() - p.stopped_at
+        self._close_record_locked(p)
+        if d.hold:
+            self.metrics.record_paused(True, rec.bytes_moved)
+        elif self._history and d.old_ranks:
+            self.metrics.record_rescale(rec.pause_seconds or 0.0, rec.bytes_moved, rec.planned_bytes,
+                                        rec.lower_bound_bytes,
+                                        rec.gave_up_seconds if rec.gave_up_step is not None else None,
+                                        kept=rec.kept_micro_batches > 0)
+        if d.hold:
+            self._reason = (f"paused at step {d.switch_step}: generation {d.generation} holds the state as {d.layout} "
+                            f"on {len(d.workers)} keeper(s) off-GPU ({rec.bytes_moved} bytes moved in "
+                            f"{rec.pause_seconds or 0.0:.3f} s)")
+        else:
+            self._reason = (f"generation {d.generation} on {d.layout} running since step {d.switch_step}"
+                            + (f" (pause {rec.pause_seconds or 0.0:.3f} s, {rec.bytes_moved} bytes moved)"
+                               if d.old_ranks else ""))
+            if rec.recovery:
+                self._reason = f"recovered ({rec.recovery}): {self._reason}"
+        if self._phase in ("rescaling", "starting", "recovering"):
+            self._phase = "paused" if d.hold else "running"
+        self._pending = None
+        self._cv.notify_all()
+
+    @staticmethod
+    def _close_record_locked(p: _Pending) -> RescaleRecord:
+        """Mark ``p``'s rescale done, with the bytes and seconds its members reported."""
+        p.record.ok = True
+        return Coordinator._fill_record(p.record, p.results)
+
+    @staticmethod
+    def _fill_record(rec: RescaleRecord, results: dict[str, dict[str, Any]]) -> RescaleRecord:
+        """``rec`` with the bytes and seconds the members reported (``results``: worker -> stats)."""
+        rec.bytes_moved = sum(int(r.get("bytes_sent", 0)) for r in results.values())
+        rec.execute_seconds = max((float(r.get("execute_seconds", 0.0)) for r in results.values()), default=0.0)
+        rec.worker_stats = {w: dict(r) for w, r in results.items()}
+        return rec
+
+    def _record_report_locked(self, worker: str, gen: int, rep: dict[str, Any]) -> None:
+        step = int(rep["step"])
+        self._note_written_locked(worker, rep.get("checkpoint"))
+        key = (gen, step)
+        if key[0] not in self._gen_sizes:
+            return
+        reps = self._reports.setdefault(key, {})
+        reps[worker] = rep
+        layout, size = self._gen_sizes[gen]
+        if len(reps) < size:
+            return
+        del self._reports[key]
+        losses = [float(r["loss"]) for r in reps.values() if r.get("loss") is not None and math.isfinite(r["loss"])]
+        rec = StepRecord(step, gen, layout, losses[0] if losses else None,
+                         max(int(r.get("tokens", 0)) for r in reps.values()),
+                         max(float(r.get("seconds", 0.0)) for r in reps.values()))
+        self._history.append(rec)
+        self.metrics.record_step(rec.step, rec.loss, rec.tokens, rec.seconds)
+        # each worker reports its last completed checkpoint write (step, generation): when every worker
+        # of this generation names the same one, it is complete
+        written = {tuple(r["checkpoint"]) if r.get("checkpoint") else None for r in reps.values()}
+        if len(written) == 1 and (w := written.pop()) is not None and int(w[1]) == gen:
+            self._note_checkpoint_locked(int(w[0]))
+        failed = sorted(f"{w}: {r['checkpoint_error']}" for w, r in reps.items() if r.get("checkpoint_error"))
+        if failed:
+            at = self._save_inflight[1] if self._save_inflight else "?"
+            self._save_failures.append(f"step {at}: " + "; ".join(failed))
+            self._save_inflight = None  # given up: the next is due by the usual rules
+            self.metrics.record_checkpoint_failure()
+            log.error("job %s: the checkpoint at step %s will not complete (%s); the previous complete one stands",
+                      self.job, at, "; ".join(failed))
+        self._maybe_complete_locked()
+        self._cv.notify_all()
+
+    def _resume_from_locked(self, members: Sequence[str]) -> CheckpointRef | None:
+        """Where a job's first generation starts: the newest complete checkpoint the coordinator sees,
+        or (``coordinator_sees=False``) the newest one the members reported when they registered."""
+        assert self.checkpoint is not None
+        if self.checkpoint.coordinator_sees:
+            return latest_checkpoint(self.checkpoint.dir)
+        seen = [r for m in members if (r := self._reported_checkpoints.get(m)) is not None]
+        return max(seen, key=lambda r: r.step) if seen else None
+
+    def _note_written_locked(self, w: str, written: Any) -> None:
+        """A worker's last complete checkpoint write, (step, generation), from a step report or its
+        rescale result (a leaver's last word)."""
+        if written:
+            self._written_by[w] = (int(written[0]), int(written[1]))
+
+    def _note_checkpoint_locked(self, step: int) -> None:
+        if step > self._checkpoint_step:
+            self._checkpoint_step = step
+            self.metrics.record_checkpoint(step)
+
+    # ---- request handlers (HTTP threads) --------------------------------------------------
+    def _touch(self, worker: str) -> None:
+        self._seen[worker] = self._clock()

@@ -1,0 +1,174 @@
+"""What crosses the wire between the coordinator, its workers and the launcher: directives,
+step and rescale records, the job's status, and the errors a caller sees."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+API = "/v1"
+SECRET_ENV = "ELASTIC_JOB_SECRET"
+"""The environment variable that hands a job's secret to its workers."""
+LONG_POLL_MAX_S = 5.0
+"""Longest a long-polling request (``wait_s``) is held; well under the client's HTTP timeout."""
+
+
+class RendezvousError(RuntimeError):
+    """The coordinator could not be reached or answered with an error."""
+
+
+class RescaleFailed(RuntimeError):
+    """A rescale was abandoned (job continues on its old layout) or failed (job failed)."""
+
+    def __init__(self, message: str, record: RescaleRecord | None = None) -> None:
+        super().__init__(message)
+        self.record = record
+
+
+class RescaleCancelled(RescaleFailed):
+    """A rescale was called off before its directive (``JobHandle.cancel_pending``): its
+    joiners were dismissed, nothing moved, the job continues on its old layout."""
+
+
+class JobFailed(RuntimeError):
+    """The training job failed; ``str(e)`` carries the reason."""
+
+
+# --------------------------------------------------------------------------------------------
+# Wire types
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Directive:
+    """Generation ``generation`` trains ``layout`` on ``workers`` from ``switch_step`` on.
+
+    ``remap=False``: new ranks follow the order of ``workers``; ``remap=True``: the reshard
+    planner chooses the rank map (it keeps the most bytes local). ``old_ranks`` is the rank
+    map of the generation being replaced (empty for the first one).
+    """
+
+    job: str
+    generation: int
+    layout: str
+    workers: tuple[str, ...]
+    remap: bool
+    old_layout: str | None
+    old_ranks: dict[str, int]
+    switch_step: int
+    store_host: str
+    store_port: int
+    join_timeout_s: float
+    hold: bool = False  # a paused generation: its workers keep the state and run no step
+    commit_step: int | None = None  # recovery: survivors first apply this step if they hold it ready
+    # a transactional rescale: members keep their old state untouched (no recycling of dropped
+    # shards) until every member has exchanged its part, and report ``exchanged`` before they
+    # build the new layout; a member lost before that rolls the job back to the old generation,
+    # which then recovers from its survivors (set when the old layout is recoverable)
+    rollback: bool = False
+    # a start (no old generation) from a checkpoint: its path; ``switch_step`` is its step and every
+    # worker reads its boxes out of it (elastic.train.checkpoint) instead of initialising them
+    resume: str | None = None
+    resume_layout: str | None = None
+    # every engine of this generation checks before each micro-batch whether a shrink asks for the
+    # step in progress (TrainEngine.give_up_checks): a property of the generation, so its ranks all
+    # run the check's collective or none does (the coordinator's shrink_gives_up_step when posted)
+    give_up_checks: bool = False
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """Everyone who takes part in the transition: old union new, sorted."""
+        return tuple(sorted(set(self.old_ranks) | set(self.workers)))
+
+    @property
+    def leavers(self) -> tuple[str, ...]:
+        return tuple(sorted(set(self.old_ranks) - set(self.workers)))
+
+    @property
+    def joiners(self) -> tuple[str, ...]:
+        return tuple(sorted(set(self.workers) - set(self.old_ranks)))
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["workers"] = list(self.workers)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Directive:
+        d = dict(d)
+        d["workers"] = tuple(d["workers"])
+        d["old_ranks"] = {str(k): int(v) for k, v in d["old_ranks"].items()}
+        return cls(**d)
+
+
+@dataclass
+class StepRecord:
+    """One finished step of the whole job (aggregated over the generation's workers)."""
+
+    step: int
+    generation: int
+    layout: str
+    loss: float | None
+    tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 else None
+
+
+class CheckpointFailed(RuntimeError):
+    """A checkpoint asked for could not be written (a rank's write failed); nothing else changed."""
+
+
+@dataclass
+class RescaleRecord:
+    """One directive's fate. ``ok`` is None while it is in progress."""
+
+    generation: int
+    from_layout: str | None
+    to_layout: str
+    workers: list[str]
+    joiners: list[str]
+    leavers: list[str]
+    switch_step: int
+    ok: bool | None = None
+    reason: str = ""
+    pause_seconds: float | None = None
+    bytes_moved: int = 0
+    planned_bytes: int = 0
+    lower_bound_bytes: int = 0
+    plan_seconds: float = 0.0
+    execute_seconds: float = 0.0
+    new_ranks: dict[str, int] = field(default_factory=dict)
+    worker_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    hold: bool = False  # the job was paused by this directive (pause_seconds: until the state was held)
+    recovery: str = ""  # a recovery directive: which workers were lost and why
+    # a shrink that gave the step in progress up (shrink_gives_up_step): that step, and how long
+    # the members had computed on it (the longest; counted in pause_seconds: work thrown away)
+    gave_up_step: int | None = None
+    gave_up_seconds: float = 0.0
+    # of the given-up step, the micro-batches per replica whose work the new layout kept and
+    # finished from (0: none, the step was redone whole and gave_up_seconds were thrown away)
+    kept_micro_batches: int = 0
+
+
+@dataclass
+class JobStatus:
+    job: str
+    phase: str  # starting | running | rescaling | paused | recovering | failed | stopping | stopped | finished
+    generation: int
+    layout: str | None
+    workers: list[str]  # current generation's workers in rank order
+    step: int  # last completed step, -1 before the first
+    loss: float | None
+    tokens_per_second: float | None
+    step_seconds: float | None
+    error: str | None
+    last_rescale: RescaleRecord | None
+    reason: str = ""  # the last notable event (e.g. why a rescale was abandoned)
+    failures: list[str] = field(default_factory=list)  # every failure report, first one = error
+    checkpoint_step: int | None = None  # the newest complete checkpoint's step (-1: none yet; None: off)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
