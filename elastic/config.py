@@ -11,6 +11,7 @@ its module on the path), whose code it never runs.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,22 @@ from elastic.model import (
     check_layout,
     load_model,
 )
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+DNS_LABEL_MAX = 63
+
+
+def name_problem(name: str) -> str | None:
+    """Why ``name`` is not a DNS-1123 label (Kubernetes' rule for names: at most 63 characters,
+    lower-case letters, digits and '-', starting and ending with a letter or digit), or None.
+    A name goes into URL paths, pod and Deployment names and the store: nothing else is safe."""
+    shown = repr(name[:40]) + ("..." if len(name) > 40 else "")
+    if len(name) > DNS_LABEL_MAX:
+        return f"{shown} has {len(name)} characters; a name has at most {DNS_LABEL_MAX}"
+    if not _DNS_LABEL.fullmatch(name):
+        return (f"{shown} is not a DNS-1123 label: use lower-case letters, digits and '-', starting and "
+                "ending with a letter or digit (e.g. 'chat-7b')")
+    return None
 
 
 class RetentionSettings(BaseModel):
@@ -62,7 +79,39 @@ class ControllerSettings(BaseModel):
     lease_seconds: float = Field(default=15.0, gt=0, description="leader lease; another controller takes over after it")
     metrics_max_age_seconds: float = Field(default=30.0, gt=0, description="older samples count as stale (never shrink)")
     rescale_timeout_seconds: float = Field(default=120.0, gt=0)
+    metrics_timeout_seconds: float | None = Field(
+        default=None, gt=0, description="a metric read not answered by then is missing data (never a shrink); "
+                                        "below lease_seconds; null: a third of the lease, at most 5 s")
+    backend_timeout_seconds: float | None = Field(
+        default=None, gt=0, description="a cluster read (ping, inventory) not answered by then makes the tick stop "
+                                        "acting; below lease_seconds; null: a third of the lease, at most 5 s")
+    start_backoff_seconds: float = Field(default=10.0, gt=0, description="wait after a job's first failed start or "
+                                                                          "grow; doubles with each failure in a row")
+    start_backoff_max_seconds: float = Field(default=300.0, gt=0, description="the longest such wait; a job running "
+                                                                              "this long after a failure starts afresh")
     retention: RetentionSettings = Field(default_factory=RetentionSettings)
+
+    @model_validator(mode="after")
+    def _bounded(self) -> ControllerSettings:
+        for name in ("metrics_timeout_seconds", "backend_timeout_seconds"):
+            v = getattr(self, name)
+            if v is not None and v >= self.lease_seconds:
+                raise ValueError(f"controller.{name}={v:g} must be below lease_seconds={self.lease_seconds:g} (a "
+                                 "call waited on that long would outlast the lease); lower it")
+        if self.start_backoff_max_seconds < self.start_backoff_seconds:
+            raise ValueError(f"controller.start_backoff_max_seconds={self.start_backoff_max_seconds:g} must be at "
+                             f"least start_backoff_seconds={self.start_backoff_seconds:g}")
+        return self
+
+    def metrics_timeout(self) -> float:
+        return self.metrics_timeout_seconds or min(5.0, self.lease_seconds / 3)
+
+    def backend_timeout(self) -> float:
+        return self.backend_timeout_seconds or min(5.0, self.lease_seconds / 3)
+
+    def backoff_after(self, failures: int) -> float:
+        """Seconds to wait after ``failures`` failed starts in a row: 10, 20, 40, ... up to the cap."""
+        return min(self.start_backoff_max_seconds, self.start_backoff_seconds * 2.0 ** min(failures - 1, 60))
 
 
 class ControllerConfig(BaseModel):
@@ -126,6 +175,11 @@ def load_config(path: str | Path | None = None, data: dict[str, Any] | None = No
         cfg = ControllerConfig.model_validate(data)
     except ValidationError as e:
         raise SpecError(f"{source}: {_located(e) or _one_line(e)}") from None
+    names = [("pool.name", cfg.pool.name)] + [(f"services[{i}].name", s.name) for i, s in enumerate(cfg.services)] \
+        + [(f"jobs[{i}].name", j.name) for i, j in enumerate(cfg.jobs)]
+    for where, name in names:
+        if (why := name_problem(name)) is not None:
+            raise SpecError(f"{source}: {where}: {why}")
     for i, j in enumerate(cfg.jobs):
         try:
             model = load_model(j.model)  # a user job too: the planner sizes it from the declared model

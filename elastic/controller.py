@@ -2,7 +2,13 @@
 
 One ``tick()`` reads as numbered steps (Kueue's scheduler, Kopf's collected effects):
 
-0. lead      hold the pool's DB lease; a controller without it does nothing.
+0. lead      hold the pool's DB lease; a controller without it does nothing. While the tick
+             works a background thread renews it (every third of the lease), and every
+             backend action and every DB write of the tick is fenced: it goes ahead only while
+             the lease is still this controller's at the epoch it took (the DB refuses a write
+             with a stale epoch in the same transaction; locally, a lease not renewed in time
+             stops the tick before its next action). A leader that lost its lease stops
+             mid-tick, stands by and recovers from the DB when it leads again.
 1. observe   backend inventory, what each workload holds, each service's metric, job status.
 2. decide    the pure replica policy per service, then the pure co-scheduler for the pool.
 3. apply     a. stop jobs the backend reports Failed (their GPUs return to the pool, the reason
@@ -28,6 +34,13 @@ the first decision): actions the DB shows in flight are reconciled with what the
 reports, so a controller killed mid-shrink resumes from the backend's truth. With the Ray
 backend in detached mode the workers outlive the controller and finish the directive they
 were given; the reshard is then recorded ``done`` with the bytes and pause the job reports.
+
+Operators' interventions (a pause, a service's replica override, a job's layout pin) are kept
+in the DB with who set them and when: a controller loads them when it starts and again when it
+takes the lease, so a restart or a failover keeps them (an override that ran out is dropped).
+A job whose start or grow fails backs off exponentially (``start_backoff_seconds`` doubling up
+to ``start_backoff_max_seconds``): the co-scheduler does not give it more GPUs until the next
+attempt, and the reason and that time are in its status, the admin API and ``/metrics``.
 """
 
 from __future__ import annotations
@@ -62,6 +75,16 @@ from elastic.scheduler import decide as schedule
 from elastic.scheduler.types import JobState, Knobs, SchedulePlan, ServiceDemand, Snapshot
 
 log = logging.getLogger("elastic.controller")
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """A job whose start or grow failed ``failures`` times in a row: not given more GPUs before ``next_at``."""
+
+    failures: int
+    reason: str
+    next_at: float
+    last_failure_at: float
 
 
 @dataclass
@@ -150,8 +173,19 @@ class Controller:
         self.store = store
         self.sources = dict(sources)
         self.owner = owner
-        self.clock = clock
         self.pool = cfg.pool.name
+        # every write of a tick goes through ``db``: refused unless the lease is still ours
+        self.db = db.FencedStore(store, self.pool, owner, guard=self._check_lead)
+        self._lead_until = 0.0  # time.monotonic() past which the lease may have run out
+        self._lost: str | None = None  # set by the renewal thread when the DB refused a renewal
+        self._hanging: dict[str, threading.Thread] = {}  # service -> a metric read that never answered
+        self.backoff: dict[str, Backoff] = {}
+        #: (kind, target) -> the intervention on record (who, when) behind paused/overrides/pinned
+        self.intervened: dict[tuple[str, str], db.InterventionRecord] = {}
+        self._expired_overrides = False  # an override ran out: its row goes in the record step
+        if hasattr(backend, "fence"):  # optional capability: the backend fences inside long actions
+            backend.fence = self._check_lead
+        self.clock = clock
         self.hardware = load_hardware(cfg.pool.hardware)
         self.policy_state: dict[str, PolicyState] = {s.name: PolicyState() for s in cfg.services}
         self.last_rescale: dict[str, float] = {}
@@ -183,6 +217,7 @@ class Controller:
                     replicate_optimizer=j.no_zero1)
         check_feasible(cfg, self._throughput)
         self._register()
+        self._load_interventions()
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def _register(self) -> None:
@@ -205,20 +240,20 @@ class Controller:
         """
         now = self.clock()
         notes: list[str] = list(getattr(self.backend, "adopted", None) or [])
-        for act in db.open_actions(self.store, self.pool):
+        for act in db.open_actions(self.db, self.pool):
             rt = self.backend.job_runtime(act.workload) if act.kind.endswith("training") else None
             truth = f"backend reports {_recorded_layout(rt)} on {len(rt.gpus)} GPUs" if rt else "backend reports nothing running"
-            db.finish_action(self.store, act.id, error=f"interrupted (controller restarted); {truth}")
+            db.finish_action(self.db, act.id, error=f"interrupted (controller restarted); {truth}")
             notes.append(f"{act.kind} {act.workload} interrupted: {truth}")
-        for ev in db.in_flight_reshards(self.store, self.pool):
+        for ev in db.in_flight_reshards(self.db, self.pool):
             rt = self.backend.job_runtime(ev.job)
             done = rt is not None and _recorded_layout(rt) == ev.to_layout and rt.generation >= ev.generation
             if done:
-                db.finish_reshard(self.store, ev.id, bytes_moved=rt.last_bytes_moved, pause_seconds=rt.last_pause_seconds,
+                db.finish_reshard(self.db, ev.id, bytes_moved=rt.last_bytes_moved, pause_seconds=rt.last_pause_seconds,
                                   now=_dt(now))
                 self.last_rescale[ev.job] = now
             else:
-                db.finish_reshard(self.store, ev.id, bytes_moved=None, pause_seconds=None, now=_dt(now),
+                db.finish_reshard(self.db, ev.id, bytes_moved=None, pause_seconds=None, now=_dt(now),
                                   error=f"interrupted (controller restarted); job is on "
                                         f"{_recorded_layout(rt) if rt else 'nothing'} generation {rt.generation if rt else 0}")
             notes.append(f"reshard {ev.job} g{ev.generation} {ev.from_layout} -> {ev.to_layout}: "
@@ -226,7 +261,7 @@ class Controller:
         self._record_allocations(self._observed_allocation(), generation=0)
         if notes:
             log.warning("recovered: %s", "; ".join(notes))
-            db.record_decision(self.store, pool=self.pool, tick_at=_dt(now), reason="Recovered",
+            db.record_decision(self.db, pool=self.pool, tick_at=_dt(now), reason="Recovered",
                                message="; ".join(notes), plan={"steps": [], "notes": notes}, inputs={})
         self.recovered = True
         return notes
@@ -254,32 +289,96 @@ class Controller:
         return not any(g[0].is_alive() for g in self._growing.values())
 
     # ---- operator interventions (admin API) -------------------------------------------------------
-    def pause(self) -> None:
-        """Stop acting (ticks still observe nothing and record nothing) until ``resume``."""
+    # Each is written to the DB (``store``: the caller's transaction, e.g. with its audit entry)
+    # before it changes the live state, so what the controller acts on is always on record.
+    def pause(self, *, actor: str = "controller", store: Any = None) -> None:
+        """Stop acting (ticks still observe nothing and record nothing) until ``resume``; kept across restarts."""
+        rec = db.set_intervention(store or self.store, pool=self.pool, kind="pause", target=self.pool, actor=actor,
+                                  now=_dt(self.clock()))
         self.paused = True
+        self.intervened[("pause", self.pool)] = rec
 
-    def resume(self) -> None:
+    def resume(self, *, store: Any = None) -> None:
+        db.clear_intervention(store or self.store, pool=self.pool, kind="pause", target=self.pool)
         self.paused = False
+        self.intervened.pop(("pause", self.pool), None)
 
-    def set_override(self, service: str, replicas: int, until: float) -> None:
+    def set_override(self, service: str, replicas: int, until: float, *, actor: str = "controller",
+                     store: Any = None) -> None:
         """Pin a service's replica count until ``until`` (epoch seconds); the policy still runs."""
         spec = self._service_spec(service)
         if not spec.min_replicas <= replicas <= spec.max_replicas:
             raise ValueError(f"replicas={replicas} outside [{spec.min_replicas}, {spec.max_replicas}] of '{service}'")
+        rec = db.set_intervention(store or self.store, pool=self.pool, kind="override", target=service, actor=actor,
+                                  value={"replicas": replicas}, until=_dt(until), now=_dt(self.clock()))
         self.overrides[service] = (replicas, until)
+        self.intervened[("override", service)] = rec
 
-    def clear_override(self, service: str) -> None:
+    def clear_override(self, service: str, *, store: Any = None) -> None:
+        db.clear_intervention(store or self.store, pool=self.pool, kind="override", target=service)
         self.overrides.pop(service, None)
+        self.intervened.pop(("override", service), None)
 
-    def pin_layout(self, job: str, layout: Layout | None) -> None:
+    def pin_layout(self, job: str, layout: Layout | None, *, actor: str = "controller", store: Any = None) -> None:
         """Force ``job`` onto ``layout`` (validated by the caller with the planner); None unpins."""
         if job not in self._throughput:
             raise KeyError(job)
         if layout is None:
+            db.clear_intervention(store or self.store, pool=self.pool, kind="pin", target=job)
             self.pinned.pop(job, None)
+            self.intervened.pop(("pin", job), None)
         else:
-            tps = self._throughput[job].get(layout.world_size, (str(layout), 1.0))[1]
-            self.pinned[job] = {layout.world_size: (str(layout), max(tps, 1.0))}
+            rec = db.set_intervention(store or self.store, pool=self.pool, kind="pin", target=job, actor=actor,
+                                      value={"layout": str(layout)}, now=_dt(self.clock()))
+            self._pin(job, layout)
+            self.intervened[("pin", job)] = rec
+
+    def _pin(self, job: str, layout: Layout) -> None:
+        tps = self._throughput[job].get(layout.world_size, (str(layout), 1.0))[1]
+        self.pinned[job] = {layout.world_size: (str(layout), max(tps, 1.0))}
+
+    def _load_interventions(self) -> None:
+        """The interventions on record become the live ones (at start and whenever this controller
+        takes the lease: a predecessor's pause or pins hold). An override that ran out, or one for a
+        workload this controller does not manage (or with a count its spec no longer allows), is left
+        out; overrides set in memory only (the operator's ``spec.replicas``) stay as they are."""
+        now = self.clock()
+        for kind, target in list(self.intervened):
+            if kind == "override":
+                self.overrides.pop(target, None)
+            elif kind == "pin":
+                self.pinned.pop(target, None)
+        self.intervened, self.paused = {}, False
+        services = {s.name: s for s in self.cfg.services}
+        for r in db.list_interventions(self.store, self.pool):
+            if r.kind == "pause":
+                self.paused = True
+            elif r.kind == "override":
+                spec, replicas = services.get(r.target), r.value.get("replicas")
+                if r.until is None or r.until.timestamp() <= now:
+                    self._expired_overrides = True
+                    continue
+                if spec is None or not isinstance(replicas, int) or \
+                        not spec.min_replicas <= replicas <= spec.max_replicas:
+                    log.warning("override of %s on record (%s by %s) ignored: not a service of this controller or "
+                                "outside its replica bounds", r.target, r.value, r.actor)
+                    continue
+                self.overrides[r.target] = (replicas, r.until.timestamp())
+            elif r.kind == "pin":
+                try:
+                    layout = Layout.parse(str(r.value.get("layout")))
+                except SpecError:
+                    layout = None
+                if r.target not in self._throughput or layout is None:
+                    log.warning("layout pin of %s on record (%s by %s) ignored: not a job of this controller or "
+                                "not a layout", r.target, r.value, r.actor)
+                    continue
+                self._pin(r.target, layout)
+            self.intervened[(r.kind, r.target)] = r
+        if self.intervened:
+            log.info("interventions on record: %s", "; ".join(
+                f"{k} {t}{'' if k == 'pause' else ' ' + json.dumps(r.value)} by {r.actor}"
+                for (k, t), r in sorted(self.intervened.items())))
 
     def checkpoint_job(self, job: str, wait_seconds: float = 0.0) -> Any:
         """Save ``job``'s state at its next step boundary and, with ``wait_seconds``, wait until
@@ -338,7 +437,7 @@ class Controller:
                         continue
                     cutoff = _dt(now - days * 86400.0)
                     while time.monotonic() < deadline:
-                        n = db.purge_history(self.store, table, cutoff, r.batch_rows)
+                        n = db.purge_history(self.db, table, cutoff, r.batch_rows)
                         deleted[table] = deleted.get(table, 0) + n
                         if n < r.batch_rows:
                             break
@@ -361,6 +460,11 @@ class Controller:
                 if self.last_error is not None:
                     log.info("acting again: the database and the backend answer")
                 self.ready, self.last_error = True, None
+            except db.LeaseLost as e:
+                # another controller leads now: stop here, before the next action, and stand by
+                self._stand_down(str(e))
+                res = TickResult(now, False, "LeaseLost", str(e))
+                self.ready, self.last_error = True, None
             except (db.StoreUnavailable, BackendUnavailable) as e:
                 error = f"{type(e).__name__}: {e}"
                 # once when it starts or changes, not every tick while it lasts
@@ -373,21 +477,23 @@ class Controller:
 
     def _tick(self, now: float) -> TickResult:
         # 0. lead
-        self.backend.ping()
+        self._bounded("backend ping", self.backend.ping)
         self.store.ping()
-        self.is_leader = db.acquire_lease(self.store, self.pool, self.owner, self.cfg.controller.lease_seconds,
-                                          now=_dt(now))
-        if not self.is_leader:
+        if not self._lead(now):
             holder = db.lease_holder(self.store, self.pool, now=_dt(now))
             self._lease_changed(False, holder.owner if holder else "?")
             return TickResult(now, False, "NotLeader", f"lease held by {holder.owner if holder else '?'}")
         self._lease_changed(True, self.owner)
+        with self._heartbeat():
+            return self._lead_tick(now)
+
+    def _lead_tick(self, now: float) -> TickResult:
         if not self.recovered:
             self.recover()
         if self.paused:
             return TickResult(now, False, "Paused", "controller paused by an operator")
         # 1. observe
-        nodes = self.backend.inventory()
+        nodes = self._bounded("backend inventory", self.backend.inventory)
         # a failed job's workers are gone or stuck: its GPUs are reclaimed in step 3a, so the
         # plan already treats it as not running (it starts afresh when GPUs allow)
         failed = {j.name: rt for j in self.cfg.jobs
@@ -417,14 +523,91 @@ class Controller:
         self._record(now, plan, replica_decisions, samples, applied, error)
         return TickResult(now, True, plan.reason, plan.message, plan, replica_decisions, applied, error)
 
+    # ---- 0. lead: the lease, its renewal while the tick works, the fence ---------------------------
+    def _lead(self, now: float) -> bool:
+        """Take or renew the pool's lease. A new epoch (a takeover, or ours again after it ran out)
+        loads the interventions on record: a predecessor may have paused or pinned meanwhile."""
+        ttl = self.cfg.controller.lease_seconds
+        asked = time.monotonic()  # the lease runs from no later than this, whatever the DB's delay
+        epoch = db.take_lease(self.store, self.pool, self.owner, ttl, now=_dt(now), epoch=self.db.epoch)
+        if epoch is None:
+            self._stand_down(None)  # said by _lease_changed, with the holder's name
+            return False
+        self._lost, self._lead_until = None, asked + ttl * _LEASE_MARGIN
+        if epoch != self.db.epoch:
+            self.db.epoch = epoch
+            self._load_interventions()
+        self.is_leader = True
+        return True
+
+    def _stand_down(self, why: str | None) -> None:
+        """No longer the leader: nothing more is acted or written until the lease is ours again,
+        and then the DB's state is recovered first (another leader acted meanwhile)."""
+        if self.db.epoch is not None and why is not None:
+            log.warning("lost the lease of pool %s: %s; stopped before the next action, standing by", self.pool, why)
+            self._lease_state = False
+        self.db.epoch, self.is_leader, self.recovered, self._hold = None, False, False, None
+
+    def _check_lead(self) -> None:
+        """The local half of the fence, before every backend action and DB write of a tick:
+        ``LeaseLost`` once a renewal was refused, or once the lease may have run out on this
+        host's clock (a process stalled past it, e.g. stopped, must not act on waking)."""
+        if self._lost is not None:
+            raise db.LeaseLost(self._lost)
+        if self.db.epoch is None:
+            raise db.LeaseLost(f"{self.owner} does not hold the lease of pool {self.pool}")
+        late = time.monotonic() - self._lead_until
+        if late > 0:
+            raise db.LeaseLost(f"the lease of pool {self.pool} was not renewed in time ({late:.1f} s past its "
+                               "deadline on this host)")
+
+    @contextlib.contextmanager
+    def _heartbeat(self) -> Iterator[None]:
+        """Renew the lease every third of its length while the tick works (a long rescale keeps it);
+        a refused renewal marks it lost (``_check_lead`` then stops the tick at its next step)."""
+        ttl = self.cfg.controller.lease_seconds
+        done = threading.Event()
+        epoch = self.db.epoch
+
+        def beat() -> None:
+            while not done.wait(ttl / 3):
+                asked = time.monotonic()
+                try:
+                    ok = db.renew_lease(self.store, self.pool, self.owner, ttl, now=_dt(self.clock()), epoch=epoch)
+                except db.StoreError as e:  # the deadline decides if the DB stays away
+                    log.warning("could not renew the lease of pool %s: %s", self.pool, e)
+                    continue
+                if not ok:
+                    self._lost = f"the lease of pool {self.pool} could not be renewed: another controller holds it"
+                    return
+                self._lead_until = asked + ttl * _LEASE_MARGIN
+
+        t = threading.Thread(target=beat, name=f"lease-{self.pool}", daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            done.set()
+            t.join()
+
+    def _act(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A backend action, fenced: only while the lease is still ours."""
+        self._check_lead()
+        return fn(*args)
+
+    def _bounded(self, what: str, fn: Callable[[], Any]) -> Any:
+        """A backend read that must not hold the tick: ``BackendUnavailable`` after
+        ``backend_timeout_seconds`` (the call is left to finish on its own)."""
+        return _call_within(fn, self.cfg.controller.backend_timeout(), what, BackendUnavailable)
+
     def _lease_changed(self, leader: bool, holder: str) -> None:
         """One line when this controller gains or loses the pool's lease (or starts as a standby)."""
         was, self._lease_state = self._lease_state, leader
         if was == leader:
             return
         if leader:
-            log.info("leading pool %s: lease taken by %s (%g s, renewed every tick)", self.pool, self.owner,
-                     self.cfg.controller.lease_seconds)
+            log.info("leading pool %s: lease taken by %s at epoch %s (%g s, renewed while a tick works)", self.pool,
+                     self.owner, self.db.epoch, self.cfg.controller.lease_seconds)
         elif was:
             log.warning("lost the lease of pool %s to %s: standing by, not acting", self.pool, holder)
         else:
@@ -437,6 +620,7 @@ class Controller:
         for name, rt in runtimes.items():
             if rt is not None and rt.recovery and self._recoveries_seen.get(name) != rt.generation:
                 self._record_recovery(rt)
+        self._forgive(runtimes, self.clock())
         return self._observed_allocation(exclude=failed), runtimes
 
     def _record_recovery(self, rt: JobRuntime) -> None:
@@ -446,18 +630,40 @@ class Controller:
         self.recoveries.append((rt.name, rt.generation))
         now = self.clock()
         if not any(ev.generation == rt.generation
-                   for ev in db.list_reshards(self.store, job=rt.name, limit=5, newest_first=True)):
-            rid = db.start_reshard(self.store, job=rt.name, pool=self.pool, generation=rt.generation,
+                   for ev in db.list_reshards(self.db, job=rt.name, limit=5, newest_first=True)):
+            rid = db.start_reshard(self.db, job=rt.name, pool=self.pool, generation=rt.generation,
                                    from_layout=rt.recovered_from or "", to_layout=rt.layout or "",
                                    bytes_planned=rt.last_bytes_moved or 0, bytes_lower_bound=0, now=_dt(now))
-            db.finish_reshard(self.store, rid, bytes_moved=rt.last_bytes_moved, pause_seconds=rt.last_pause_seconds,
+            db.finish_reshard(self.db, rid, bytes_moved=rt.last_bytes_moved, pause_seconds=rt.last_pause_seconds,
                               now=_dt(now))
         msg = (f"{rt.name} recovered in place from {rt.recovery}: {rt.recovered_from} -> {rt.layout} on "
                f"{len(rt.gpus)} GPUs, training resumed (pause {rt.last_pause_seconds or 0.0:.2f} s)")
         log.warning("%s", msg)
-        db.record_decision(self.store, pool=self.pool, tick_at=_dt(now), reason="WorkerLost", message=msg,
+        db.record_decision(self.db, pool=self.pool, tick_at=_dt(now), reason="WorkerLost", message=msg,
                            plan={"steps": [], "notes": [msg], "job": rt.name, "generation": rt.generation,
                                  "lost": rt.recovery}, inputs={})
+
+    def _failed_start(self, job: str, reason: str, now: float) -> None:
+        """A start or grow of ``job`` failed (or the job failed on its own): wait before the next
+        attempt, twice as long after each failure in a row (``start_backoff_*``)."""
+        b = self.backoff.get(job)
+        n = (b.failures if b else 0) + 1
+        wait = self.cfg.controller.backoff_after(n)
+        self.backoff[job] = Backoff(n, reason[:500], now + wait, now)
+        log.warning("job %s: failure %d in a row (%s); it gets no more GPUs for %g s", job, n, reason[:200], wait)
+
+    def _backing_off(self, job: str, now: float) -> Backoff | None:
+        b = self.backoff.get(job)
+        return b if b is not None and now < b.next_at else None
+
+    def _forgive(self, runtimes: Mapping[str, JobRuntime | None], now: float) -> None:
+        """A job running ``start_backoff_max_seconds`` after its last failure starts afresh."""
+        cap = self.cfg.controller.start_backoff_max_seconds
+        for job, b in list(self.backoff.items()):
+            rt = runtimes.get(job)
+            if rt is not None and rt.phase == "Running" and now - b.last_failure_at >= cap:
+                del self.backoff[job]
+                log.info("job %s has run %g s since its last failure: its backoff is over", job, cap)
 
     def _observed_allocation(self, exclude: set[str] | None = None) -> Allocation:
         hold: dict[str, tuple[GPU, ...]] = {}
@@ -496,14 +702,18 @@ class Controller:
         def run() -> None:
             try:
                 self._apply_step(step, spec, gpus, now)
-                db.finish_action(self.store, action_id, now=_dt(self.clock()))
+                db.finish_action(self.db, action_id, now=_dt(self.clock()))
+            except db.LeaseLost as e:  # the new leader recovers this grow from the DB and the backend
+                log.warning("grow of %s stopped: %s", spec.name, e)
+                return
             except GrowCancelled as e:
                 log.info("grow of %s called off: %s", spec.name, e)
-                db.finish_action(self.store, action_id, error=str(e), cancelled=True, now=_dt(self.clock()))
+                db.finish_action(self.db, action_id, error=str(e), cancelled=True, now=_dt(self.clock()))
             except Exception as e:  # noqa: BLE001 - recorded; the next tick observes the job as it is
                 errors.append(str(e))
                 log.error("grow of %s failed: %s", spec.name, e)
-                db.finish_action(self.store, action_id, error=str(e), now=_dt(self.clock()))
+                self._failed_start(spec.name, str(e), self.clock())
+                db.finish_action(self.db, action_id, error=str(e), now=_dt(self.clock()))
 
         t = threading.Thread(target=run, name=f"grow-{spec.name}", daemon=True)
         self._growing[spec.name] = (t, gpus, errors)
@@ -514,7 +724,13 @@ class Controller:
         if src is None:
             return None
         try:
-            s = src.sample(service, now)
+            hung = self._hanging.get(service)
+            if hung is not None and hung.is_alive():
+                raise TimeoutError("its previous read has not answered yet")
+            # a source that never answers (a Prometheus accepting connections and nothing more) must
+            # not hold the tick; its thread goes on and the next read waits for it to end
+            s = _call_within(lambda: src.sample(service, now), self.cfg.controller.metrics_timeout(),
+                             f"metric read for {service}", TimeoutError, hanging=self._hanging, key=service)
         except Exception as e:  # noqa: BLE001 - a failing source is missing data, never zero
             if self._source_errors.get(service) != str(e):  # once per failure, not every tick
                 log.warning("metric source for %s failed: %s", service, e)
@@ -540,6 +756,8 @@ class Controller:
                                    message=f"pinned to {pin[0]} replicas by an operator (policy said {decision.replicas})")
             elif pin is not None:
                 del self.overrides[s.name]
+                if self.intervened.pop(("override", s.name), None) is not None:
+                    self._expired_overrides = True  # its row goes in the record step
             out[s.name] = decision
         return out
 
@@ -549,7 +767,7 @@ class Controller:
             ServiceDemand(s.name, replicas[s.name].replicas, s.gpus_per_replica, s.priority, s.min_replicas)
             for s in self.cfg.services)
         jobs = tuple(
-            JobState(j.name, self.pinned.get(j.name, self._throughput[j.name]), j.min_gpus, j.max_gpus, j.priority,
+            JobState(j.name, self._table(j.name, now, previous), j.min_gpus, j.max_gpus, j.priority,
                      layout=(runtimes[j.name].layout if _trains(runtimes[j.name]) else None),
                      last_rescale_at=self.last_rescale.get(j.name),
                      status=_job_status(runtimes[j.name]),
@@ -560,6 +778,15 @@ class Controller:
             for j in self.cfg.jobs)
         return Snapshot(now, nodes, services, jobs, previous, Knobs.from_pool(self.cfg.pool))
 
+    def _table(self, job: str, now: float, previous: Allocation) -> Mapping[int, tuple[str, float]]:
+        """The job's GPU count -> layout table as the co-scheduler sees it: its pin if any; while it
+        backs off from a failed start, no count above what it holds (it is not started or grown)."""
+        table = self.pinned.get(job, self._throughput[job])
+        if self._backing_off(job, now) is None:
+            return table
+        held = len(previous.gpus_of(job))
+        return {n: v for n, v in table.items() if n <= held}
+
     # ---- 3. apply -------------------------------------------------------------------------------
     def _reap_failed(self, now: float, failed: dict[str, JobRuntime]) -> tuple[list[str], str | None]:
         """Stop each failed job so its GPUs return to the pool; the failure reason goes on record."""
@@ -567,17 +794,18 @@ class Controller:
         specs = {j.name: j for j in self.cfg.jobs}
         for name, rt in failed.items():
             why = rt.error or "no reason reported"
-            action_id = db.begin_action(self.store, pool=self.pool, kind="stop_failed_training", workload=name,
+            action_id = db.begin_action(self.db, pool=self.pool, kind="stop_failed_training", workload=name,
                                         payload={"gpus": [str(g) for g in rt.gpus], "reason": why}, now=_dt(now))
             log.error("job %s failed on %s at step %d (%s); reclaiming its %d GPUs", name, rt.layout, rt.step, why,
                       len(rt.gpus))
             try:
-                self.backend.set_job_gpus(specs[name], (), None)
+                self._act(self.backend.set_job_gpus, specs[name], (), None)
             except BackendError as e:
-                db.finish_action(self.store, action_id, error=str(e), now=_dt(self.clock()))
+                db.finish_action(self.db, action_id, error=str(e), now=_dt(self.clock()))
                 return done, f"stop_failed_training {name}: {e}"
-            db.finish_action(self.store, action_id, now=_dt(self.clock()))
+            db.finish_action(self.db, action_id, now=_dt(self.clock()))
             self.last_rescale.pop(name, None)
+            self._failed_start(name, why, now)
             done.append(f"stop_failed_training {name}: {why}")
         return done, None
 
@@ -595,7 +823,7 @@ class Controller:
                 # Inference wants GPUs back from a job whose grow is still starting joiners: call
                 # the grow off (nothing has moved yet) rather than wait seconds for joiners that
                 # would leave again; the tick then plans once more from what the job really holds.
-                if self.backend.cancel_grow(step.workload):
+                if self._act(self.backend.cancel_grow, step.workload):
                     self._wait_grow(step.workload)
                     applied.append(f"cancel_grow {step.workload} (joiners dismissed before their directive; "
                                    f"{step.action} re-planned)")
@@ -603,7 +831,7 @@ class Controller:
                     self._replan = True
                     return applied, None
                 self._wait_grow(step.workload)  # past its directive: a shrink waits for the grow to land
-            action_id = db.begin_action(self.store, pool=self.pool, kind=step.action, workload=step.workload,
+            action_id = db.begin_action(self.db, pool=self.pool, kind=step.action, workload=step.workload,
                                         payload={"gpus": [str(g) for g in gpus], "reason": step.reason},
                                         now=_dt(now))
             if step.action == "grow_training" and self.async_grow:
@@ -613,10 +841,12 @@ class Controller:
             try:
                 self._apply_step(step, specs[step.workload], gpus, now)
             except BackendError as e:
-                db.finish_action(self.store, action_id, error=str(e), now=_dt(self.clock()))
+                if step.action == "grow_training" and not isinstance(e, GrowCancelled):
+                    self._failed_start(step.workload, str(e), now)
+                db.finish_action(self.db, action_id, error=str(e), now=_dt(self.clock()))
                 log.error("step %s %s failed: %s; the rest of this plan is skipped", step.action, step.workload, e)
                 return applied, f"{step.action} {step.workload}: {e}"
-            db.finish_action(self.store, action_id, now=_dt(self.clock()))
+            db.finish_action(self.db, action_id, now=_dt(self.clock()))
             applied.append(f"{step.action} {step.workload}")
         return applied, None
 
@@ -657,7 +887,7 @@ class Controller:
         out: list[str] = []
         for name, gpus in wanted.items():
             try:
-                urls = act(name, gpus, hold)
+                urls = self._act(act, name, gpus, hold)
             except BackendError as e:  # a nicety, never a reason to stop the tick
                 log.warning("drain ahead of %s failed: %s", name, e)
                 continue
@@ -674,7 +904,7 @@ class Controller:
 
     def _apply_step(self, step: PlanStep, spec: Any, gpus: tuple[GPU, ...], now: float) -> None:
         if step.action in ("scale_inference_up", "scale_inference_down"):
-            self.backend.set_service_gpus(spec, gpus)
+            self._act(self.backend.set_service_gpus, spec, gpus)
             if step.action == "scale_inference_up":
                 self._landed(spec.name, len(gpus) // spec.gpus_per_replica)
             return
@@ -688,7 +918,7 @@ class Controller:
             layout = Layout.parse(text)
         before = self.backend.job_runtime(spec.name)
         to = str(layout) if before is not None and layout is not None else None
-        self._reshard_on_record(spec, before, to, now, lambda: self.backend.set_job_gpus(spec, gpus, layout))
+        self._reshard_on_record(spec, before, to, now, lambda: self._act(self.backend.set_job_gpus, spec, gpus, layout))
 
     def _landed(self, service: str, replicas: int) -> None:
         """A scale-up landed *now*, seconds after the tick that decided it began (see ``policy.landed``)."""
@@ -702,7 +932,7 @@ class Controller:
         before = self.backend.job_runtime(spec.name)
         to = (paused_tag(Layout.parse(before.layout).held())
               if before is not None and before.layout and before.phase != "Paused" else None)
-        self._reshard_on_record(spec, before, to, now, lambda: self.backend.pause_job(spec))  # type: ignore[attr-defined]
+        self._reshard_on_record(spec, before, to, now, lambda: self._act(self.backend.pause_job, spec))  # type: ignore[attr-defined]
 
     def _reshard_on_record(self, spec: Any, before: JobRuntime | None, to_layout: str | None, now: float,
                            act: Callable[[], RescaleOutcome]) -> None:
@@ -710,19 +940,19 @@ class Controller:
         the reshard history: in flight first, then done with its bytes and pause, or failed/cancelled."""
         rid = None
         if before is not None and to_layout is not None:
-            rid = db.start_reshard(self.store, job=spec.name, pool=self.pool, generation=before.generation + 1,
+            rid = db.start_reshard(self.db, job=spec.name, pool=self.pool, generation=before.generation + 1,
                                    from_layout=_recorded_layout(before) or "", to_layout=to_layout, bytes_planned=0,
                                    bytes_lower_bound=0, now=_dt(now))
         try:
             out = act()
         except BackendError as e:
             if rid is not None:  # a called-off grow (nothing moved) ends as cancelled, with the reason
-                db.finish_reshard(self.store, rid, bytes_moved=None, pause_seconds=None, error=str(e),
+                db.finish_reshard(self.db, rid, bytes_moved=None, pause_seconds=None, error=str(e),
                                   cancelled=isinstance(e, GrowCancelled))
             raise
         if rid is not None:
             # planned and lower-bound bytes are known only once the workers planned at the boundary
-            db.finish_reshard(self.store, rid, bytes_moved=out.bytes_moved, pause_seconds=out.pause_seconds,
+            db.finish_reshard(self.db, rid, bytes_moved=out.bytes_moved, pause_seconds=out.pause_seconds,
                               now=_dt(self.clock()), bytes_planned=out.bytes_planned,
                               bytes_lower_bound=out.bytes_lower_bound)
             log.info("rescaled %s %s -> %s (generation %d): %s moved (planned %s, lower bound %s), "
@@ -753,13 +983,16 @@ class Controller:
         message = f"{plan.message}; failed: {error}" if error else plan.message
         hold = None if (applied or error or any(st.action != "noop" for st in plan.steps)) else \
             hold_digest(reason, message, plan, replicas)
-        db.record_decision(self.store, pool=self.pool, tick_at=_dt(now), reason=reason, message=message,
+        db.record_decision(self.db, pool=self.pool, tick_at=_dt(now), reason=reason, message=message,
                            plan=plan_doc, inputs=inputs, hold=hold)
+        if self._expired_overrides:
+            db.drop_expired_overrides(self.db, self.pool, now=_dt(now))
+            self._expired_overrides = False
         self._log_decision(reason, message, plan, replicas, applied, error, hold)
         self._record_allocations(self._observed_allocation(), generation=int(now))
         for name, d in replicas.items():
             with self._vanished("service", name):
-                db.set_service_status(self.store, name, {
+                db.set_service_status(self.db, name, {
                     "currentReplicas": d.current, "desiredReplicas": d.replicas, "observedValue": d.metric,
                     "leavingReplicas": d.leaving, "reason": str(d.reason), "message": d.message}, now=_dt(now))
         for j in self.cfg.jobs:
@@ -782,7 +1015,15 @@ class Controller:
                             kind, name, self.config_source or "given at start")
 
     def _set_job_status(self, name: str, rt: Any, jd: Any, now: float) -> None:
-        db.set_job_status(self.store, name, {
+        b = self.backoff.get(name)
+        backoff = None if b is None else {"failures": b.failures, "reason": b.reason,
+                                          "nextAttemptAt": _dt(b.next_at).isoformat()}
+        if self._backing_off(name, now) is not None and b is not None:
+            jd = replace(jd, reason="BackingOff",
+                         message=f"failed {b.failures} time(s) in a row ({b.reason[:200]}); next attempt at "
+                                 f"{_dt(b.next_at).isoformat()}") if jd is not None else jd
+        db.set_job_status(self.db, name, {
+            "backoff": backoff,
             "phase": rt.phase if rt else "Pending", "layout": _recorded_layout(rt) if rt else None,
             "generation": rt.generation if rt else 0, "step": rt.step if rt else 0,
             "loss": rt.loss if rt else None, "tokensPerSecond": rt.tokens_per_second if rt else 0.0,
@@ -812,15 +1053,46 @@ class Controller:
         log.info("holding (%s%s): %s; %s", reason, ", fail-safe" if fail_safe else "", message, "; ".join(why))
 
     def _record_allocations(self, alloc: Allocation, generation: int) -> None:
-        current = db.current_allocations(self.store, self.pool)
+        current = db.current_allocations(self.db, self.pool)
         for w, gpus in alloc.holdings.items():
             rec = current.get(w)
             if rec is None or sorted(map(str, rec.gpus)) != sorted(map(str, gpus)):
                 kind = "inference" if w in {s.name for s in self.cfg.services} else "training"
-                db.set_allocation(self.store, self.pool, w, gpus, generation, kind=kind)
+                db.set_allocation(self.db, self.pool, w, gpus, generation, kind=kind)
         for w in current:
             if w not in alloc.holdings:
-                db.release_allocation(self.store, self.pool, w)
+                db.release_allocation(self.db, self.pool, w)
+
+
+#: the share of the lease this controller counts on from the moment it asked for it (the rest is
+#: slack for clock rates and the DB's delay)
+_LEASE_MARGIN = 0.9
+
+
+def _call_within(fn: Callable[[], Any], timeout: float, what: str, error: type[Exception], *,
+                 hanging: dict[str, threading.Thread] | None = None, key: str = "") -> Any:
+    """``fn()`` in a helper thread, waited for at most ``timeout`` seconds; ``error`` after that
+    (the call goes on in its daemon thread, noted in ``hanging[key]``: Python cannot interrupt it)."""
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+        finally:
+            done.set()
+
+    t = threading.Thread(target=run, name=f"call {what}", daemon=True)
+    t.start()
+    if not done.wait(timeout):
+        if hanging is not None:
+            hanging[key] = t
+        raise error(f"{what} did not answer within {timeout:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 #: replica-policy reasons that make a hold a different one (a fail-safe, an operator's pin); the

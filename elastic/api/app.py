@@ -20,17 +20,20 @@ overrides/pins/pause); the controller's next tick acts on it. It never calls a b
 
 from __future__ import annotations
 
-import hashlib
 import logging
+import math
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from fastapi import Depends, FastAPI, Path, Query, Request, Response
+from fastapi import Depends, FastAPI, Query, Request, Response
+from fastapi import Path as PathParam
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -50,7 +53,9 @@ from elastic.api.problems import (
     problem_response,
 )
 from elastic.backends.base import BackendError, CheckpointNotSaved
+from elastic.config import name_problem
 from elastic.model import (
+    MODEL_PRESETS,
     InferenceSpec,
     Layout,
     PoolSpec,
@@ -69,7 +74,7 @@ MAX_LIMIT = 500
 WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$"
 
-Name = Annotated[str, Path(pattern=NAME_PATTERN, description="workload or pool name")]
+Name = Annotated[str, PathParam(pattern=NAME_PATTERN, description="workload or pool name")]
 Limit = Annotated[int, Query(ge=1, le=MAX_LIMIT, description=f"page size, 1..{MAX_LIMIT}")]
 Continue = Annotated[str | None, Query(alias="continue", max_length=2048,
                                        description="token from the previous page's metadata.continue")]
@@ -246,6 +251,7 @@ class _Api:
         self.store, self.ctl, self.operator_mode, self.codec = store, controller, operator_mode, codec
         self.clock = clock
         self.tokens: TokenSet | None = None  # set by create_app: who may read the details of /readyz
+        self.model_dir: Path | None = None  # set by create_app: model files of API-written specs come from here
         # interventions one at a time: the controller's live state and the audit log's last entry
         # must be the same write (two overrides racing could leave the other one live)
         self.serial = threading.Lock()
@@ -268,18 +274,23 @@ class _Api:
                           f"{kind} specs are owned by Kubernetes custom resources in operator mode; use "
                           f"'kubectl apply -f <{crd}.yaml>' or 'kubectl delete {crd.lower()} {name}' instead")
 
-    def deletable(self, kind: str, name: str) -> None:
-        """A workload the running controller manages from its config file cannot be deleted here: the
-        controller would go on with it (and the next start would bring it back)."""
+    def from_config(self, kind: str, name: str, verb: str) -> None:
+        """A workload the running controller manages from its config file is neither replaced nor deleted
+        here: the file wins (the controller runs its spec, and every start writes it back to the store),
+        so such a write would be reverted without a word. 409, naming the file; the header
+        ``Elastic-Spec-Source: config`` says which source wins."""
         ctl = self.ctl
         if ctl is None:
             return
         declared = ctl.cfg.services if kind == "service" else ctl.cfg.jobs
         if any(w.name == name for w in declared):
             where = getattr(ctl, "config_source", None) or "the config file given to the controller"
+            fix = ("remove it from that file and restart the controller to delete it" if verb == "delete" else
+                   "change it in that file and restart the controller")
             raise Problem(409, "declared-in-config",
                           f"{kind} '{name}' is declared in {where} and the running controller manages it from "
-                          "there; remove it from that file and restart the controller to delete it")
+                          f"there: the config file wins over the API (every start writes its spec back); {fix}",
+                          headers={"Elastic-Spec-Source": "config"})
 
     def pool_spec(self, name: str, field: str = "pool") -> PoolSpec:
         rec = db.get_pool(self.store, name)
@@ -302,7 +313,15 @@ class _Api:
         log.info("%s %s by %s", action, target, who.name)
 
 
+def _check_names(body: Any) -> None:
+    """Names become URL path segments, pod names and keys: DNS-1123 labels only (as the config file's)."""
+    for field, name in (("spec.name", body.spec.name), ("pool", body.pool)):
+        if (why := name_problem(name)) is not None:
+            raise invalid(field, why)
+
+
 def _check_service(api: _Api, body: S.ServiceWrite) -> None:
+    _check_names(body)
     pool = api.pool_spec(body.pool)
     s, gpn = body.spec, pool.gpus_per_node
     if s.gpus_per_replica > gpn and s.gpus_per_replica % gpn:
@@ -315,9 +334,10 @@ def _check_service(api: _Api, body: S.ServiceWrite) -> None:
 
 
 def _check_job(api: _Api, body: S.JobWrite) -> None:
+    _check_names(body)
     pool = api.pool_spec(body.pool)
-    try:
-        load_model(body.spec.model)  # a user job too: the planner sizes it from the declared model
+    try:  # a user job too: the planner sizes it from the declared model; files only from the model directory
+        _api_model(api, body.spec.model)
     except SpecError as e:
         raise invalid("spec.model", str(e)) from None
     if body.spec.entrypoint is not None:
@@ -434,11 +454,20 @@ def _controller_status(ctl: Any) -> S.ControllerStatus:
     t = ctl.last_tick
     last = None if t is None else S.LastTick(at=_epoch(t.at), acted=t.acted, reason=t.reason, message=t.message,
                                               seconds=t.seconds, error=t.error)
-    overrides = {s: {"replicas": r, "until": _epoch(u).isoformat()} for s, (r, u) in dict(ctl.overrides).items()}
+    on_record = dict(getattr(ctl, "intervened", {}))
+    overrides = {}
+    for s, (r, u) in dict(ctl.overrides).items():
+        rec = on_record.get(("override", s))
+        overrides[s] = {"replicas": r, "until": _epoch(u).isoformat() if math.isfinite(u) else None,
+                        "by": rec.actor if rec else None, "at": rec.at.isoformat() if rec else None}
     pinned = {j: next(iter(tbl.values()))[0] for j, tbl in dict(ctl.pinned).items() if tbl}
+    interventions = [S.Intervention(kind=r.kind, target=r.target, value=r.value, by=r.actor, at=r.at, until=r.until)
+                     for _, r in sorted(on_record.items())]
+    backoff = {j: S.JobBackoff(failures=b.failures, reason=b.reason, next_attempt_at=_epoch(b.next_at))
+               for j, b in dict(getattr(ctl, "backoff", {})).items()}
     return S.ControllerStatus(pool=ctl.pool, owner=ctl.owner, leader=bool(ctl.is_leader), paused=bool(ctl.paused),
                               ready=bool(ctl.ready), last_error=ctl.last_error, last_tick=last, overrides=overrides,
-                              pinned=pinned)
+                              pinned=pinned, interventions=interventions, backoff=backoff)
 
 
 def _routes_spec_writes(app: FastAPI, api: _Api) -> None:
@@ -474,6 +503,7 @@ def _spec_writes(app: FastAPI, api: _Api, kind: str, body_t: Any, checker: Any, 
         if body.spec.name != name:
             raise invalid("spec.name", f"'{body.spec.name}' differs from the path's '{name}'; renaming is not "
                                        "supported (create the new name, delete the old)")
+        api.from_config(kind, name, "replace")
         checker(api, body)
         with api.audited(who, f"{kind}.replace", f"{kind}/{name}", body.model_dump(mode="json", by_alias=True)) as s:
             if getter(s, name) is None:
@@ -492,7 +522,7 @@ def _spec_writes(app: FastAPI, api: _Api, kind: str, body_t: Any, checker: Any, 
                 name=f"delete_{kind}")
     def delete(name: Name, who: Writer) -> Response:
         api.specs_writable(kind, name)
-        api.deletable(kind, name)
+        api.from_config(kind, name, "delete")
         with api.audited(who, f"{kind}.delete", f"{kind}/{name}", {}) as s:
             if not deleter(s, name):
                 raise Problem(404, "not-found", f"{what} '{name}' not found")
@@ -509,10 +539,10 @@ def _routes_interventions(app: FastAPI, api: _Api) -> None:
             raise Problem(404, "not-found", f"training job '{name}' not found")
         planned = None if body.layout is None else _feasible(api, rec, body.layout)
         layout = None if planned is None else planned.layout
-        with api.serial, _restoring(ctl.pinned, name), api.audited(who, "job.rescale", f"job/{name}",
-                                                                   body.model_dump()):
+        with api.serial, _restoring(ctl.pinned, name), _restoring(ctl.intervened, ("pin", name)), \
+                api.audited(who, "job.rescale", f"job/{name}", body.model_dump()) as s:
             try:
-                ctl.pin_layout(name, layout)
+                ctl.pin_layout(name, layout, actor=who.name, store=s)
             except KeyError:
                 raise Problem(409, "not-managed", f"training job '{name}' is not managed by the running controller "
                                                   "(it was added after the controller started); restart it") from None
@@ -571,10 +601,10 @@ def _routes_interventions(app: FastAPI, api: _Api) -> None:
         if not spec.min_replicas <= body.replicas <= spec.max_replicas:
             raise invalid("replicas", f"{body.replicas} is outside [{spec.min_replicas}, {spec.max_replicas}] "
                                       f"(min_replicas, max_replicas) of '{name}'")
-        with api.serial, _restoring(ctl.overrides, name), api.audited(who, "service.override", f"service/{name}",
-                                                                      body.model_dump(mode="json")):
+        with api.serial, _restoring(ctl.overrides, name), _restoring(ctl.intervened, ("override", name)), \
+                api.audited(who, "service.override", f"service/{name}", body.model_dump(mode="json")) as s:
             try:
-                ctl.set_override(name, body.replicas, until)
+                ctl.set_override(name, body.replicas, until, actor=who.name, store=s)
             except ValueError as e:
                 raise invalid("replicas", str(e)) from None
         return S.Override(service=name, replicas=body.replicas, until=body.until,
@@ -585,9 +615,9 @@ def _routes_interventions(app: FastAPI, api: _Api) -> None:
     def clear_override(name: Name, who: Writer) -> S.Override:
         ctl = api.controller()
         _managed_service(api, ctl, name)
-        with api.serial, _restoring(ctl.overrides, name), api.audited(who, "service.override.clear",
-                                                                      f"service/{name}", {}):
-            ctl.clear_override(name)
+        with api.serial, _restoring(ctl.overrides, name), _restoring(ctl.intervened, ("override", name)), \
+                api.audited(who, "service.override.clear", f"service/{name}", {}) as s:
+            ctl.clear_override(name, store=s)
         return S.Override(service=name, replicas=None, until=None, message="override cleared; the policy decides")
 
     for verb in ("pause", "resume"):
@@ -601,8 +631,9 @@ def _pause_route(app: FastAPI, api: _Api, verb: str) -> None:
         ctl = api.controller()
         before = ctl.paused
         try:
-            with api.serial, api.audited(who, f"controller.{verb}", f"pool/{ctl.pool}", {}):
-                ctl.pause() if verb == "pause" else ctl.resume()
+            with api.serial, _restoring(ctl.intervened, ("pause", ctl.pool)), \
+                    api.audited(who, f"controller.{verb}", f"pool/{ctl.pool}", {}) as s:
+                ctl.pause(actor=who.name, store=s) if verb == "pause" else ctl.resume(store=s)
         except BaseException:
             ctl.paused = before  # the audit write failed: undo, so the DB and the controller agree
             raise
@@ -610,7 +641,7 @@ def _pause_route(app: FastAPI, api: _Api, verb: str) -> None:
 
 
 @contextmanager
-def _restoring(mapping: dict[str, Any], key: str) -> Iterator[None]:
+def _restoring(mapping: dict[Any, Any], key: Any) -> Iterator[None]:
     """Put ``mapping[key]`` back as it was if the block fails (e.g. the audit commit)."""
     had, old = key in mapping, mapping.get(key)
     try:
@@ -658,7 +689,7 @@ def _feasible(api: _Api, rec: db.JobRecord, text: str) -> Any:
         if allowed and getattr(layout, axis) not in allowed:
             raise invalid("layout", f"{axis}={getattr(layout, axis)} is not in the job's allowed_{axis} {allowed}")
     try:
-        model = load_model(job.model)
+        model = _job_model(api, job)
         check_layout(model, layout, pool.gpus_per_node)
         if job.entrypoint is not None:  # the user's mesh: tp, pp, dp only, each axis above 1 named
             from elastic.train.userjob import from_spec
@@ -671,6 +702,24 @@ def _feasible(api: _Api, rec: db.JobRecord, text: str) -> Any:
     if not planned.fits:
         raise invalid("layout", f"{layout} is infeasible on {pool.hardware}: {planned.reason}")
     return planned
+
+
+def _job_model(api: _Api, job: TrainingSpec) -> Any:
+    """The job's model: a preset, a file the controller's config named (trusted, as the controller
+    reads it), or else a file inside the model directory."""
+    ctl = api.ctl
+    if ctl is not None and any(j.name == job.name and j.model == job.model for j in ctl.cfg.jobs):
+        return load_model(job.model)
+    return _api_model(api, job.model)
+
+
+def _api_model(api: _Api, name: str) -> Any:
+    """A preset, or a .yaml/.json file inside the model directory; nothing else is looked up."""
+    if name not in MODEL_PRESETS and Path(name).suffix not in (".yaml", ".yml", ".json"):
+        shown = name[:80] + ("..." if len(name) > 80 else "")
+        raise SpecError(f"unknown model {shown!r}: use a preset ({', '.join(MODEL_PRESETS)}) or a .yaml/.json "
+                        f"file in {api.model_dir}")
+    return load_model(name, base_dir=api.model_dir)
 
 
 def _routes_ops(app: FastAPI, api: _Api, metrics: Callable[[], bytes]) -> None:
@@ -713,18 +762,21 @@ def _routes_ops(app: FastAPI, api: _Api, metrics: Callable[[], bytes]) -> None:
 def create_app(store: db.Store, controller: Any | None = None, *, tokens: TokenSet, operator_mode: bool = False,
                registry: CollectorRegistry | None = None, require_auth_for_reads: bool = False,
                clock: Callable[[], float] = time.time, continue_key: bytes | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, model_dir: str | os.PathLike[str] | None = None
+               ) -> FastAPI:
     """The admin API over ``store`` (and ``controller`` for interventions; None: read-only ops).
 
     ``registry``: what ``/metrics`` serves (the serve loop's ``Exporter.registry``). None: an
     ``Exporter`` of this app refreshed from the store and controller on every scrape.
-    ``continue_key``: key of the continue-token tag; API replicas over one DB should share it
-    (default: derived from the store URL, password masked). ``max_body_bytes``: the largest request
-    body taken (413 above it).
+    ``continue_key``: key of the continue-token tag (default: a random key kept in the database, the
+    same for every API server over it; nothing the server shows derives it). ``max_body_bytes``: the
+    largest request body taken (413 above it). ``model_dir``: the only directory model files named by
+    API-written specs are read from (default ``$ELASTIC_MODEL_DIR``, else ``./models``).
     """
-    codec = ContinueCodec(continue_key if continue_key is not None else hashlib.sha256(store.url.encode()).digest())
+    codec = ContinueCodec(continue_key if continue_key is not None else _continue_key(store))
     api = _Api(store, controller, operator_mode, clock, codec)
     api.tokens = tokens
+    api.model_dir = Path(model_dir or os.environ.get("ELASTIC_MODEL_DIR") or "models").resolve()
     app = FastAPI(title="elastic admin API", version=elastic.__version__,
                   description="Where every GPU is and why; pause the controller, pin a service, force a rescale.")
     install(app)
@@ -737,6 +789,16 @@ def create_app(store: db.Store, controller: Any | None = None, *, tokens: TokenS
     _routes_ops(app, api, _metrics_source(store, controller, registry))
     app.state.api = api
     return app
+
+
+def _continue_key(store: db.Store) -> bytes:
+    """The continue-token key on record in the database (created at random on first use); a
+    database that does not answer now gets a key of this process (its tokens die with it)."""
+    try:
+        return db.signing_key(store, "api-continue-token")
+    except db.StoreError as e:
+        log.warning("continue tokens signed with a key of this process only: %s", e)
+        return secrets.token_bytes(32)
 
 
 class StoreCollector:
@@ -776,22 +838,55 @@ class StoreCollector:
         yield oldest
 
 
-def _register_store_metrics(registry: CollectorRegistry, store: db.Store) -> None:
-    try:
-        registry.register(StoreCollector(store))  # type: ignore[arg-type]
-    except ValueError:  # a second app on the same registry: its store gauges are already there
-        pass
+class BackoffCollector:
+    """``/metrics`` gauges of the jobs backing off from failed starts, read at scrape time from the
+    controller: failures in a row and when the next attempt may come."""
+
+    NAMES = ("elastic_job_start_failures", "elastic_job_next_start_attempt_timestamp_seconds")
+
+    def __init__(self, controller: Any) -> None:
+        self.ctl = controller
+
+    def describe(self) -> list[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        return [GaugeMetricFamily(n, "") for n in self.NAMES]
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        fails = GaugeMetricFamily(self.NAMES[0], "Failed starts or grows of a job in a row (0: none lately)",
+                                  labels=["pool", "job"])
+        nxt = GaugeMetricFamily(self.NAMES[1], "Earliest time the controller starts or grows the job again "
+                                "after a failure (Unix); absent when it is not backing off", labels=["pool", "job"])
+        backoff = dict(getattr(self.ctl, "backoff", {}))
+        for j in self.ctl.cfg.jobs:
+            b = backoff.get(j.name)
+            fails.add_metric([self.ctl.pool, j.name], b.failures if b else 0)
+            if b is not None:
+                nxt.add_metric([self.ctl.pool, j.name], b.next_at)
+        yield fails
+        yield nxt
+
+
+def _register_store_metrics(registry: CollectorRegistry, store: db.Store, controller: Any = None) -> None:
+    collectors: list[Any] = [StoreCollector(store)] + ([BackoffCollector(controller)] if controller is not None else [])
+    for c in collectors:
+        try:
+            registry.register(c)
+        except ValueError:  # a second app on the same registry: its gauges are already there
+            pass
 
 
 def _metrics_source(store: db.Store, controller: Any | None, registry: CollectorRegistry | None
                     ) -> Callable[[], bytes]:
     if registry is not None:
-        _register_store_metrics(registry, store)
+        _register_store_metrics(registry, store, controller)
         return lambda: generate_latest(registry)
     from elastic.metrics.exporter import Exporter
 
     exporter = Exporter()
-    _register_store_metrics(exporter.registry, store)
+    _register_store_metrics(exporter.registry, store, controller)
 
     def render() -> bytes:
         exporter.update_from(controller, store)

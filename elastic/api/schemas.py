@@ -199,6 +199,25 @@ class LastTick(BaseModel):
     error: str | None
 
 
+class Intervention(BaseModel):
+    """An operator's intervention on record (kept across restarts and failovers)."""
+
+    kind: str = Field(description="pause, override (a service's replicas) or pin (a job's layout)")
+    target: str = Field(description="the pool (pause), the service (override) or the job (pin)")
+    value: dict[str, Any] = Field(description="override: {replicas}; pin: {layout}; pause: {}")
+    by: str = Field(description="the name of the API token that set it")
+    at: datetime = Field(description="when it was set")
+    until: datetime | None = Field(default=None, description="an override ends by itself then")
+
+
+class JobBackoff(BaseModel):
+    """A job whose start or grow failed: it gets no more GPUs before ``next_attempt_at``."""
+
+    failures: int = Field(description="failures in a row")
+    reason: str = Field(description="the last failure")
+    next_attempt_at: datetime
+
+
 class ControllerStatus(BaseModel):
     pool: str
     owner: str
@@ -207,8 +226,11 @@ class ControllerStatus(BaseModel):
     ready: bool
     last_error: str | None
     last_tick: LastTick | None
-    overrides: dict[str, Any] = Field(description="service -> {replicas, until}")
+    overrides: dict[str, Any] = Field(description="service -> {replicas, until, by, at}")
     pinned: dict[str, str] = Field(description="job -> pinned layout")
+    interventions: list[Intervention] = Field(default_factory=list, description="pause, overrides and pins on "
+                                              "record, with who set them and when (they survive a restart)")
+    backoff: dict[str, JobBackoff] = Field(default_factory=dict, description="jobs backing off from failed starts")
 
 
 class Health(BaseModel):

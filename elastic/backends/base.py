@@ -173,6 +173,11 @@ class Backend(Protocol):
     # Optional: ``checkpoint_job(job, wait_seconds) -> CheckpointOutcome`` saves a running job's
     # state now (a checkpoint at its next step boundary; see ``checkpoint_through``).
 
+    # Optional: a ``fence`` attribute (None until set). The controller sets it to a callable that
+    # raises ``elastic.store.LeaseLost`` once its lease is no longer its own; a backend calls it
+    # right before each irreversible change inside a long action (posting a directive, patching a
+    # Deployment), so a leader stalled mid-action and taken over meanwhile changes nothing more.
+
     def cancel_grow(self, job: str) -> bool:
         """Call off a ``set_job_gpus`` grow of ``job`` running in another thread if its joiners
         have not joined yet (no directive posted); that call then raises GrowCancelled. True

@@ -123,7 +123,8 @@ def build(cfg: Any, *, db_url: str, ray_address: str | None = None, owner: str |
 
 
 def start_api(served: Served, port: int, tokens: Any, *, host: str = "127.0.0.1",
-              auth_reads: bool = False, max_body_bytes: int | None = None) -> int | None:
+              auth_reads: bool = False, max_body_bytes: int | None = None,
+              model_dir: str | None = None) -> int | None:
     """Step 5a: the admin API on ``host``:``port`` (0 = any free port) with ``tokens`` (a TokenSet,
     loaded and checked in step 1); ``auth_reads``: reads need a token too. Returns the port, None if absent."""
     try:
@@ -134,7 +135,8 @@ def start_api(served: Served, port: int, tokens: Any, *, host: str = "127.0.0.1"
         return None
     app = create_app(served.store, served.controller, tokens=tokens, require_auth_for_reads=auth_reads,
                      registry=served.exporter.registry if served.exporter is not None else None,
-                     **({"max_body_bytes": max_body_bytes} if max_body_bytes is not None else {}))
+                     **({"max_body_bytes": max_body_bytes} if max_body_bytes is not None else {}),
+                     **({"model_dir": model_dir} if model_dir is not None else {}))
     server, _ = serve_api(app, host, port)
     return int(getattr(server, "port", port))
 
@@ -193,6 +195,9 @@ def register(app: typer.Typer) -> None:
                                              "/readyz and /metrics stay open"),
         max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", envvar="ELASTIC_API_MAX_BODY_BYTES", min=1024,
                                            help="largest request body the admin API takes (413 above it)"),
+        model_dir: str | None = typer.Option(None, "--model-dir", envvar="ELASTIC_MODEL_DIR",
+                                             help="the only directory model files named through the admin API are "
+                                                  "read from (default ./models; the config file's own are trusted)"),
         ray_address: str | None = typer.Option(None, "--ray-address", envvar="ELASTIC_RAY_ADDRESS",
                                                help="join this Ray cluster (detached actors); none = embedded"),
         owner: str | None = typer.Option(None, "--owner", help="lease identity (default: $ELASTIC_CONTROLLER_ID, "
@@ -247,7 +252,7 @@ def register(app: typer.Typer) -> None:
             signal.signal(sig, lambda *_: stop.set())
         try:
             port = (start_api(served, api_port, tokens, host=api_host, auth_reads=auth_reads,
-                              max_body_bytes=max_body_bytes)
+                              max_body_bytes=max_body_bytes, model_dir=model_dir)
                     if api_port >= 0 else None)
             console.print(f"elastic serve: pool {cfg.pool.name} ({cfg.pool.total_gpus} GPUs), "
                           f"{len(cfg.services)} service(s), {len(cfg.jobs)} job(s), owner {served.controller.owner}"

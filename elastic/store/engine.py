@@ -39,6 +39,12 @@ class StoreConflict(StoreError):
     """A write broke a uniqueness rule (e.g. a second in-flight reshard of one job)."""
 
 
+class LeaseLost(StoreError):
+    """A leader's write was refused: the pool's lease is no longer its own (another controller
+    took it, or it expired while this one was stalled). The writer stops acting; nothing of the
+    refused transaction was written."""
+
+
 class NotFound(StoreError):
     """The named row does not exist."""
 

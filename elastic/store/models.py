@@ -248,7 +248,11 @@ class AuditEntry(Base):
 
 
 class Lease(Base):
-    """Leader lease of one pool: ``owner`` leads until ``expires_at``."""
+    """Leader lease of one pool: ``owner`` leads until ``expires_at``.
+
+    ``epoch`` is the fencing token: it grows by one every time the lease is taken (by another
+    owner, or again after it expired), never on a renewal. A leader's writes carry the epoch it
+    took; once someone else took the lease they are refused (``check_lease``)."""
 
     __tablename__ = "leases"
 
@@ -256,3 +260,37 @@ class Lease(Base):
     owner: Mapped[str] = mapped_column(sa.String(253))
     acquired_at: Mapped[datetime]
     expires_at: Mapped[datetime]
+    epoch: Mapped[int] = mapped_column(sa.BigInteger, server_default=sa.text("0"))
+
+
+INTERVENTION_KINDS = ("pause", "override", "pin")
+
+
+class Intervention(Base):
+    """An operator's intervention on a pool's controller that must outlive the process: a pause
+    (``target`` is the pool), a service's replica override until ``until``, a job's layout pin.
+    One row per (pool, kind, target); ``actor`` is the API token's name that set it, ``at`` when."""
+
+    __tablename__ = "interventions"
+    __table_args__ = (sa.CheckConstraint("kind IN ('pause', 'override', 'pin')", name="kind"),)
+
+    pool: Mapped[str] = mapped_column(sa.String(253), primary_key=True)
+    kind: Mapped[str] = mapped_column(sa.String(16), primary_key=True)
+    target: Mapped[str] = mapped_column(sa.String(253), primary_key=True)
+    #: override: {"replicas": 3}; pin: {"layout": "tp2.pp1.dp2"}; pause: {}
+    value: Mapped[dict[str, Any]]
+    actor: Mapped[str] = mapped_column(sa.String(253))
+    at: Mapped[datetime]
+    #: an override ends by itself at this time; NULL for the others
+    until: Mapped[datetime | None]
+
+
+class SigningKey(Base):
+    """A random key the servers of one database share (e.g. the API's continue-token tag):
+    created once by whoever needs it first, never derived from anything a server shows."""
+
+    __tablename__ = "signing_keys"
+
+    name: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    key: Mapped[str] = mapped_column(sa.String(128))
+    created_at: Mapped[datetime]

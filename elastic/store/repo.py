@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import secrets
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
@@ -26,19 +27,22 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from elastic.model import GPU, Allocation
-from elastic.store.engine import NotFound, Store, StoreConflict
+from elastic.store.engine import LeaseLost, NotFound, Store, StoreConflict
 from elastic.store.models import (
     IN_FLIGHT,
+    INTERVENTION_KINDS,
     WORKLOAD_KINDS,
     AllocationRow,
     AuditEntry,
     Base,
     DecisionRow,
     InferenceService,
+    Intervention,
     Lease,
     PendingAction,
     Pool,
     ReshardEvent,
+    SigningKey,
     TrainingJob,
 )
 
@@ -150,6 +154,18 @@ class LeaseRecord:
     owner: str
     acquired_at: datetime
     expires_at: datetime
+    epoch: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class InterventionRecord:
+    pool: str
+    kind: str  # pause | override | pin
+    target: str  # the pool (pause), the service (override) or the job (pin)
+    value: dict[str, Any]
+    actor: str
+    at: datetime
+    until: datetime | None
 
 
 R = TypeVar("R")
@@ -669,21 +685,35 @@ def _ttl(ttl_seconds: float) -> timedelta:
     return timedelta(seconds=ttl_seconds)
 
 
-def acquire_lease(db: DB, pool: str, owner: str, ttl_seconds: float, now: datetime | None = None) -> bool:
-    """Take or extend the pool's lease; True iff ``owner`` holds it until ``now + ttl``.
+def take_lease(db: DB, pool: str, owner: str, ttl_seconds: float, now: datetime | None = None, *,
+               epoch: Any = ...) -> int | None:
+    """Take or extend the pool's lease: the epoch ``owner`` holds it at until ``now + ttl``, or None.
+
+    ``epoch``: the epoch the caller holds (it renews only that one), or None when it holds none
+    (it takes the lease only once it is free or expired, even from a holder of the same name:
+    two processes given one identity never both lead). Left out: any lease of ``owner`` is
+    renewed (``acquire_lease``).
 
     One atomic statement, safe with concurrent writers on PostgreSQL (the ON CONFLICT
     row lock serialises racers and the WHERE is re-checked on the latest row):
 
-        INSERT INTO leases ... ON CONFLICT (pool) DO UPDATE SET owner, expires_at, ...
-        WHERE leases.expires_at < :now OR leases.owner = :owner RETURNING owner
+        INSERT INTO leases ... ON CONFLICT (pool) DO UPDATE SET owner, expires_at, epoch, ...
+        WHERE leases.expires_at < :now OR leases.owner = :owner RETURNING owner, epoch
 
-    A row comes back only if we inserted or the WHERE let us update.
+    A row comes back only if we inserted or the WHERE let us update. The epoch (the fencing
+    token) stays on a renewal of a live lease and grows by one on any other take: a takeover,
+    or the same owner again after its lease expired (it may have been stalled meanwhile).
     """
     t = _now(now)
     expires = t + _ttl(ttl_seconds)
     with _tx(db) as s:
-        ins = _insert(s, Lease).values(pool=pool, owner=owner, acquired_at=t, expires_at=expires)
+        ins = _insert(s, Lease).values(pool=pool, owner=owner, acquired_at=t, expires_at=expires, epoch=1)
+        mine: Any = Lease.owner == owner
+        if epoch is None:
+            mine = sa.false()
+        elif epoch is not ...:
+            mine = sa.and_(mine, Lease.epoch == int(epoch))
+        renewal = sa.and_(mine, Lease.expires_at >= t)
         stmt = ins.on_conflict_do_update(
             index_elements=[Lease.pool],
             set_={
@@ -692,21 +722,68 @@ def acquire_lease(db: DB, pool: str, owner: str, ttl_seconds: float, now: dateti
                 # keep "holder since" across renewals by the same owner
                 "acquired_at": sa.case((Lease.owner == ins.excluded.owner, Lease.acquired_at),
                                        else_=ins.excluded.acquired_at),
+                "epoch": sa.case((renewal, Lease.epoch), else_=Lease.epoch + 1),
             },
-            where=sa.or_(Lease.expires_at < t, Lease.owner == owner),
-        ).returning(Lease.owner)
-        won = s.execute(stmt).scalar_one_or_none()
-        return won == owner
+            where=sa.or_(Lease.expires_at < t, mine),
+        ).returning(Lease.owner, Lease.epoch)
+        row = s.execute(stmt).first()
+        return int(row[1]) if row is not None and row[0] == owner else None
 
 
-def renew_lease(db: DB, pool: str, owner: str, ttl_seconds: float, now: datetime | None = None) -> bool:
-    """Extend a lease ``owner`` still holds (unexpired at ``now``); False means leadership is lost."""
+def acquire_lease(db: DB, pool: str, owner: str, ttl_seconds: float, now: datetime | None = None) -> bool:
+    """Take or extend the pool's lease; True iff ``owner`` holds it until ``now + ttl`` (``take_lease``)."""
+    return take_lease(db, pool, owner, ttl_seconds, now) is not None
+
+
+def renew_lease(db: DB, pool: str, owner: str, ttl_seconds: float, now: datetime | None = None,
+                epoch: int | None = None) -> bool:
+    """Extend a lease ``owner`` still holds (unexpired at ``now``, at ``epoch`` when given); False
+    means leadership is lost."""
     t = _now(now)
     expires = t + _ttl(ttl_seconds)
+    cond = [Lease.pool == pool, Lease.owner == owner, Lease.expires_at >= t]
+    if epoch is not None:
+        cond.append(Lease.epoch == epoch)
     with _tx(db) as s:
-        res = s.execute(sa.update(Lease).where(Lease.pool == pool, Lease.owner == owner, Lease.expires_at >= t)
-                        .values(expires_at=expires))
+        res = s.execute(sa.update(Lease).where(*cond).values(expires_at=expires))
         return res.rowcount == 1
+
+
+def check_lease(db: DB, pool: str, owner: str, epoch: int) -> None:
+    """``LeaseLost`` unless ``owner`` still holds the pool's lease at ``epoch``. Inside a write
+    transaction the lease row stays locked until it commits (PostgreSQL ``FOR UPDATE``; SQLite's
+    ``BEGIN IMMEDIATE`` serialises every writer), so no takeover lands between check and write."""
+    with _tx(db) as s:
+        row = s.execute(sa.select(Lease.owner, Lease.epoch).where(Lease.pool == pool).with_for_update()).first()
+        if row is None or row[0] != owner or int(row[1]) != epoch:
+            holder = "nobody" if row is None else f"{row[0]} at epoch {row[1]}"
+            raise LeaseLost(f"the lease of pool {pool} is no longer {owner}'s at epoch {epoch} (now {holder}); "
+                            "write refused")
+
+
+class FencedStore:
+    """A ``Store`` for a leader's writes: every write transaction first runs ``guard()`` (a local
+    check, e.g. the lease's deadline on this host's clock) and ``check_lease`` in the same
+    transaction, so a leader that lost its lease writes nothing. Reads pass through unchecked.
+    ``epoch`` None (not leading) refuses every write."""
+
+    def __init__(self, store: Store, pool: str, owner: str, guard: Callable[[], None] | None = None) -> None:
+        self.store, self.pool, self.owner, self.guard = store, pool, owner, guard
+        self.epoch: int | None = None
+
+    @contextmanager
+    def session(self, read_only: bool = False) -> Iterator[Session]:
+        if not read_only and self.guard is not None:
+            self.guard()
+        with self.store.session(read_only=read_only) as s:
+            if not read_only:
+                if self.epoch is None:
+                    raise LeaseLost(f"{self.owner} does not hold the lease of pool {self.pool}; write refused")
+                check_lease(s, self.pool, self.owner, self.epoch)
+            yield s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
 
 
 def release_lease(db: DB, pool: str, owner: str) -> bool:
@@ -723,6 +800,58 @@ def lease_holder(db: DB, pool: str, now: datetime | None = None) -> LeaseRecord 
         if row is None or row.expires_at < t:
             return None
         return _record(LeaseRecord, row)
+
+
+# --------------------------------------------------------------------------------------------
+# Interventions (pause, overrides, pins) and signing keys
+# --------------------------------------------------------------------------------------------
+
+
+def set_intervention(db: DB, *, pool: str, kind: str, target: str, actor: str, value: Any = None,
+                     until: datetime | None = None, now: datetime | None = None) -> InterventionRecord:
+    """Create or replace the pool's ``kind`` intervention on ``target``, set by ``actor`` at ``now``."""
+    if kind not in INTERVENTION_KINDS:
+        raise ValueError(f"kind='{kind}' must be one of {', '.join(INTERVENTION_KINDS)}")
+    t, doc = _now(now), _doc(value, "value")
+    end = None if until is None else _now(until)
+    with _tx(db) as s:
+        ins = _insert(s, Intervention).values(pool=pool, kind=kind, target=target, value=doc, actor=actor, at=t,
+                                              until=end)
+        s.execute(ins.on_conflict_do_update(index_elements=[Intervention.pool, Intervention.kind, Intervention.target],
+                                            set_={"value": doc, "actor": actor, "at": t, "until": end}))
+        return _record(InterventionRecord, s.get_one(Intervention, (pool, kind, target), populate_existing=True))
+
+
+def clear_intervention(db: DB, *, pool: str, kind: str, target: str) -> bool:
+    """Remove an intervention; False if there was none."""
+    with _tx(db) as s:
+        return s.execute(sa.delete(Intervention).where(Intervention.pool == pool, Intervention.kind == kind,
+                                                       Intervention.target == target)).rowcount == 1
+
+
+def drop_expired_overrides(db: DB, pool: str, now: datetime | None = None) -> int:
+    """Delete the pool's overrides that ended at or before ``now``; returns how many."""
+    t = _now(now)
+    with _tx(db) as s:
+        return s.execute(sa.delete(Intervention).where(Intervention.pool == pool, Intervention.kind == "override",
+                                                       Intervention.until <= t)).rowcount or 0
+
+
+def list_interventions(db: DB, pool: str) -> list[InterventionRecord]:
+    """The pool's interventions (expired overrides included: the caller drops them)."""
+    stmt = sa.select(Intervention).where(Intervention.pool == pool).order_by(Intervention.kind, Intervention.target)
+    with _tx(db, read=True) as s:
+        return [_record(InterventionRecord, r) for r in s.scalars(stmt)]
+
+
+def signing_key(db: DB, name: str, now: datetime | None = None) -> bytes:
+    """The random key named ``name`` (32 bytes), created on first use; the first writer's key wins,
+    so every server of one database uses the same one."""
+    t = _now(now)
+    with _tx(db) as s:
+        ins = _insert(s, SigningKey).values(name=name, key=secrets.token_hex(32), created_at=t)
+        s.execute(ins.on_conflict_do_nothing(index_elements=[SigningKey.name]))
+        return bytes.fromhex(s.execute(sa.select(SigningKey.key).where(SigningKey.name == name)).scalar_one())
 
 
 # --------------------------------------------------------------------------------------------

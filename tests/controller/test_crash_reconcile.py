@@ -51,6 +51,7 @@ def test_recover_closes_what_was_in_flight_from_the_backends_truth(db_url, truth
     if truth is not None:
         backend.jobs["job"] = truth
     ctl = Controller(load_config(data=CONFIG), backend, store, {"chat": InProcessSource()}, owner="b")
+    assert ctl._lead(ctl.clock())  # recovery is the leader's: its writes are fenced by the lease
     notes = ctl.recover()
     # 3. nothing is left in flight, the reshard says how it ended, and the allocation is the backend's
     assert db.open_actions(store, "p") == [] and db.in_flight_reshards(store, "p") == []

@@ -16,10 +16,10 @@ from elastic.cli import app
 from elastic.store import Store, current_revision, head_revision, upgrade
 from elastic.store.models import Base
 
-ALL = ("0001", "0002", "0003")  # every shipped revision, in order
+ALL = ("0001", "0002", "0003", "0004")  # every shipped revision, in order
 EXPECTED_TABLES = {
     "alembic_version", "pools", "inference_services", "training_jobs", "allocations", "decisions",
-    "reshard_events", "pending_actions", "audit_log", "leases",
+    "reshard_events", "pending_actions", "audit_log", "leases", "interventions", "signing_keys",
 }
 
 
@@ -201,7 +201,7 @@ def test_0003_keeps_each_old_decision_as_one_tick_and_marks_old_steady_rows_as_h
                 c.execute(db.models.DecisionRow.__table__.insert().values(
                     tick_at=t + timedelta(seconds=5 * i), pool="p", inputs={}, plan={"steps": []}, reason=reason,
                     message=f"tick {i}"))
-        assert upgrade(store).applied == ("0003",)
+        assert upgrade(store, "0003").applied == ("0003",)
         rows = db.list_decisions(store, pool="p")
         assert [(r.reason, r.count, r.last_at, r.hold) for r in rows] == [
             ("InferenceDemand", 1, t, None), ("Steady", 1, t + timedelta(seconds=5), "Steady"),
@@ -219,7 +219,42 @@ def test_0003_keeps_each_old_decision_as_one_tick_and_marks_old_steady_rows_as_h
         with store.engine.connect() as c:
             cols = {col["name"] for col in sa.inspect(c).get_columns("decisions")}
         assert {"count", "last_at", "hold"}.isdisjoint(cols)
-        assert upgrade(store).applied == ("0003",)
+        assert upgrade(store, "0003").applied == ("0003",)
         assert len(db.list_decisions(store, pool="p")) == 4
+    finally:
+        store.dispose()
+
+
+def test_0004_keeps_an_old_lease_at_epoch_0_adds_interventions_and_round_trips(db_url: str) -> None:
+    """A lease written under 0003 survives 0004 at epoch 0 and the next takeover makes it 1;
+    interventions and signing keys come and go with the revision."""
+    from datetime import UTC, datetime, timedelta
+
+    from alembic import command
+
+    from elastic import store as db
+    from elastic.store.migrate import alembic_config
+
+    store = Store.from_url(db_url)
+    try:
+        assert upgrade(store, "0003").applied == ("0001", "0002", "0003")
+        t = datetime(2026, 12, 1, tzinfo=UTC)
+        with store.engine.begin() as c:
+            c.execute(sa.text("INSERT INTO leases (pool, owner, acquired_at, expires_at) VALUES ('p', 'old', :a, :e)"),
+                      {"a": t if store.dialect != "sqlite" else t.replace(tzinfo=None),
+                       "e": (t + timedelta(seconds=15)) if store.dialect != "sqlite" else
+                       (t + timedelta(seconds=15)).replace(tzinfo=None)})
+        assert upgrade(store).applied == ("0004",)
+        assert db.lease_holder(store, "p", now=t).epoch == 0
+        assert db.take_lease(store, "p", "new", 15, now=t + timedelta(seconds=20)) == 1
+        db.set_intervention(store, pool="p", kind="pause", target="p", actor="alice", now=t)
+        store.dispose()
+        command.downgrade(alembic_config(db_url), "0003")
+        with store.engine.connect() as c:
+            insp = sa.inspect(c)
+            assert {"interventions", "signing_keys"}.isdisjoint(insp.get_table_names())
+            assert "epoch" not in {col["name"] for col in insp.get_columns("leases")}
+        assert upgrade(store).applied == ("0004",)
+        assert db.list_interventions(store, "p") == []
     finally:
         store.dispose()

@@ -3,7 +3,6 @@ pending actions, audit log, leader leases.
 
 Revision ID: 0001
 Revises:
-Create Date: 2026-11-30
 
 Self-contained on purpose (no import of ``elastic.store.models``): a migration is a
 frozen record of one schema step and must not change when the models do.

@@ -7,7 +7,6 @@ converted here (``failed`` + prefix -> ``cancelled``, prefix dropped).
 
 Revision ID: 0002
 Revises: 0001
-Create Date: 2026-12-01
 
 Also gives every CHECK constraint the name the models declare (``ck_<table>_<name>``): 0001
 ran its names through the naming convention a second time (``ck_<table>_ck_<table>_<name>``).
