@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint bench bench-reshard bench-train soak demo clean example-byo e2e-k8s
+.PHONY: venv test lint docs bench bench-reshard bench-train soak demo clean example-byo e2e-k8s
 
 venv: $(STAMP)
 
@@ -51,6 +51,17 @@ test: venv
 lint: venv
 	$(BIN)/ruff check elastic operators tests benchmarks
 
+# The docs site into site/: the reference pages must match the code (scripts/gen_reference.py writes
+# them), and mkdocs --strict fails on a broken link, a missing anchor or a page left out of the nav.
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): $(STAMP) requirements-docs.txt
+	$(BIN)/pip install -q -r requirements-docs.txt
+	@touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(BIN)/python scripts/gen_reference.py --check
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 # Every benchmark runs even when one misses its goal (non-zero exit); the target fails at the end.
 # the example Llama under elastic.torch.Manager through scripted rescales on 4 local processes,
 # against one process that never rescales: one JSON line; exits 1 if the curve, state or data differ
@@ -80,4 +91,4 @@ demo: venv
 	$(BIN)/elastic demo $(DEMO_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache elastic.db
+	rm -rf $(VENV) .pytest_cache elastic.db site

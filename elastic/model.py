@@ -284,7 +284,7 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     ]
 }
 
-# Published parameter totals the presets are tested against (see shared/REFERENCE.md).
+# Published parameter totals the presets are tested against.
 PUBLISHED_PARAMS: dict[str, float] = {
     "gpt-1.3b": 1.3e9,
     "llama2-7b": 6.74e9,

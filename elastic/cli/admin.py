@@ -168,10 +168,12 @@ def _table(columns: list[str], rows: list[list[Any]], title: str | None = None) 
     from rich.text import Text
 
     from elastic.cli import console
+    from elastic.cli._fit import fit
 
     t = Table(*columns, box=box.SIMPLE_HEAD, title=title, title_justify="left", pad_edge=False)
     for row in rows:
         t.add_row(*(Text(_cell(v)) for v in row))  # Text: values are data, never Rich markup
+    fit(t, console)  # every column stays (--json is the same data); long cells wrap, none is cut
     console.print(t)
 
 

@@ -62,8 +62,14 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(2)
 
 
+# The columns in the order they give way when the terminal is narrow; the layout, its tokens/s
+# and whether it fits in memory (GiB) always stay.
+_DROP = ("stage layers", "imbal.", "recompute", "memory / GPU", "MFU", "mb x ga", "#", "gpus", "step s")
+
+
 def _print_human(model: str, gpus: int, hw: str, plans: list[PlannedLayout], reason: str, ok: bool) -> None:
     from elastic.cli import console, err_console
+    from elastic.cli._fit import fit
 
     if not plans:
         err_console.print(f"[bold red]no layout fits:[/] {reason}", highlight=False, soft_wrap=True)
@@ -80,6 +86,7 @@ def _print_human(model: str, gpus: int, hw: str, plans: list[PlannedLayout], rea
                   f"{p.memory.total / GiB:.1f}/{p.gpu_memory_bytes / GiB:.0f}", _runs(p.stage_layers, p.virtual_layers),
                   f"{p.imbalance:.2f}", f"{p.tokens_per_second:,.0f}", f"{p.mfu:.1%}", f"{p.step_seconds:.2f}",
                   style=None if p.fits else "red")
+    fit(t, console, _DROP)
     console.print(t)
     console.print(reason, highlight=False, soft_wrap=True)
 

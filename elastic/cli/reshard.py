@@ -12,6 +12,8 @@ import time
 import typer
 from rich.table import Table
 
+from elastic.cli._fit import fit
+
 _ROWS_SHOWN = 24
 
 
@@ -87,6 +89,7 @@ def _print_human(console, plan, summary: dict, n_surv: int, n_join: int) -> None
         ("survivors given a new rank", f"{len(moved)}"),
     ]:
         t.add_row(label, value)
+    fit(t, console)
     console.print(t)
     busiest = sorted(plan.members, key=lambda w: -max(plan.send_bytes.get(w, 0), plan.recv_bytes.get(w, 0)))
     top = max(plan.max_send_bytes, plan.max_recv_bytes, 1)
@@ -97,6 +100,7 @@ def _print_human(console, plan, summary: dict, n_surv: int, n_join: int) -> None
         snd, rcv = plan.send_bytes.get(w, 0), plan.recv_bytes.get(w, 0)
         bars.add_row(w, str(plan.old_ranks.get(w, "-")), str(plan.new_ranks.get(w, "leaves")),
                      _b(snd), _bar(snd, top, "cyan"), _b(rcv), _bar(rcv, top, "magenta"))
+    fit(bars, console, ("old", "new"))
     console.print(bars)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import typer
 
+from elastic.cli._fit import fit
 from elastic.model import SpecError
 
 POLICY_CHOICES = ("cosched", "static", "daynight", "oracle", "all")
@@ -87,7 +88,8 @@ def _sweep(seed: int, n: int, as_json: bool, days: float | None) -> None:
     t.add_column("gap to oracle", justify="right")
     for r in rows:
         t.add_row(r.scenario, *(f"{u:.2%} / {s:.3%}" for u, s in r.figures.values()), f"{r.gap:+.2f} pt")
-    console.print(t, width=max(console.width, 132))
+    fit(t, console)
+    console.print(t)
     d = Table(title="distribution over the family (utilisation / SLO)")
     d.add_column("policy")
     for q in ("min", "p10", "median", "p90", "max"):
@@ -97,7 +99,8 @@ def _sweep(seed: int, n: int, as_json: bool, days: float | None) -> None:
         u, s = dist[p]["utilization"], dist[p]["slo"]
         d.add_row(p, *(f"{u[q]:.2%} / {s[q]:.3%}" for q in ("min", "p10", "median", "p90", "max")),
                   str(dist[p]["slo_below_goal"]))
-    console.print(d, width=max(console.width, 132))
+    fit(d, console)
+    console.print(d)
     g = dist["gap_points"]
     console.print(f"gap to oracle (utilisation points): median {g['median']:.2f}, worst 10% from {g['p90']:.2f}, "
                   f"max {g['max']:.2f}; days where cosched misses 99.9% and static keeps it: "
@@ -119,7 +122,10 @@ def _table(results: dict, scenario: str, sc) -> None:
         t.add_row(p, f"{r.gpu_utilization:.2%}", f"{r.slo_attainment:.3%}", f"{r.inference_gpu_hours:,.0f}",
                   f"{r.training_gpu_hours:,.0f}", f"{r.training_tokens:.3g}", str(r.rescales),
                   f"{r.rescale_pause_fraction:.2%}", f"{r.idle_gpu_hours:,.0f}")
-    console.print(t, width=max(console.width, 132))  # keep the columns readable when piped
+    # at 80 columns (piped) the policy, its utilisation and SLO stay; the rest gives way in this order
+    fit(t, console, ("idle GPU-h", "pause share", "rescales", "tokens", "training GPU-h",
+                     "inference GPU-h"))
+    console.print(t)
 
 
 def _plot(results: dict, path: Path, total: int) -> None:

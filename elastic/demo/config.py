@@ -140,11 +140,8 @@ def _service_config(minutes: float, tick_seconds: float) -> dict[str, Any]:
             "name": SERVICE, "gpus_per_replica": 1, "min_replicas": 1, "max_replicas": 6, "priority": 100,
             # shrink on the mean of the last seconds' readings (grow on the latest): the running-requests
             # gauge jitters by +-sqrt(load), and holding its peaks holds replicas nobody needs
-            # (10 s, with a 12 s window below, kept a replica ~20 s after the load fell: utilisation
-            # 0.865 against 0.875-0.878 with 5 s / 8 s, SLO 0.995-0.997 either way; 2026-12-01)
-            # (3 s with a 6 s window below: each evening step-down ~3 s sooner in an offline replay of this
-            # policy on the seed-0 arrivals; a run: utilisation 0.893 against 0.879, SLO 0.995 either way,
-            # but four scale-downs on a dip, each undone 2-8 s later; 2026-12-03)
+            # (a longer mean keeps a replica long after the load fell; a shorter one, with a shorter
+            # scale-down window, scales down on dips that are undone seconds later)
             # noiseMargin 0.5: a scale-down to n replicas needs load + 0.5 sqrt(load) <= 13 n. The plateau's
             # 70 requests then need a 3 s mean <= 61 to drop to five (a dip of 2 sigma of one reading, not
             # 1); the evening's steps (57, 44, 31, 18 requests on 5, 4, 3, 2 replicas) pass 0.7-1.4 sigma
@@ -159,16 +156,15 @@ def _service_config(minutes: float, tick_seconds: float) -> dict[str, Any]:
             # readings) its extrapolation was as noisy as one reading (+-sqrt(load)) and started a replica
             # on a jitter about once a minute, night and evening included (each then held for the scale-down
             # window, training shrunk and grown back); over 20 s (10 readings) it is ~0.6x as noisy and
-            # still sees the morning ramp. Three runs: utilisation 0.884-0.894 and 10-12 reshards, against
-            # 0.872-0.874 and 18-19 with 12 s; SLO 0.9955-0.9975 against 0.993-0.9965 (2026-12-02).
-            # Over 30 s (15 readings) the line is steadier still: in the replay the night's and the evening's
-            # jitter started no replica it did, and the ramp's scale-ups came 2-5 s later, on the load itself.
+            # still sees the morning ramp, with fewer reshards and a better SLO than over 12 s.
+            # Over 30 s (15 readings) the line is steadier still: the night's and the evening's jitter
+            # start no replica, and the ramp's scale-ups come a few seconds later, on the load itself.
             # After an evening step the line still runs above the load for ~6 s (it falls, but the points
             # before the step pull it up) and holds a replica a tick or two longer; ignoring a falling line
-            # (tried 2026-12-03, 4 s window) let a 2-sigma dip right after the step drain the third replica:
-            # 11 requests missed their TTFT on 2 replicas (SLO 0.9926 against 0.998); kept as it is.
+            # (with a 4 s window) lets a 2-sigma dip right after the step drain the third replica and
+            # its requests miss their TTFT on the two left, so the line is kept as it is.
             # startup_seconds, the forecast's horizon: from a decision to the replica serving (a shrink
-            # at the next micro-batch, a spare's lease) plus a tick; 2-7 s on the slow VM's ramp
+            # at the next micro-batch, a spare's lease) plus a tick; several seconds on a loaded machine's ramp
             "startup_seconds": 5.0, "forecast": "trend", "forecast_window_seconds": max(30.0, 15 * tick_seconds),
             "behavior": {
                 "scaleUp": {"stabilizationWindowSeconds": 0,
@@ -177,11 +173,9 @@ def _service_config(minutes: float, tick_seconds: float) -> dict[str, Any]:
                 # then the replica on the GPU handed over with its lease, 0.2-0.4 s; 1.5-2.3 s in all
                 # before the handover), so a replica started for a ramp is not drained on the next dip
                 # before the ramp arrives. The window counts from when a scale-up landed
-                # (policy.replicas.landed); before that, when it counted from the decision and a
-                # scale-up took 4-11 s, 6 s missed the SLO and 8 s was used. 6 s until 2026-12-03: each
-                # evening step-down held a replica 2 s longer (the replay over 12 seeds: utilisation
-                # -0.6 points); 3 s drained the evening's third replica on a dip: 14 requests missed
-                # their TTFT on 2 replicas in a run (SLO 0.9886)
+                # (policy.replicas.landed). A longer window holds a replica 2 s longer at each evening
+                # step-down; a shorter one drains the evening's third replica on a dip and its requests
+                # miss their TTFT on the two left
                 "scaleDown": {"stabilizationWindowSeconds": int(max(4, 2 * tick_seconds)),
                               "policies": [{"type": "Pods", "value": 1, "periodSeconds": 1}]},
             },

@@ -65,8 +65,8 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
     day = minutes * 60.0
     # the warm-up (at the night's load, not counted) comes after the job's cold start (below): the
     # first scale-up (1 -> 2 replicas, training shrunk 7 -> 6 in place), the metric and forecast
-    # windows filled. Before the cold start waited for its own end, 15-25 s let it run into the day
-    # (called off by the first scale-ups); 40 s kept it out on a fast machine only (2026-12-02)
+    # windows filled. Started before the cold start had ended, a shorter warm-up let the start run
+    # into the day (called off by the first scale-ups)
     warmup = max(40.0, 5 * tick_seconds)
     kill_t = None if kill_worker_at is None else warmup + day_offset(kill_worker_at) * day
     name, trainer = job_name(job), REFERENCE if job is None else job.trainer
@@ -90,8 +90,8 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
                          # scales up four times in ~40 s and the evening grows training every ~10 s,
                          # while a used spare takes 15-25 s to replace on a slow machine (Ray starts two
                          # processes at a time, each importing torch on cores shared with the rest):
-                         # with one replica spare, the ramp's last replicas started cold, 13-16 s each,
-                         # and queued requests meanwhile (2026-12-02)
+                         # with one replica spare, the ramp's last replicas start cold, many seconds each,
+                         # and requests queue meanwhile
                          spare_workers=2, spare_replicas=3)
     source = build_source(cfg.services[0].metric, targets=lambda s: backend.metric_targets(s))
     ctl = Controller(cfg, backend, store, {SERVICE: source}, owner=f"demo-{os.getpid()}", async_grow=True)
@@ -115,8 +115,8 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
                          "(use --db with another database, or stop it)")
     # 3. the cold start (the training job's first workers: torch in each process, on this
     # machine's cores) runs before any load: started under load it is called off by the first
-    # scale-ups (7 -> 6 -> 5 workers, each restart as slow), and on a slow machine it ran into the
-    # measured day (2026-12-02: 44 s after the first tick, 4 s into the day, with a 40 s warm-up)
+    # scale-ups (7 -> 6 -> 5 workers, each restart as slow), and on a slow machine it would run into
+    # the measured day
     run = DemoRun(warmup=warmup, reshards_after_id=start_id, job=name, trainer=trainer)
     _wait_job_started(ctl, backend, console, JOB_START_TIMEOUT_S, tick_seconds, run.losses, job=name)
     # The day starts at 03:00: night trough, morning ramp, plateau, evening descent in steps.

@@ -15,13 +15,13 @@ still be stepping on them), or move a byte before the plan has been checked agai
 worker's state: every plan/state mismatch raises :class:`ReshardError` first and leaves
 the old state intact.
 
-Why the details matter (figures measured on the 2-core project VMs, see
-shared/REFERENCE.md): 1 GB moves peer to peer over loopback gloo in ~0.3 s, but first
-touch of fresh pages costs 1-3 s per GB, and a normal interpreter exit of a process
-holding GBs of tensors ~1.8 s. Hence: pre-touch in ``prepare``, receive directly into
-the destination view whenever it is a contiguous slab (no staging copy), reuse old
-tensors whose region does not change (same object, zero copy), recycle the memory of
-shards that are simply dropped (already touched), and let leavers ``os._exit``.
+Why the details matter: on CPU, 1 GB moves peer to peer over loopback gloo in a fraction
+of a second, but first touch of fresh pages costs seconds per GB, and a normal
+interpreter exit of a process holding GBs of tensors takes seconds too. Hence: pre-touch
+in ``prepare``, receive directly into the destination view whenever it is a contiguous
+slab (no staging copy), reuse old tensors whose region does not change (same object,
+zero copy), recycle the memory of shards that are simply dropped (already touched), and
+let leavers ``os._exit``.
 
 Wire protocol (both sides derive it from the plan and the per-kind dtypes alone, so
 they always agree): per round and per ordered pair (sender, receiver), the plan's
@@ -499,7 +499,7 @@ def _round_up(n: int, k: int) -> int:
 
 
 def _alloc(shape: tuple[int, ...], dev: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    # Pre-touch: zero-filling faults every page in now (1-3 s/GB on these VMs) instead of
+    # Pre-touch: zero-filling faults every page in now (seconds per GB on CPU) instead of
     # during the exchange. On a GPU the allocator's memory is already mapped.
     if dev.type == "cpu":
         return torch.zeros(shape, dtype=dtype, device=dev)
@@ -940,8 +940,8 @@ def reshard_group(
 def fast_exit(code: int = 0) -> None:
     """Leave now: flush output and logs, then ``os._exit`` without interpreter teardown.
 
-    A normal exit of a process holding GBs of tensors takes ~1.8 s on these VMs (freeing
-    and finalizers); ``os._exit`` after flushing takes ~0.2 s. Call it in a leaver after
+    A normal exit of a process holding GBs of tensors takes seconds (freeing and
+    finalizers); ``os._exit`` after flushing takes a fraction of that. Call it in a leaver after
     :func:`execute` returned.
     """
     for stream in (sys.stdout, sys.stderr):
