@@ -2,7 +2,8 @@
 
 What it is for: ``TrainEngine(cfg, layout, rank, state=..., pg=...)`` is everything one worker
 needs to run optimizer steps of a 3D-parallel (TP x PP x DP) GPT under one layout
-generation, and to hand its complete training state to the resharder between steps:
+generation (``vpp > 1``: Megatron's interleaved 1F1B over ``vpp`` model chunks per rank), and
+to hand its complete training state to the resharder between steps:
 
 * ``state()`` returns the *live* tensors, keyed ``(tensor name, kind)`` exactly as
   :func:`elastic.reshard.spec.sharding_spec` names and shapes this rank's pieces;
@@ -45,7 +46,7 @@ from elastic.train.data import SyntheticData, _mix
 from elastic.train.groups import DEFAULT_TIMEOUT, ParallelGroups, StepGivenUp, StepInterrupted, build_groups
 from elastic.train.model import GPTStage, check_supported
 from elastic.train.optim import AdamHyper, ShardedAdam
-from elastic.train.pipeline import P2PShape, one_f_one_b
+from elastic.train.pipeline import P2PShape, interleaved_one_f_one_b, one_f_one_b
 
 State = dict[tuple[str, str], torch.Tensor]
 """``(tensor name, kind) -> local tensor`` with this rank's box shape (see elastic.reshard.spec)."""
@@ -100,11 +101,13 @@ class TrainConfig:
             return self.micro_batch
         per_replica = self.global_batch // layout.dp
         fits = [m for m in range(1, min(self.micro_batch_cap, per_replica) + 1)
-                if per_replica % m == 0 and per_replica // m >= min(layout.pp, per_replica)]
+                if per_replica % m == 0 and per_replica // m >= min(layout.pp, per_replica)
+                and (layout.vpp == 1 or (per_replica // m) % layout.pp == 0)]
         return max(fits) if fits else self.micro_batch
 
     def grad_accum(self, layout: Layout) -> int:
-        """Micro-batches per step and DP replica; raises if the global batch does not split."""
+        """Micro-batches per step and DP replica; raises if the global batch does not split (or, with
+        ``vpp > 1``, if they are not a multiple of ``pp``, as the interleaved schedule needs)."""
         mb = self.micro_batch_for(layout)
         per_step = layout.dp * mb
         if self.global_batch % per_step:
@@ -113,7 +116,15 @@ class TrainConfig:
                 f"={per_step} under layout {layout}; choose dp and micro_batch so that "
                 "dp * micro_batch * grad_accum == global_batch"
             )
-        return self.global_batch // per_step
+        n = self.global_batch // per_step
+        if layout.vpp > 1 and n % layout.pp:
+            raise SpecError(
+                f"layout {layout}: the interleaved schedule (vpp={layout.vpp}) needs grad_accum, the micro-batches "
+                f"per step and replica, to be a multiple of pp={layout.pp}, but grad_accum = global_batch / "
+                f"(dp * micro_batch) = {self.global_batch}/({layout.dp}*{mb}) = {n}; change global_batch or "
+                "micro_batch, or use vpp=1"
+            )
+        return n
 
     def kind_dtype(self, kind: str) -> torch.dtype:
         return self.dtype if kind == "param" else self.optimizer_dtype
@@ -191,9 +202,8 @@ class TrainEngine:
     def __init__(self, cfg: TrainConfig, layout: Layout, rank: int, *, state: State | None = None,
                  pg: dist.ProcessGroup | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
         # 1. validate everything before touching the network
-        if layout.vpp != 1 or layout.ep != 1:
-            raise SpecError(f"layout {layout}: the reference trainer runs vpp=1 and ep=1 only "
-                            "(no interleaved schedule, no experts)")
+        if layout.ep != 1:
+            raise SpecError(f"layout {layout}: the reference trainer runs ep=1 only (no experts)")
         self.cfg, self.layout, self.rank = cfg, layout, rank
         self.spec: ShardingSpec = sharding_spec(cfg.model, layout, cfg.kinds)
         self.grad_accum = cfg.grad_accum(layout)
@@ -273,7 +283,11 @@ class TrainEngine:
             return self._finish_partial(step, self._carry, t0)
         # 2. forward/backward of this replica's micro-batches through the pipeline
         losses: list[torch.Tensor] = []
-        one_f_one_b(lambda m, x: self._forward_step(step, m, x, losses), self.grad_accum, self.groups.pp, self.act)
+        if self.layout.vpp == 1:
+            one_f_one_b(lambda m, x: self._forward_step(step, m, x, losses), self.grad_accum, self.groups.pp, self.act)
+        else:
+            interleaved_one_f_one_b(lambda c, m, x: self._forward_step(step, m, x, losses, chunk=c), self.grad_accum,
+                                    self.layout.vpp, self.groups.pp, self.act)
         # 3. gradients: tied-embedding copies, then the DP mean
         self._reduce_grads()
         # 4. commit: one all-reduce over every rank carries the global-batch mean loss; passing it
@@ -440,7 +454,8 @@ class TrainEngine:
         return StepResult(step, float(t.item()) / gb, tokens, time.perf_counter() - t0,
                           {"kept_micro_batches": float(carry.micro)})
 
-    def _forward_step(self, step: int, micro: int, x: torch.Tensor | None, losses: list[torch.Tensor]) -> torch.Tensor:
+    def _forward_step(self, step: int, micro: int, x: torch.Tensor | None, losses: list[torch.Tensor],
+                      chunk: int = 0) -> torch.Tensor:
         if self._interrupted.is_set():
             raise StepInterrupted(f"rank {self.rank}: step {step} given up at micro-batch {micro} of "
                                   f"{self.grad_accum}: a peer was lost")
@@ -450,10 +465,11 @@ class TrainEngine:
         # global sample index of this micro-batch: replica-major, so every layout reads the same set
         start = (self.dp_rank * self.grad_accum + micro) * mb
         stage = self.stage
-        if stage.is_first or stage.is_last:
+        first, last = stage.takes_tokens(chunk), stage.gives_logits(chunk)
+        if first or last:
             inputs, targets = self.data.batch(step, start, mb, self.cfg.device)
-        out = stage(inputs if stage.is_first else x)
-        if not stage.is_last:
+        out = stage(inputs if first else x, chunk)
+        if not last:
             return out
         loss = stage.loss(out, targets)
         losses.append(loss.detach())

@@ -4,7 +4,9 @@ What it is for: :class:`GPTStage` is the part of the model one rank runs. Its pa
 names are exactly the tensor names of :mod:`elastic.reshard.spec` (``embed.weight``,
 ``layers.3.attn.q.weight``, ``layers.3.mlp.down.weight``, ``final_norm.weight``,
 ``head.weight``) and their shapes exactly this rank's boxes, so the engine can hand the
-live parameters to the resharder and adopt the tensors it gets back.
+live parameters to the resharder and adopt the tensors it gets back. With ``vpp > 1`` a rank
+holds ``vpp`` model chunks (the stage partition's chunks ``c*pp + pp_rank``, virtual padding
+slots left out) and runs one at a time (``forward(x, chunk)``).
 
 Architecture: pre-norm decoder; causal self-attention with grouped-query heads (GQA) and
 rotary position embeddings (RoPE); MLP ``swiglu`` (gate/up/down, RMSNorm) or ``gelu``
@@ -152,7 +154,8 @@ class Block(nn.Module):
 
 
 class GPTStage(nn.Module):
-    """The layers of one pipeline rank, TP-sharded. First stage: ids -> hidden; last: -> loss."""
+    """The layers of one pipeline rank (all its model chunks), TP-sharded. First stage: ids ->
+    hidden; last: -> loss."""
 
     def __init__(self, spec: ShardingSpec, rank: int, tp: Comm, dtype: torch.dtype, device: str) -> None:
         super().__init__()
@@ -172,6 +175,12 @@ class GPTStage(nn.Module):
         self.layers = nn.ModuleDict(
             {str(i): Block(model, tp, dtype, device) for i in spec.partition.layers_of_rank(pp_rank)}
         )
+        # the rank's model chunks (vpp of them): chunk c is virtual stage c*pp + pp_rank; its virtual
+        # padding slots hold nothing and compute nothing (identity), so only real layers are listed
+        part = spec.partition
+        self.vpp = layout.vpp
+        self.chunk_layers: tuple[tuple[str, ...], ...] = tuple(
+            tuple(str(i) for i in part.chunks[c * layout.pp + pp_rank]) for c in range(layout.vpp))
         if self.is_last:
             self.final_norm = Norm(model.hidden, kind, model.has_bias, dtype, device)
             if not model.tie_embeddings:
@@ -187,13 +196,22 @@ class GPTStage(nn.Module):
             diff = sorted(set(want.items()) ^ set(have.items()))
             raise AssertionError(f"trainer parameters differ from the sharding spec at rank {rank}: {diff[:6]}")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """First stage: token ids ``[b, s]``; others: hidden ``[b, s, h]``. Returns hidden (or
-        this rank's vocab slice of the logits on the last stage)."""
-        h = self.embed(x) if self.is_first else x
-        for block in self.layers.values():
-            h = block(h)
-        if not self.is_last:
+    def takes_tokens(self, chunk: int) -> bool:
+        """Whether ``chunk`` is the first virtual stage (it embeds token ids)."""
+        return self.is_first and chunk == 0
+
+    def gives_logits(self, chunk: int) -> bool:
+        """Whether ``chunk`` is the last virtual stage (it ends in the LM head and the loss)."""
+        return self.is_last and chunk == self.vpp - 1
+
+    def forward(self, x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+        """Model chunk ``chunk`` (the rank's only one when vpp = 1). First virtual stage: token
+        ids ``[b, s]``; others: hidden ``[b, s, h]``. Returns hidden (or this rank's vocab slice of
+        the logits on the last virtual stage)."""
+        h = self.embed(x) if self.takes_tokens(chunk) else x
+        for i in self.chunk_layers[chunk]:
+            h = self.layers[i](h)
+        if not self.gives_logits(chunk):
             return h
         h = copy_to_tp(self.final_norm(h), self.tp)
         head = self.embed.weight if self.model_spec.tie_embeddings else self.head.weight

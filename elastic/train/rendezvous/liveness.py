@@ -315,19 +315,25 @@ class _Liveness:
             by_replica.setdefault(old.coords(cur.ranks[w])[1], []).append(w)
         ordered = [w for _, ws in sorted(by_replica.items(), key=lambda kv: (len(kv[1]) < per, kv[0])) for w in ws]
         refusals: list[str] = []
+        gb, mb = self.config.get("global_batch"), int(self.config.get("micro_batch") or 1)
         for dp in range(len(survivors) // per, 0, -1):
-            lay = Layout(old.tp, old.pp, dp, vpp=old.vpp)
             members = ordered[:per * dp]
-            try:
-                if self.validator is not None:
-                    self.validator(lay, members)
-                gb, mb = self.config.get("global_batch"), int(self.config.get("micro_batch") or 1)
-                if gb is not None and int(gb) % (dp * mb):
-                    raise SpecError(f"global_batch={gb} does not split into dp={dp} x micro_batch={mb}")
-            except SpecError as e:
-                refusals.append(f"{lay}: {e}")
-                continue
-            return members, lay, refusals
+            # an interleaved pipeline needs a micro-batch count that pp divides: where the smaller dp
+            # leaves none, the same stages run without interleaving
+            for vpp in dict.fromkeys((old.vpp, 1)):
+                lay = Layout(old.tp, old.pp, dp, vpp=vpp)
+                try:
+                    if self.validator is not None:
+                        self.validator(lay, members)
+                    if gb is not None and int(gb) % (dp * mb):
+                        raise SpecError(f"global_batch={gb} does not split into dp={dp} x micro_batch={mb}")
+                    if gb is not None and vpp > 1 and (int(gb) // (dp * mb)) % old.pp:
+                        raise SpecError(f"{int(gb) // (dp * mb)} micro-batches per replica is not a multiple of "
+                                        f"pp={old.pp} (interleaved)")
+                except SpecError as e:
+                    refusals.append(f"{lay}: {e}")
+                    continue
+                return members, lay, refusals
         return [], None, refusals or [f"fewer than tp*pp={per} survivors"]
 
     def _h_exit(self, b: dict[str, Any]) -> dict[str, Any]:
