@@ -526,7 +526,9 @@ class Session:
         # 6. adopt (or leave)
         result = {"bytes_sent": getattr(stats, "bytes_sent", 0), "bytes_received": getattr(stats, "bytes_received", 0),
                   **{f"{k}_seconds": round(v, 4) for k, v in clock.seconds.items()},
-                  "execute_seconds": getattr(stats, "execute_seconds", 0.0)}
+                  "execute_seconds": getattr(stats, "execute_seconds", 0.0),
+                  **({"describe_exchange_seconds": round(prep.exchange_seconds, 4),
+                      "plan_compute_seconds": round(prep.plan_seconds, 4)} if prep is not None else {})}
         rec.bytes_moved = getattr(stats, "bytes_moved", 0)
         rec.bytes_lower_bound = getattr(stats, "bytes_lower_bound", 0)
         if not will:
@@ -573,9 +575,14 @@ class Session:
                 joiners = [w for w in d.workers if w not in old]
                 ids = {**old, **{w: n_old + i for i, w in enumerate(joiners)}}
                 lay = Layout.parse(d.layout)
-                dims = self._dims(lay)
-                order = mesh_order(live, tuple(n for _, n in dims), new_members=[ids[w] for w in d.workers],
-                                   mesh_dim_names=tuple(k for k, _ in dims))
+                if _replicas_only(live, self.layout, lay):
+                    # every old member holds all of it: any order keeps every byte local, and each
+                    # member knows this one without asking its peers (a collective saved in the pause)
+                    order = sorted((ids[w] for w in d.workers), key=lambda i: (i >= n_old, i))
+                else:
+                    dims = self._dims(lay)
+                    order = mesh_order(live, tuple(n for _, n in dims), new_members=[ids[w] for w in d.workers],
+                                       mesh_dim_names=tuple(k for k, _ in dims))
                 by_id = {v: w for w, v in ids.items()}
                 ranks = {by_id[i]: pos for pos, i in enumerate(order)}
                 self._src = self._freeze(live)
@@ -1022,6 +1029,15 @@ def _recovery_ranks(d: Any) -> dict[str, int]:
     if sorted(out.values()) != list(range(len(d.workers))):
         return {w: i for i, w in enumerate(d.workers)}
     return out
+
+
+def _replicas_only(live: Any, old: Layout | None, new: Layout) -> bool:
+    """Plain data parallelism on both sides: no tensor or pipeline split, and no DTensor in the
+    state (no FSDP shard): every old member's state is the whole of it."""
+    from elastic.torch.regions import is_dtensor
+
+    return (old is not None and old.tp == old.pp == new.tp == new.pp == 1
+            and not any(is_dtensor(t) for t in live.values()))
 
 
 def _digest(ranks: dict[str, int]) -> str:

@@ -209,6 +209,12 @@ def all_gather_object(obj: Any, group: Any) -> list[Any]:
     return [pickle.loads(o[: int(k.item())].numpy().tobytes()) for o, k in zip(outs, sizes, strict=True)]
 
 
+# Key tables are sent in the first round of the description exchange by every worker while all
+# of them together (entries per worker x workers) stay under this; larger ones once per distinct
+# table, in a second round, so that a thousand workers do not each receive a thousand copies.
+_INLINE_TABLE_KEYS = 1 << 16
+
+
 @dataclass
 class _World:
     """Every worker's descriptions, as every worker sees them after the exchange."""
@@ -228,21 +234,28 @@ def _exchange(src: _Side | None, dst: _Side | None, group: Any) -> _World:
     first = (src.digest if src else None, src.coords if src else {}, dst.digest if dst else None,
              dst.coords if dst else {}, (src.errors if src else []) + (dst.errors if dst else []),
              [s.device for s in (src, dst) if s is not None and s.device])
-    got = all_gather_object(first, group)
+    # small tables ride along with the first round: the second (each distinct table from one
+    # owner) is needed only for a table too large to send from every worker that holds it
+    inline = {side.digest: side.table for side in (src, dst) if side is not None}
+    if n * sum(len(t) for t in inline.values()) > _INLINE_TABLE_KEYS:
+        inline = {}
+    got = all_gather_object((*first, inline), group)
     me = group_rank(group)
-    owner: dict[str, int] = {}
-    for r, (sh, _, dh, _, _, _) in enumerate(got):
-        for h in (sh, dh):
-            if h is not None and h not in owner:
-                owner[h] = r
-    mine = {}
-    for side in (src, dst):
-        if side is not None and owner.get(side.digest) == me:
-            mine[side.digest] = side.table
-    tables_by = all_gather_object(mine, group)
     tables: dict[str, dict[str, tuple]] = {}
-    for t in tables_by:
-        tables.update(t)
+    for g in got:
+        tables.update(g[6])
+    owner: dict[str, int] = {}
+    for r, (sh, _, dh, _, _, _, _) in enumerate(got):
+        for h in (sh, dh):
+            if h is not None and h not in owner and h not in tables:
+                owner[h] = r
+    if owner:  # every worker sees the same first round, so all of them take the second or none
+        mine = {}
+        for side in (src, dst):
+            if side is not None and owner.get(side.digest) == me:
+                mine[side.digest] = side.table
+        for t in all_gather_object(mine, group):
+            tables.update(t)
     return _World(n, [g[0] for g in got], [g[2] for g in got], [g[1] for g in got], [g[3] for g in got],
                   tables, [(r, e) for r, g in enumerate(got) for e in g[4]], {d for g in got for d in g[5]})
 
