@@ -712,7 +712,7 @@ def test_a_job_still_starting_can_be_called_off_and_gives_every_gpu_back(ray_loc
 
 def test_a_detached_jobs_coordinator_is_asked_for_a_checkpoint_through_its_actor(ray_local, tmp_path) -> None:
     """Detached mode reaches the coordinator through an actor: the ask, the wait and its errors cross it."""
-    from elastic.backends.ray import _CoordinatorActor, _RemoteCoordinator
+    from elastic.backends.ray_jobs import _CoordinatorActor, _RemoteCoordinator
     from elastic.train.checkpoint import CheckpointSettings
 
     ray = ray_local

@@ -181,7 +181,7 @@ def test_below_its_minimum_a_user_job_is_preempted_not_paused(db_url: str, user:
 # ---- backends: the trainer config and the workers' environment ---------------------------------
 
 def test_ray_gives_a_user_job_its_user_job_config() -> None:
-    from elastic.backends.ray import default_trainer_config, trainer_config_for
+    from elastic.backends.ray_jobs import default_trainer_config, trainer_config_for
     from elastic.train.engine import TrainConfig
     from elastic.train.userjob import UserJobConfig
 

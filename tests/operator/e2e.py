@@ -567,12 +567,14 @@ def run(workdir: Path, *, high_rate: float = 6.0, user: bool = False, nodes: dic
     down_i = after(all_events, up_i, SERVICE, "scale_inference_down") if up_i >= 0 else -1
     grow_i = after(all_events, down_i, JOB, "grow_training") if down_i >= 0 else -1
     # the API's own record: the Deployment asked for 3 only after the leavers' pods were gone, and the
-    # joiners' pods were created only after the removed replicas' pods were gone
+    # joiners' pods were created only after a removed replica's pod was gone (the load may fall in
+    # two steps, 3 -> 2 -> 1, and the first one's GPU with the idle one already grows the job; that
+    # no GPU is ever held twice is the GPU ledger's check below)
     alog = api_log(c.emu)
     leavers_gone = last_rv(alog, lambda r, t, o: r == "pods" and t == "DELETED" and o["metadata"]["name"] in leavers)
     scaled_to_3 = first_rv(alog, lambda r, t, o: r == "deployments" and o["spec"].get("replicas") == 3)
-    replicas_gone_rv = last_rv(alog, lambda r, t, o: r == "pods" and t == "DELETED"
-                               and o["metadata"]["name"] in replicas_gone)
+    replicas_gone_rv = first_rv(alog, lambda r, t, o: r == "pods" and t == "DELETED"
+                                and o["metadata"]["name"] in replicas_gone)
     joiners = sorted(set(grown) - set(survivors))
     joiners_made = first_rv(alog, lambda r, t, o: r == "pods" and t == "ADDED" and o["metadata"]["name"] in joiners)
     api_order = (None not in (leavers_gone, scaled_to_3, replicas_gone_rv, joiners_made)
