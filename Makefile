@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint docs bench bench-reshard bench-train soak demo clean example-byo e2e-k8s
+.PHONY: venv test test-fast check lint docs bench bench-reshard bench-train soak demo clean example-byo e2e-k8s
 
 venv: $(STAMP)
 
@@ -50,6 +50,36 @@ test: venv
 
 lint: venv
 	$(BIN)/ruff check elastic operators tests benchmarks
+
+# The fast tier: pure decision code and in-process tests only (no subprocess, no multi-process
+# torch, no Ray, no PostgreSQL), for a run after every edit. The tests left out below are pure too
+# but take tens of seconds each (seed sweeps of the simulator, the optimal-remap property cases,
+# the largest planner and reshard-plan cases); `make test` runs them.
+FAST_TESTS = tests/parallel tests/scheduler tests/sim tests/inference/test_policy_behaviour.py \
+	tests/inference/test_policy_forecast.py tests/inference/test_policy_stages.py tests/reshard/test_plan.py \
+	tests/reshard/test_plan_props.py tests/reshard/test_plan_regions.py tests/reshard/test_regions.py \
+	tests/test_model.py tests/test_model_params.py tests/test_spec.py tests/test_hostile_specs.py \
+	tests/test_contracts.py
+FAST_SKIP = --ignore=tests/parallel/test_plan_cli.py --ignore=tests/sim/test_family.py \
+	--deselect tests/sim/test_sim.py::test_cli_bad_input_is_one_line_exit_2 \
+	--deselect tests/parallel/test_planner.py::test_deepseek_v3_2048_h800_has_a_pp16_plan_with_64_slots \
+	--deselect tests/reshard/test_plan.py::test_cap_error_names_the_tensor_and_the_minimum
+test-fast: venv
+	@start=$$(date +%s); $(BIN)/python -m pytest -q -m "not slow and not ray and not postgres" $(FAST_TESTS) \
+	  $(FAST_SKIP) $(PYTEST_ARGS); rc=$$?; echo "== make test-fast: $$(( $$(date +%s) - start )) s"; exit $$rc
+
+# Static checks, all run even when one fails: ruff's lint rules, ruff format on the files listed
+# in FORMATTED (the code's hand-aligned style is not ruff's; a file joins the list once it is run
+# through `ruff format`), the import contracts in pyproject.toml, and mypy over its `files` list.
+FORMATTED = elastic/phases.py elastic/reshard/spec.py elastic/parallel/partition.py tests/test_contracts.py \
+	tests/test_layering.py
+check: venv
+	@fail=0; \
+	echo "== ruff check"; $(BIN)/ruff check elastic operators tests benchmarks || fail=1; \
+	echo "== ruff format --check"; $(BIN)/ruff format --check $(FORMATTED) || fail=1; \
+	echo "== lint-imports"; $(BIN)/lint-imports --no-cache --no-logo || fail=1; \
+	echo "== mypy"; $(BIN)/mypy || fail=1; \
+	exit $$fail
 
 # The docs site into site/: the reference pages must match the code (scripts/gen_reference.py writes
 # them), and mkdocs --strict fails on a broken link, a missing anchor or a page left out of the nav.

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from elastic.model import GPU, InferenceSpec, Layout, TrainingSpec
+from elastic.phases import RUNTIME_PHASES
 
 
 class BackendError(RuntimeError):
@@ -78,12 +79,6 @@ def checkpoint_through(handle: Any, job: str, wait_seconds: float) -> Checkpoint
     except CheckpointFailed as e:
         raise CheckpointNotSaved(str(e)) from None
     return CheckpointOutcome(job, int(ticket[0]), step)
-
-
-RUNTIME_PHASES = {"running": "Running", "rescaling": "Rescaling", "failed": "Failed", "starting": "Pending",
-                  "stopping": "Stopping", "stopped": "Stopped", "finished": "Finished", "paused": "Paused",
-                  "recovering": "Recovering"}
-"""The training coordinator's phase -> a ``JobRuntime.phase``."""
 
 
 def still_held(workers: dict[GPU, str], current: list[str]) -> dict[GPU, str]:

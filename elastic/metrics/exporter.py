@@ -36,8 +36,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from elastic import store as db
-from elastic.backends.base import RUNTIME_PHASES
 from elastic.model import InferenceSpec, Layout, PoolSpec, SpecError
+from elastic.phases import JOB_PHASES
 from elastic.store.repo import MAX_PAGE
 
 GPU_STATES = ("inference", "training", "idle", "draining")
@@ -46,8 +46,6 @@ _TICK_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 _RESHARD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _OUTCOME = {"NotLeader": "standby", "Paused": "paused", "Unavailable": "unavailable"}
 _RUNNING_PHASES = ("Running",)
-JOB_PHASES = ("Pending", *sorted(set(RUNTIME_PHASES.values()) - {"Pending"}))
-"""Every phase a training job reports (``elastic_job_phase``: 1 for the current one, 0 for the others)."""
 
 
 class _Labelled:

@@ -79,7 +79,8 @@ class PrometheusQuery:
         body = self._get_with_retries(promql)
         if body is None:
             return None
-        data = body.get("data") or {}
+        data: dict[str, Any] = body.get("data") or {}
+        result: Any  # [ts, value] for a scalar, a list of series for a vector
         kind, result = data.get("resultType"), data.get("result")
         if kind == "scalar":
             ts, val = result

@@ -10,7 +10,7 @@ Accounting (Megatron-LM ``megatron/training/theoretical_memory_usage.py``):
   optimizer: fp32 master copy + two Adam moments, 12 bytes per parameter of the rank's
   optimizer shard (all of its parameters without ZeRO; about ``1/dp`` of them with ZeRO-1,
   so 2 + 4 + 12/dp = 6 + 12/dp bytes per parameter, Megatron's distributed optimizer).
-  Parameter counts per rank are exactly ``elastic.reshard.spec``'s boxes (``params.py``).
+  Parameter counts per rank are exactly ``elastic.parallel.sharding``'s boxes (``params.py``).
 * activations per transformer layer (Korthikanti et al. 2022, Table 2), bytes per token of
   one micro-batch, with sequence parallelism whenever tp > 1 (so everything divides by tp):
   ``R = 10h`` (norm inputs, QKV and MLP inputs, dropout masks), attention
@@ -176,7 +176,7 @@ def stage_profiles(model: ModelSpec, pp: int, vpp: int) -> tuple[StageProfile, .
     first rank of each distinct mix, plus the first and last rank, can decide fit.
     """
     out: list[StageProfile] = []
-    seen: set[tuple] = set()
+    seen: set[tuple[object, ...]] = set()
     for p, mix in enumerate(stage_mixes(model, pp, vpp)):
         dense = sum(d for d, _ in mix)
         moe = sum(m for _, m in mix)

@@ -1,4 +1,4 @@
-"""Parameters held by one rank under a layout, counted exactly as ``elastic.reshard.spec`` shards them. Pure.
+"""Parameters held by one rank under a layout, counted exactly as ``elastic.parallel.sharding`` shards them. Pure.
 
 What it is for: the memory model needs "how many weight elements does rank r hold" and
 "how many optimizer-state elements does its ZeRO-1 shard hold" for thousands of
@@ -24,7 +24,7 @@ from functools import lru_cache
 
 from elastic.model import Layout, ModelSpec
 from elastic.parallel.partition import StagePartition, model_partition
-from elastic.reshard.spec import TensorSpec, box_numel, model_tensors, sharding_spec, split_range
+from elastic.parallel.sharding import TensorSpec, box_numel, model_tensors, sharding_spec, split_range
 
 _GROUPS = ("dense", "moe", "first", "last", "first+last")
 

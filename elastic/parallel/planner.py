@@ -377,7 +377,7 @@ def _structures(model: ModelSpec, max_gpus: int, o: PlanOptions, gpn: int, *, al
                             yield Layout(tp=tp, pp=pp, dp=dp, ep=ep, vpp=vpp, zero=z)
 
 
-def _rank_key(p: PlannedLayout) -> tuple:
+def _rank_key(p: PlannedLayout) -> tuple[int, ...]:
     # speeds in the same 0.1% bucket tie; ties go to fewer GPUs, then smaller TP
     bucket = round(math.log(max(p.tokens_per_second, 1e-300)) / math.log(1.001))
     L = p.layout

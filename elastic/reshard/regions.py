@@ -49,7 +49,7 @@ Run = tuple[int, int]
 Region = tuple[tuple[Run, ...], ...]
 """Per dim, sorted disjoint runs of global indices; see the module docstring."""
 
-Norm = tuple  # ("shard", d) | ("strided", d, sf) | ("replicate",)
+Norm = tuple[Any, ...]  # ("shard", d) | ("strided", d, sf) | ("replicate",)
 
 
 class PlacementError(SpecError):

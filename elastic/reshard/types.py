@@ -62,6 +62,10 @@ class NewShard:
         return self.shape if self.shape is not None else box_shape(self.region)
 
 
+_WorkerView = tuple[list[Message], list[Message], list[LocalCopy], list[NewShard]]
+"""One worker's share of a plan: (sends, receives, local copies, new shards), each in plan order."""
+
+
 @dataclass(frozen=True)
 class ReshardPlan:
     model: str
@@ -86,7 +90,7 @@ class ReshardPlan:
     recv_bytes: dict[str, int] = field(default_factory=dict)
     staging_cap_bytes: int | None = None
     plan_seconds: float = 0.0  # measured by the caller, not the pure planner
-    _index: dict = field(default_factory=dict, compare=False, repr=False)  # per-worker views, filled on first use
+    _index: dict[str, _WorkerView] = field(default_factory=dict, compare=False, repr=False)  # per-worker views, filled on first use
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -118,12 +122,12 @@ class ReshardPlan:
     def is_old(self, worker: str) -> bool:
         return worker in self.old_ranks
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, object]:
         state = dict(self.__dict__)
         state["_index"] = {}  # rebuilt on first use where the plan lands
         return state
 
-    def _by_worker(self) -> dict[str, tuple[list, list, list, list]]:
+    def _by_worker(self) -> dict[str, _WorkerView]:
         index = self._index
         if not index:
             for w in self.members:
