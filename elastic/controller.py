@@ -752,7 +752,8 @@ class Controller:
             decision, self.policy_state[s.name] = policy_decide(ctx)
             pin = self.overrides.get(s.name)
             if pin is not None and now < pin[1]:
-                decision = replace(decision, replicas=pin[0], reason="Override", leaving=0,
+                # a pinned service has no forecast to lend by
+                decision = replace(decision, replicas=pin[0], reason="Override", leaving=0, outlook=(),
                                    message=f"pinned to {pin[0]} replicas by an operator (policy said {decision.replicas})")
             elif pin is not None:
                 del self.overrides[s.name]
@@ -764,12 +765,16 @@ class Controller:
     def _snapshot(self, now: float, nodes: dict[str, int], previous: Allocation,
                   replicas: dict[str, ReplicaDecision], runtimes: dict[str, JobRuntime | None]) -> Snapshot:
         services = tuple(
-            ServiceDemand(s.name, replicas[s.name].replicas, s.gpus_per_replica, s.priority, s.min_replicas)
+            ServiceDemand(s.name, replicas[s.name].replicas, s.gpus_per_replica, s.priority, s.min_replicas,
+                          outlook=replicas[s.name].outlook)
             for s in self.cfg.services)
         jobs = tuple(
             JobState(j.name, self._table(j.name, now, previous), j.min_gpus, j.max_gpus, j.priority,
                      layout=(runtimes[j.name].layout if _trains(runtimes[j.name]) else None),
                      last_rescale_at=self.last_rescale.get(j.name),
+                     # the job's own last pause: a grow must repay it (and the shrink back) before the
+                     # services' outlook needs the GPUs again
+                     pause_seconds=float((runtimes[j.name].last_pause_seconds if runtimes[j.name] else None) or 0.0),
                      status=_job_status(runtimes[j.name]),
                      # a backend that cannot keep a job's state off-GPU can only preempt it, and no
                      # backend can keep a user job's (its state is the user's code's): say so

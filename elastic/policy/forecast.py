@@ -12,7 +12,10 @@ Two predictors, both pure and incremental:
 
 ``seasonal_rise`` turns the season into a safe look-ahead: how much the load rose over the
 next ``horizon`` and ``season_lead`` more (a ramp may come early) on the days seen so far,
-added to today's load (yesterday's ramp at today's level). ``ramp_headroom`` is the slope of
+added to today's load (yesterday's ramp at today's level). ``phase_offset`` fits the season's
+shape to the last hour of today's load to find how early today runs; once that is known,
+``locked_lead`` shrinks the lead to it plus a margin. ``seasonal_outlook`` is the season's load
+up to two hours ahead at today's level, for the co-scheduler's lending (never for sizing). ``ramp_headroom`` is the slope of
 the last few minutes times the horizon, when the slope is more than noise. With
 ``holt-winters`` the policy forecasts ``max(trend, load now + max(seasonal rise, ramp
 headroom), highest load of the last horizon)``: a day that ramps earlier than the season
@@ -130,6 +133,26 @@ def seasonal_rise(state: HoltWintersState | None, now: float, horizon: float, po
     ahead = [holt_forecast(state, now + horizon * k / points) for k in range(1, points + 1)]
     return max(0.0, max(a for a in ahead if a is not None) - base)
 
+OUTLOOK_SECONDS = (300.0, 600.0, 900.0, 1200.0, 1800.0, 2700.0, 3600.0, 5400.0, 7200.0)
+
+
+def seasonal_outlook(state: HoltWintersState | None, now: float, load_now: float,
+                     offsets: tuple[float, ...] = OUTLOOK_SECONDS) -> tuple[tuple[float, float], ...]:
+    """Load expected ``offset`` seconds from now: today's load plus the season's change until then
+    (the profile of the days seen, at today's level). Empty before one full season. It tells the
+    co-scheduler how long spare GPUs stay spare; it never sizes a service (that is the forecast's
+    job, with its floors). Load 100, season 10 now and 30 in an hour -> 120 at 3600 s."""
+    base = holt_forecast(state, now)
+    if base is None:
+        return ()
+    out = []
+    for dt in offsets:
+        ahead = holt_forecast(state, now + dt)
+        if ahead is not None:
+            out.append((dt, max(0.0, load_now + ahead - base)))
+    return tuple(out)
+
+
 SEASON_LEAD = 1800.0  # the season's rise is looked for up to this far beyond the horizon: a ramp may come early
 SEASON_LEAD_HORIZONS = 3.0  # ... and no further than this many horizons
 
@@ -139,6 +162,78 @@ def season_lead(horizon: float) -> float:
     caught by the ramp headroom a few readings in, plus a start-up: the longer the start-up, the
     more of an early ramp only the season can cover. Horizon 275 s -> 825 s; 610 s -> 1800 s."""
     return min(SEASON_LEAD, SEASON_LEAD_HORIZONS * horizon)
+
+
+# Today's phase against the season, in shares of the season (a day: an hour of load matched, in
+# 2-minute steps, with 5 minutes kept beyond a locked phase since 15-minute buckets blur a step).
+PHASE_WINDOW_SHARE = 1 / 24  # load matched against the season
+PHASE_STEP_SHARE = 1 / 720  # resolution of the search
+PHASE_MARGIN_SHARE = 1 / 288  # look-ahead kept beyond a locked phase
+PHASE_WINDOW = 3600.0  # the day's window: the load history a policy keeps for the phase (at most this)
+PHASE_POINTS = 30  # readings of the window used (evenly spaced): the fit's cost stays flat in the tick
+PHASE_FIT = 0.25  # a fit counts when its residual is under this share of the change it explains
+PHASE_LEVEL = 0.1  # today's level may sit this share of its load off the season's
+
+
+def _season_at(state: HoltWintersState, t: float) -> float:
+    L, m = state.bucket_seconds, state.buckets
+    pos = t / L - 0.5
+    lo = math.floor(pos)
+    frac = pos - lo
+    return (1 - frac) * state.season[lo % m] + frac * state.season[(lo + 1) % m]
+
+
+def phase_offset(state: HoltWintersState | None, day: tuple[tuple[float, float], ...], now: float,
+                 span: float) -> float | None:
+    """Seconds today runs ahead of the season (negative: behind), within ``+-span``: the shift of
+    the seasonal shape that best fits the last ``PHASE_WINDOW`` of load (least squares, free level).
+    None when the window shows no change the season explains well: a flat night says nothing about
+    when the morning comes, and a day unlike the season (a ramp two hours early) is not locked.
+    A day whose steps come 20 minutes early -> about 1200 once one step is in the window."""
+    if state is None or not state.ready or span <= 0:
+        return None
+    window = min(PHASE_WINDOW, state.season_seconds * PHASE_WINDOW_SHARE)
+    step = state.season_seconds * PHASE_STEP_SHARE
+    pts = [(t, y) for t, y in day if now - window <= t <= now]
+    if len(pts) < 10 or pts[-1][0] - pts[0][0] < window / 2:
+        return None
+    stride = max(1, len(pts) // PHASE_POINTS)
+    pts = pts[::-1][::stride][::-1]
+    n = int(span // step)
+    assert state.level is not None
+    mean_y = sum(y for _, y in pts) / len(pts)
+    state_level, bound = state.level, PHASE_LEVEL * mean_y
+    best: tuple[float, float, float] | None = None  # (sse, shift, range of the shape)
+    for k in range(-n, n + 1):
+        shape = [_season_at(state, t + k * step) for t, _ in pts]
+        # today's level may differ from the season's by several percent, not by a step: a free level
+        # would fit a staircase shifted by one whole step as well as the true phase
+        c = sum(y - v for (_, y), v in zip(pts, shape, strict=True)) / len(pts)
+        c = min(max(c, state_level - bound), state_level + bound)
+        sse = sum((y - v - c) ** 2 for (_, y), v in zip(pts, shape, strict=True))
+        # ties (a plateau fits several shifts) go to the shift nearest zero: no evidence of a lead
+        if best is None or sse < best[0] - 1e-9 or (abs(sse - best[0]) <= 1e-9 and abs(k) < abs(best[1]) / step):
+            best = (sse, k * step, max(shape) - min(shape))
+    assert best is not None
+    sse, shift, change = best
+    if change <= 0 or math.sqrt(sse / len(pts)) > PHASE_FIT * change:
+        return None
+    return shift
+
+
+def phase_margin(state: HoltWintersState) -> float:
+    """Look-ahead kept beyond a locked phase (300 s for a day)."""
+    return state.season_seconds * PHASE_MARGIN_SHARE
+
+
+def locked_lead(horizon: float, phase: float | None, margin: float) -> float:
+    """The season's lead once today's phase is known: as far as today runs ahead, plus a margin;
+    the full ``season_lead`` while it is not. Horizon 610 s, margin 300 s: phase None -> 1800 s;
+    phase 0 (on time) -> 300 s; phase 1200 (20 minutes early) -> 1500 s; phase -600 (late) -> 300 s."""
+    full = season_lead(horizon)
+    if phase is None:
+        return full
+    return min(full, max(0.0, phase) + margin)
 RAMP_Z = 2.0  # standard errors a slope must clear to count as a ramp
 RAMP_WINDOW = 240.0  # seconds of load the ramp rate is measured over: a few ticks, so a ramp that just began shows
 

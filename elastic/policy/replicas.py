@@ -70,7 +70,7 @@ def decide(ctx: PolicyContext) -> tuple[ReplicaDecision, PolicyState]:
     state = _observe(state, spec, now, load)
 
     # 4. Forecast: only ever adds replicas, only when the service is active.
-    predicted = _forecast_replicas(spec, state, cur, now, up, load) if reactive > 0 else None
+    predicted = _forecast_replicas(spec, state, cur, now, up, down, load) if reactive > 0 else None
     desired = reactive
     if predicted is not None and predicted > reactive:
         desired = predicted
@@ -106,7 +106,8 @@ def decide(ctx: PolicyContext) -> tuple[ReplicaDecision, PolicyState]:
 
     if cur == 0 and final > 0:
         reason = Reason.ACTIVATED
-    return _finish(ctx, state, final, reason, msg, reactive, predicted, leaving)
+    outlook = _outlook(spec, state, now, load) if spec.forecast == "holt-winters" and not ctx.stale else ()
+    return _finish(ctx, state, final, reason, msg, reactive, predicted, leaving, outlook)
 
 
 def remember(spec: InferenceSpec, state: PolicyState, times: list[float], loads: list[float]) -> PolicyState:
@@ -223,11 +224,13 @@ def _observe(state: PolicyState, spec: InferenceSpec, now: float, load: float) -
     state = replace(state, samples=state.samples + ((now, load),))  # the trend (also the seasonal floor)
     if spec.forecast == "holt-winters":
         holt = state.holt or fc.holt_new(spec.forecast_season_seconds)
-        state = replace(state, holt=fc.holt_observe(holt, now, load))
+        day = state.day + ((now, load),)
+        state = replace(state, holt=fc.holt_observe(holt, now, load),
+                        day=day[next(i for i, x in enumerate(day) if x[0] >= now - fc.PHASE_WINDOW):])
     return state
 
 
-def _forecast_replicas(spec: InferenceSpec, state: PolicyState, cur: int, now: float, up: Rules,
+def _forecast_replicas(spec: InferenceSpec, state: PolicyState, cur: int, now: float, up: Rules, down: Rules,
                        load_now: float) -> int | None:
     horizon = spec.startup_seconds
     if spec.forecast == "off":
@@ -236,13 +239,14 @@ def _forecast_replicas(spec: InferenceSpec, state: PolicyState, cur: int, now: f
     if spec.forecast == "holt-winters":
         # the season's rise over the start-up on top of today's load; the trend stays the floor
         # (a ramp the season does not know yet: an early morning)
-        rise = fc.seasonal_rise(state.holt, now, horizon + fc.season_lead(horizon))
+        rise = _seasonal_rise(spec, state, now, horizon)
         ramp = fc.ramp_headroom(state.samples, now, horizon)
         if rise is not None or ramp is not None:
             load = max(load or 0.0, load_now + max(rise or 0.0, ramp or 0.0))
         # a replica given back now cannot return sooner than a start-up: keep what the last
         # start-up's worth of load needed (a dip in a noisy plateau is not a fall)
-        recent = [y for t, y in state.samples if t > now - horizon]
+        # ... less what the scale-down window holds already: the two would add up
+        recent = [y for t, y in state.samples if t > now - (horizon - down.window)]
         if recent:
             load = max(load or 0.0, max(recent))
     if load is None:
@@ -254,6 +258,21 @@ def _forecast_replicas(spec: InferenceSpec, state: PolicyState, cur: int, now: f
     if cur > 0 and within_tolerance(raw.ratio, up.tolerance, up.tolerance):
         return cur
     return raw.replicas
+
+
+def _seasonal_rise(spec: InferenceSpec, state: PolicyState, now: float, horizon: float) -> float | None:
+    """The season's rise over the horizon and a lead beyond it (a morning may come early); once
+    today's phase is locked from its own load, the lead shrinks to how early today runs."""
+    full = fc.seasonal_rise(state.holt, now, horizon + fc.season_lead(horizon))
+    if not full:
+        return full
+    assert state.holt is not None  # a rise needs a season
+    margin = fc.phase_margin(state.holt)
+    near = fc.seasonal_rise(state.holt, now, horizon + margin)
+    if near is not None and near >= full:
+        return full  # the lead adds nothing: no phase fit needed
+    phase = fc.phase_offset(state.holt, state.day, now, fc.season_lead(horizon))
+    return fc.seasonal_rise(state.holt, now, horizon + fc.locked_lead(horizon, phase, margin))
 
 
 def _limits(spec: InferenceSpec, cur: int, desired: int, now: float, events: tuple[tuple[float, int], ...],
@@ -293,12 +312,21 @@ def _prune(state: PolicyState, now: float, up: Rules, down: Rules, spec: Inferen
     )
 
 
+def _outlook(spec: InferenceSpec, state: PolicyState, now: float, load: float) -> tuple[tuple[float, int], ...]:
+    """The seasonal outlook in replicas (AverageValue rule, within the bounds)."""
+    m = spec.metric
+    assert m is not None
+    return tuple((dt, min(max(math.ceil(y / m.target - 1e-9), spec.min_replicas), spec.max_replicas))
+                 for dt, y in fc.seasonal_outlook(state.holt, now, load))
+
+
 def _finish(ctx: PolicyContext, state: PolicyState, replicas: int, reason: Reason, msg: str,
-            reactive: int | None, predicted: int | None, leaving: int = 0) -> tuple[ReplicaDecision, PolicyState]:
+            reactive: int | None, predicted: int | None, leaving: int = 0,
+            outlook: tuple[tuple[float, int], ...] = ()) -> tuple[ReplicaDecision, PolicyState]:
     cur = ctx.current_replicas
     if replicas != cur:
         state = replace(state, events=state.events + ((ctx.now, replicas - cur),))
     decision = ReplicaDecision(
         service=ctx.spec.name, current=cur, replicas=replicas, reason=reason, message=msg, at=ctx.now,
-        metric=ctx.metric, reactive=reactive, forecast=predicted, leaving=leaving)
+        metric=ctx.metric, reactive=reactive, forecast=predicted, leaving=leaving, outlook=outlook)
     return decision, state

@@ -72,6 +72,7 @@ class PolicyState:
     * ``samples``: (t, load) recent load, for the trend forecast.
     * ``holt``: Holt-Winters state, for the seasonal forecast.
     * ``readings``: (t, metric) recent readings, for the metric's averaging window.
+    * ``day``: (t, load) of the last hour, to find how early or late today runs against the season.
     """
 
     recommendations: tuple[tuple[float, int], ...] = ()
@@ -79,6 +80,7 @@ class PolicyState:
     samples: tuple[tuple[float, float], ...] = ()
     holt: HoltWintersState | None = None
     readings: tuple[tuple[float, float], ...] = ()
+    day: tuple[tuple[float, float], ...] = ()  # (t, load) of the last hour: today's phase against the season
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,9 @@ class ReplicaDecision:
     # replicas a scale-down window is about to remove (``drain_ahead_seconds``): the backend may take
     # them out of the load balancer now so they have drained when the window lets them go
     leaving: int = 0
+    # replicas the seasonal profile expects later, ((seconds from now, replicas), ...): how long GPUs
+    # the service does not need stay spare (the co-scheduler's lending); empty without a season
+    outlook: tuple[tuple[float, int], ...] = ()
 
     @property
     def change(self) -> int:

@@ -21,7 +21,7 @@ from functools import lru_cache
 
 from elastic.model import Layout, PlanStep
 from elastic.scheduler.board import Board
-from elastic.scheduler.targets import JobTarget, forced_shrinks, grow_targets, inference_targets
+from elastic.scheduler.targets import JobTarget, forced_shrinks, grow_targets, inference_targets, spare_curve
 from elastic.scheduler.types import (
     JobDecision,
     JobState,
@@ -98,7 +98,9 @@ class _Ctx:
         fixed = forced_shrinks(self.jobs, current, budget)
         held = sum(fixed[n].gpus if n in fixed else c for n, c in current.items())
         spare = budget - held
-        self.targets = {**grow_targets(self.jobs, current, fixed, max(spare, 0), snap.now, snap.knobs), **fixed}
+        curve = (spare_curve(snap.services, budget, snap.knobs.headroom_gpus, snap.total_gpus, held)
+                 if any(s.outlook for s in snap.services) else ())
+        self.targets = {**grow_targets(self.jobs, current, fixed, max(spare, 0), snap.now, snap.knobs, curve), **fixed}
 
     # ---- 4 ------------------------------------------------------------------------------------
     def shrink_training(self) -> None:

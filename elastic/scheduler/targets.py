@@ -11,6 +11,8 @@ Stages, each a small function with its own tests:
    throughput tables, higher priority first), with hysteresis: a job rescaled less than
    ``rescale_interval_seconds`` ago keeps its size, and a grow must gain more than
    ``gain_threshold`` relative tokens/s.
+4. ``payback``: a grow must earn back its own pause and the pause of giving the GPUs back
+   before inference needs them again (``spare_curve``: the services' outlook, ``reclaim_after``).
 
 Counts only: which GPUs is ``core``'s business. Never reads a clock (``now`` is passed in).
 """
@@ -18,6 +20,7 @@ Counts only: which GPUs is ``core``'s business. Never reads a clock (``now`` is 
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 
 from elastic.scheduler.types import JobState, Knobs, Reason, ServiceDemand, below_minimum_note
@@ -134,14 +137,15 @@ def forced_shrinks(jobs: list[JobState], current: dict[str, int], budget: int) -
     return out
 
 
-def _next_step(job: JobState, at: int, spare: int, lookahead: int = 16) -> tuple[float, int] | None:
-    """Best (marginal tokens/s per GPU, count) reachable from ``at`` with ``spare`` GPUs."""
+def _next_step(job: JobState, at: int, spare: int, lookahead: int = 16, cap: int | None = None,
+               ) -> tuple[float, int] | None:
+    """Best (marginal tokens/s per GPU, count) reachable from ``at`` with ``spare`` GPUs (at most ``cap``)."""
     best: tuple[float, int] | None = None
     seen = 0
     for k in job.feasible_counts():
         if k <= at:
             continue
-        if k - at > spare or seen >= lookahead:
+        if k - at > spare or seen >= lookahead or (cap is not None and k > cap):
             break
         seen += 1
         gain = (job.tps(k) - job.tps(at)) / (k - at)
@@ -150,14 +154,17 @@ def _next_step(job: JobState, at: int, spare: int, lookahead: int = 16) -> tuple
     return best
 
 
-def water_fill(jobs: list[JobState], start: dict[str, int], spare: int) -> dict[str, int]:
-    """Greedy water-filling: repeatedly give the step with the best marginal tokens/s per GPU."""
+def water_fill(jobs: list[JobState], start: dict[str, int], spare: int,
+               caps: dict[str, int] | None = None) -> dict[str, int]:
+    """Greedy water-filling: repeatedly give the step with the best marginal tokens/s per GPU
+    (a job in ``caps`` grows to that count at most)."""
     alloc = dict(start)
     heap: list[tuple[int, float, str, int]] = []
     by_name = {j.name: j for j in jobs}
+    caps = caps or {}
 
     def push(j: JobState) -> None:
-        step = _next_step(j, alloc[j.name], spare)
+        step = _next_step(j, alloc[j.name], spare, cap=caps.get(j.name))
         if step:
             heapq.heappush(heap, (-j.priority, -step[0], j.name, step[1]))
 
@@ -177,8 +184,10 @@ def water_fill(jobs: list[JobState], start: dict[str, int], spare: int) -> dict[
 
 def grow_targets(
     jobs: list[JobState], current: dict[str, int], fixed: dict[str, JobTarget], spare: int, now: float, knobs: Knobs,
+    curve: tuple[tuple[float, int], ...] = (),
 ) -> dict[str, JobTarget]:
-    """Targets for jobs not already fixed by a forced shrink: water-filling + hysteresis."""
+    """Targets for jobs not already fixed by a forced shrink: water-filling + hysteresis + payback
+    (``curve``: ``spare_curve``; empty: no outlook, every grow pays)."""
     out: dict[str, JobTarget] = {}
     movable: list[JobState] = []
     for j in jobs:
@@ -196,18 +205,33 @@ def grow_targets(
                                     status=_status(j, current[j.name]))
             continue
         movable.append(j)
-    # Re-run the fill without jobs whose gain is below the threshold, until stable.
+    # Re-run the fill without jobs whose gain is below the threshold, and with the first grow that
+    # does not repay its pauses made smaller (or dropped), until stable.
+    caps: dict[str, int] = {}
+    notes: dict[str, str] = {}
     while True:
-        alloc = water_fill(movable, {j.name: current[j.name] for j in movable}, spare)
+        alloc = water_fill(movable, {j.name: current[j.name] for j in movable}, spare, caps)
         blocked = [j for j in movable if _too_small(j, current[j.name], alloc[j.name], knobs)]
-        if not blocked:
-            break
         for j in blocked:
             have, to = current[j.name], alloc[j.name]
             gain = (j.tps(to) - j.tps(have)) / j.tps(have)
             out[j.name] = JobTarget(have, Reason.HYSTERESIS,
                                     f"growing {have} -> {to} GPUs gains {gain:.1%} tokens/s < gain_threshold "
                                     f"{knobs.gain_threshold:.1%}", status=_status(j, have))
+        unpaid = None if blocked else _unpaid(movable, current, alloc, curve)
+        if unpaid is not None:
+            j, t, need, smaller = unpaid
+            have, to = current[j.name], alloc[j.name]
+            note = (f"growing {have} -> {to} GPUs: inference needs them back in about {t:.0f}s, before the "
+                    f"grow repays its pauses ({need:.0f}s at {j.tps(to) - j.tps(have):.0f} tokens/s gained, "
+                    f"{j.pause_seconds:g}s per rescale)")
+            if smaller is not None:
+                caps[j.name], notes[j.name] = smaller, note
+                continue
+            out[j.name] = JobTarget(have, Reason.HYSTERESIS, note, status=_status(j, have))
+            blocked = [j]
+        if not blocked:
+            break
         movable = [j for j in movable if j not in blocked]
     for j in movable:
         have, to = current[j.name], alloc[j.name]
@@ -215,10 +239,73 @@ def grow_targets(
             verb = "grows" if have else "resumes" if j.status in ("paused", "preempted") else "starts"
             out[j.name] = JobTarget(to, Reason.SPARE_CAPACITY,
                                     f"{verb} on spare GPUs {have} -> {to} ({j.layout_at(to)}): "
-                                    f"{j.tps(have):.0f} -> {j.tps(to):.0f} tokens/s", status="running")
+                                    f"{j.tps(have):.0f} -> {j.tps(to):.0f} tokens/s"
+                                    + (f" (not further: {notes[j.name]})" if j.name in notes else ""), status="running")
         else:
             out[j.name] = JobTarget(have, Reason.STEADY, f"holds {have} GPUs", status=_status(j, have))
     return out
+
+
+def spare_curve(services: tuple[ServiceDemand, ...], budget_now: int, headroom: int, pool_gpus: int,
+                held: int) -> tuple[tuple[float, int], ...]:
+    """GPUs training could hold beyond ``held`` at each time the services' outlook names:
+    ``((0, spare now), (t, spare at t), ...)``. A service without an outlook keeps its count; one
+    whose outlook ends keeps its last value. Pool 64, headroom 0, training holds 40, chat (1 GPU)
+    wants 16 now and 24 in 600 s -> ((0, 8), (600, 0))."""
+    times = sorted({t for s in services for t, _ in s.outlook})
+    curve = [(0.0, budget_now - held)]
+    for t in times:
+        inf = 0
+        for s in services:
+            later = [n for u, n in s.outlook if u >= t]
+            n = later[0] if later else (s.outlook[-1][1] if s.outlook else s.wanted)
+            inf += max(n, s.min_replicas) * s.gpus_per_replica
+        curve.append((t, pool_gpus - headroom - inf - held))
+    return tuple(curve)
+
+
+def reclaim_after(curve: tuple[tuple[float, int], ...], lent: int) -> float:
+    """Seconds until inference needs back the top ``lent`` of the spare GPUs: the first time the
+    curve drops below ``lent`` (inf: not within the outlook). Curve ((0, 8), (600, 0)), 8 lent ->
+    600 s; 0 lent -> inf."""
+    for t, spare in curve:
+        if t > 0 and spare < lent:
+            return t
+    return math.inf
+
+
+def payback_seconds(j: JobState, have: int, to: int) -> float:
+    """How long GPUs lent to ``j`` (``have`` -> ``to``) must stay lent for the grow to pay: its own
+    pause (the whole job stops), then the pause of the shrink when they go back, repaid by the
+    marginal tokens/s. ``gain x (T - p) > tps(have) x p + tps(to) x p``. 512 -> 520 GPUs of a
+    linear job, 5 s pauses -> 5 + 5 x (512 + 520) / 8 = 650 s; a start (0 -> n) -> 2 x 5 = 10 s."""
+    p = j.pause_seconds
+    gain = j.tps(to) - j.tps(have)
+    if p <= 0:
+        return 0.0
+    if gain <= 0:
+        return math.inf
+    return p + p * (j.tps(have) + j.tps(to)) / gain
+
+
+def _unpaid(jobs: list[JobState], current: dict[str, int], alloc: dict[str, int],
+            curve: tuple[tuple[float, int], ...]) -> tuple[JobState, float, float, int | None] | None:
+    """The first grow inference takes back before it pays: ``(job, reclaim in s, payback s, the
+    largest smaller count that does pay or None)``. Training gives GPUs back lowest priority first,
+    so that job's grow sits on top of the spare and goes first; the highest-priority grow sits
+    lowest and stays longest. A smaller grow leaves the top of the spare alone: it may pay."""
+    grows = [j for j in jobs if alloc[j.name] > current[j.name]]
+    lent = sum(alloc[j.name] - current[j.name] for j in grows)
+    for j in sorted(grows, key=lambda j: (j.priority, j.name)):
+        have, to = current[j.name], alloc[j.name]
+        t = reclaim_after(curve, lent)
+        need = payback_seconds(j, have, to)
+        if t < need:
+            smaller = [k for k in j.feasible_counts() if have < k < to
+                       and reclaim_after(curve, lent - (to - k)) >= payback_seconds(j, have, k)]
+            return j, t, need, (smaller[-1] if smaller else None)
+        lent -= to - have
+    return None
 
 
 def _status(j: JobState, gpus: int) -> str:

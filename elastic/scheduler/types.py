@@ -27,7 +27,7 @@ class Reason:
     LOAD_FALL = "LoadFall"  # inference needs fewer replicas: drain and scale down
     SPARE_CAPACITY = "SpareCapacity"  # free GPUs go to training (grow, start, resume)
     BELOW_MINIMUM = "BelowMinimum"  # a job would drop under min_gpus: paused or preempted
-    HYSTERESIS = "Hysteresis"  # a rescale was held back (interval or gain threshold)
+    HYSTERESIS = "Hysteresis"  # a rescale was held back (interval, gain threshold, or no payback before reclaim)
     NO_FEASIBLE_LAYOUT = "NoFeasibleLayout"  # GPUs no valid layout can use stay idle/headroom
     POOL_EXHAUSTED = "PoolExhausted"  # inference demand exceeds what the pool can place
     STEADY = "Steady"  # nothing to change
@@ -43,7 +43,9 @@ class ServiceDemand:
     ``replicas`` is the desired count (the policy already applied tolerance, bounds and
     stabilisation); ``min_replicas`` is never violated while the pool can place it.
     A replica of ``gpus_per_replica <= gpus_per_node`` lives on one node; a larger replica
-    needs a multiple of ``gpus_per_node`` and takes whole nodes.
+    needs a multiple of ``gpus_per_node`` and takes whole nodes. ``outlook`` is what the
+    service's forecast expects later: ``(seconds from now, replicas)``, ascending; it only
+    decides whether lending GPUs to training pays (empty: no forecast, lending always may).
     """
 
     name: str
@@ -51,6 +53,7 @@ class ServiceDemand:
     gpus_per_replica: int = 1
     priority: int = 100
     min_replicas: int = 0
+    outlook: tuple[tuple[float, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -59,6 +62,10 @@ class ServiceDemand:
             raise SpecError(f"service '{self.name}': replicas={self.replicas}, min_replicas={self.min_replicas} must be >= 0")
         if self.gpus_per_replica < 1:
             raise SpecError(f"service '{self.name}': gpus_per_replica={self.gpus_per_replica} must be >= 1")
+        offsets = [t for t, _ in self.outlook]
+        if any(t <= 0 for t in offsets) or offsets != sorted(set(offsets)) or any(n < 0 for _, n in self.outlook):
+            raise SpecError(f"service '{self.name}': outlook {self.outlook!r} must be (seconds > 0, replicas >= 0) "
+                            "pairs in ascending time")
 
     @property
     def wanted(self) -> int:
@@ -77,7 +84,10 @@ class JobState:
     Counts missing from the table have no valid layout. The job's current GPUs are read from
     the snapshot's previous allocation. ``on_below_minimum`` says what happens when inference
     needs GPUs the job cannot spare: ``pause`` (state kept off-GPU, resumes later) or
-    ``preempt`` (stopped; state dropped, starts again from step 0).
+    ``preempt`` (stopped; state dropped, starts again from step 0). ``pause_seconds`` is how
+    long one rescale stops the job (measured on its last rescales, or modelled): a grow must
+    earn it back, and the pause of giving the GPUs back, before inference needs them again
+    (0: not known, every grow pays).
     """
 
     name: str
@@ -89,6 +99,7 @@ class JobState:
     last_rescale_at: float | None = None
     status: JobStatus = "running"
     on_below_minimum: Literal["pause", "preempt"] = "pause"
+    pause_seconds: float = 0.0
     _counts: tuple[int, ...] = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
@@ -98,6 +109,8 @@ class JobState:
             raise SpecError(
                 f"job '{self.name}': need 1 <= min_gpus <= max_gpus, got min_gpus={self.min_gpus}, max_gpus={self.max_gpus}"
             )
+        if not self.pause_seconds >= 0:
+            raise SpecError(f"job '{self.name}': pause_seconds={self.pause_seconds} must be >= 0")
         for n, entry in self.throughput.items():
             if not isinstance(n, int) or n < 1:
                 raise SpecError(f"job '{self.name}': throughput table key {n!r} must be a GPU count >= 1")

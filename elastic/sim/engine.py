@@ -6,7 +6,9 @@ One tick (``tick_seconds``) reads as numbered steps:
 2. decide replicas: the policy under test (``cosched``: ``elastic.policy.replicas.decide``
    with the service's forecast, fed ``history_days`` of past load before t=0; ``static``: peak; ``daynight``: a clock schedule; ``oracle``:
    the true future rate over the start-up horizon);
-3. decide the split: ``elastic.scheduler.decide`` (the same pure function the controller runs);
+3. decide the split: ``elastic.scheduler.decide`` (the same pure function the controller runs),
+   with each service's seasonal outlook and each job's modelled rescale pause, so a grow is
+   judged on whether it pays before the GPUs go back;
 4. apply: every GPU has an "available from" time — a GPU a shrinking job gives back is
    free when its reshard pause ends, a drained replica's GPU when its drain ends; a new
    replica serves from ``max(available) + startup_seconds``; a rescaled job pauses from
@@ -59,6 +61,7 @@ class _Svc:
     arrived: float = 0.0
     missed: float = 0.0
     policy_state: PolicyState = field(default_factory=PolicyState)
+    outlook: tuple[tuple[float, int], ...] = ()  # the policy's seasonal outlook, for the co-scheduler's lending
 
 
 @dataclass
@@ -199,6 +202,7 @@ class _Sim:
         metric = rps + s.queue / max(self.dt, 1.0)
         ctx = PolicyContext(s.spec, len(s.ready_at), metric, now, s.policy_state)
         dec, s.policy_state = policy_decide(ctx)
+        s.outlook = dec.outlook
         # drain ahead: the replicas named as leaving stop taking new requests now; the latest
         # go back first when the load returns
         # (a scale-down now keeps them: it removes them first, their drain already under way)
@@ -246,18 +250,22 @@ class _Sim:
     def _tick(self, i: int, now: float) -> None:
         rates = {s.cfg.name: self.rates[s.cfg.name][i] for s in self.svcs}  # 1. observe
         demands = tuple(Demand(s.cfg.name, self._desired(s, now, rates[s.cfg.name]), s.cfg.gpus_per_replica,  # 2.
-                               s.cfg.priority, s.cfg.min_replicas) for s in self.svcs)
+                               s.cfg.priority, s.cfg.min_replicas, s.outlook) for s in self.svcs)
         jobs = tuple(self._job_state(j) for j in self.jobs)
         plan = decide(Snapshot(now, self.nodes, demands, jobs, self.alloc, self.knobs))  # 3. decide
         self._apply(now, plan)  # 4. apply
         self._account(now, rates)  # 5. account
 
     def _job_state(self, j: _Job) -> JobState:
-        key = (j.layout, j.last_rescale, j.status)
+        key = (j.layout, j.last_rescale, j.status, j.gpus)
         hit = self._job_states.get(j.name)
         if hit is None or hit[0] != key:  # JobState validates its table: build it only on change
+            # the pause of its next rescale as the controller would estimate it: one node more or
+            # less from where it is (from nothing: its state comes back from host memory)
+            pause = rescale_pause(j.model, j.gpus, j.gpus + self.sc.pool.gpus_per_node if j.gpus else j.min_gpus,
+                                  self.sc.reshard, self.pause_scale)
             hit = (key, JobState(j.name, j.table, j.min_gpus, j.max_gpus, j.priority, j.layout, j.last_rescale,
-                                 j.status))  # type: ignore[arg-type]
+                                 j.status, pause_seconds=pause))  # type: ignore[arg-type]
             self._job_states[j.name] = hit
         return hit[1]
 

@@ -26,6 +26,10 @@ BEHAVIOR = {"scaleUp": {"stabilizationWindowSeconds": 0, "tolerance": 0.0},
 JOBS = (("pretrain-70b", "llama3-70b", 64, 1024), ("sft-13b", "llama2-13b", 16, 1024),
         ("ablation-8b", "llama3-8b", 8, 512))
 HISTORY_DAYS = 2
+# A grow must repay its pauses before the services' outlook takes the GPUs back (the payback rule,
+# ``elastic.scheduler.targets``): that replaces a long rescale interval and a gain threshold, which
+# held GPUs idle after every shrink. The interval stays as a guard against flapping.
+SCHEDULER = {"rescale_interval_seconds": 60.0, "gain_threshold": 0.0}
 
 
 def unseen_day(seed: int = 11, *, morning_shift_seconds: float = 0.0) -> Scenario:
@@ -46,7 +50,7 @@ def unseen_day(seed: int = 11, *, morning_shift_seconds: float = 0.0) -> Scenari
                  {"name": "ablation-8b", "model": "llama3-8b", "min_gpus": 8, "max_gpus": 512, "priority": 0,
                   "global_batch": 512}],
         "duration_seconds": 86400.0, "tick_seconds": 30.0, "seed": seed,
-        "scheduler": {"rescale_interval_seconds": 300.0, "gain_threshold": 0.02},
+        "scheduler": SCHEDULER,
     })
 
 
@@ -94,7 +98,7 @@ def _draw(rng: random.Random, seed: int, nodes_choice: tuple[int, ...], duration
         "pool": {"nodes": nodes, "gpus_per_node": gpn, "hardware": "h800-80g"},
         "services": services, "jobs": jobs, "duration_seconds": duration,
         "tick_seconds": rng.choice((30.0, 60.0)), "seed": seed,
-        "scheduler": {"rescale_interval_seconds": 300.0, "gain_threshold": 0.02},
+        "scheduler": SCHEDULER,
     })
 
 
