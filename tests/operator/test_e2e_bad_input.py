@@ -80,7 +80,8 @@ def test_bad_input_on_the_live_path_says_why_and_leaves_the_rest_of_the_pool_alo
         assert "back-off" in cond["message"]
         warn = wait_for("crash Warning", lambda: [w for w in _warnings(c, "crash") if w[0] == "StartFailed"], 10)
         assert "exit code 3" in warn[0][1]
-        assert c.status("elastictrainingjobs", "crash").get("phase") == "BackOff"
+        # the phase is patched right after the condition, in a call of its own: wait for it too
+        wait_for("crash phase BackOff", lambda: c.status("elastictrainingjobs", "crash").get("phase") == "BackOff", 10)
 
         # 3. Deployments that never become ready: ReplicasNotReady naming each pod's trouble
         cond = wait_for("stuck not ready", lambda: (c.condition("inferenceservices", "stuck", "Ready")
