@@ -99,3 +99,33 @@ def test_fit_drops_listed_columns_then_folds_never_cuts(width: int) -> None:
     assert "megatron-145.6b" in text and "405.85B" in text  # whole, on one line
     # at 120 everything fits; narrower, columns give way in the order given, and only as many as needed
     assert dropped == {120: [], 80: ["a"], 40: ["a", "b", "c"]}[width]
+
+
+def test_admin_listings_in_80_columns_keep_names_and_numbers_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`elastic get jobs|services` and `elastic decisions` piped: the less important columns give way
+    so that a job's name, its layout and its tokens/s, and a decision's action, stay on one line whole."""
+    import elastic.cli as cli
+    from elastic.cli import admin
+
+    out = Console(width=80, record=True, file=open(os.devnull, "w"), color_system=None)  # noqa: SIM115
+    monkeypatch.setattr(cli, "console", out)
+    job = {"name": "gpt-pretrain", "pool": "h100-east", "spec": {"min_gpus": 8, "max_gpus": 512},
+           "status": {"phase": "Running", "layout": "tp8.pp16.dp15", "worldSize": 1920, "step": 123456,
+                      "checkpointStep": 123000, "tokensPerSecond": 2803412, "loss": 2.3456789,
+                      "reason": "SpareCapacity"}}
+    svc = {"name": "chat-frontend", "pool": "h100-east", "spec": {"min_replicas": 1, "max_replicas": 64,
+                                                                  "gpus_per_replica": 8, "metric": {"target": 13}},
+           "status": {"currentReplicas": 40, "desiredReplicas": 42, "observedValue": 517.25,
+                      "reason": "InferenceDemand"}}
+    admin._table(admin.JOB_COLUMNS, [admin.job_row(job)], drop=admin._DROP["jobs"])
+    admin._table(admin.SERVICE_COLUMNS, [admin.service_row(svc)], drop=admin._DROP["services"])
+    admin._table(admin.DECISION_COLUMNS, [["17", "2030-01-01 12:00:00Z", "h100-east", "scale_inference_up",
+                                           "chat-frontend", "InferenceDemand", "scale up 40 -> 42 replicas"]],
+                 drop=("POOL", "ID"))
+    text = out.export_text()
+    _check_width(text)
+    words = {w for line in text.splitlines() for w in line.split()}
+    for whole in ("gpt-pretrain", "tp8.pp16.dp15", "1920", "123456", "SpareCapacity", "chat-frontend", "40", "42",
+                  "scale_inference_up", "InferenceDemand"):
+        assert whole in words, (whole, text)
+    assert "left out to fit the width" in text

@@ -162,7 +162,7 @@ def _emit_json(data: Any) -> None:
     typer.echo(json.dumps(data, indent=2))
 
 
-def _table(columns: list[str], rows: list[list[Any]], title: str | None = None) -> None:
+def _table(columns: list[str], rows: list[list[Any]], title: str | None = None, drop: tuple[str, ...] = ()) -> None:
     from rich import box
     from rich.table import Table
     from rich.text import Text
@@ -173,7 +173,9 @@ def _table(columns: list[str], rows: list[list[Any]], title: str | None = None) 
     t = Table(*columns, box=box.SIMPLE_HEAD, title=title, title_justify="left", pad_edge=False)
     for row in rows:
         t.add_row(*(Text(_cell(v)) for v in row))  # Text: values are data, never Rich markup
-    fit(t, console)  # every column stays (--json is the same data); long cells wrap, none is cut
+    # the columns in ``drop`` give way first, least important first, where the words of all cannot
+    # fit (--json has them all); what stays is sized so that no name or number is cut or folded
+    fit(t, console, drop)
     console.print(t)
 
 
@@ -264,6 +266,10 @@ def pool_row(p: dict[str, Any]) -> list[Any]:
 
 POOL_COLUMNS = ["NAME", "HARDWARE", "NODES", "GPUS", "IN USE", "IDLE", "LEADER", "ALLOCATION"]
 _GET = {"services": (SERVICE_COLUMNS, service_row), "jobs": (JOB_COLUMNS, job_row), "pools": (POOL_COLUMNS, pool_row)}
+# what gives way in a narrow terminal, least important first (NAME and the counts stay)
+_DROP = {"services": ("GPU/REPLICA", "POOL", "MIN-MAX", "TARGET"),
+         "jobs": ("CHECKPOINT", "LOSS", "POOL", "MIN-MAX", "TOKENS/S"),
+         "pools": ("ALLOCATION", "HARDWARE", "LEADER")}
 
 
 def decision_time(d: dict[str, Any]) -> str:
@@ -452,7 +458,7 @@ def _register_reads(app: typer.Typer) -> None:
             _emit_json(one)
             return
         columns, row = _GET[plural]
-        _table(columns, [row(w) for w in items])
+        _table(columns, [row(w) for w in items], drop=_DROP[plural])
         if name is not None and (message := (one.get("status") or {}).get("message")):
             _say(f"{name}: {message}")
 
@@ -471,7 +477,7 @@ def _register_reads(app: typer.Typer) -> None:
         if as_json:
             _emit_json(out)
             return
-        _table(DECISION_COLUMNS, decision_rows(out.get("items", [])))
+        _table(DECISION_COLUMNS, decision_rows(out.get("items", [])), drop=("POOL", "ID"))
         if not all_ and not out.get("items"):
             _say("no changes on record; --all shows the holds too")
         _more_hint(out)
@@ -487,7 +493,8 @@ def _register_reads(app: typer.Typer) -> None:
         if as_json:
             _emit_json(out)
             return
-        _table(RESHARD_COLUMNS, [reshard_row(r) for r in out.get("items", [])], title=f"reshards of {job}")
+        _table(RESHARD_COLUMNS, [reshard_row(r) for r in out.get("items", [])], title=f"reshards of {job}",
+               drop=("LOWER BOUND", "PLANNED", "STARTED"))
         _more_hint(out)
 
 
