@@ -1,4 +1,4 @@
-"""Benchmark: in-place resharding vs the checkpoint path vs the network floor (issue 4).
+"""Benchmark: in-place resharding vs the checkpoint path vs the network floor.
 
 Four processes hold the full optimizer+parameter state (fp32 param, exp_avg, exp_avg_sq:
 12 bytes per parameter, >= 1 GiB in all) of a model under layout A; the job goes to layout
@@ -22,9 +22,9 @@ B with workers leaving. Three ways, each verified bit for bit against the global
 The engine side runs ``--repeats`` times (default 7), each time with fresh processes and
 its own floor (median of three exchanges) measured in the same processes just before; the
 run with the median ``pause / floor`` is reported, every run is listed under
-``engine_runs``. A shared 2-core VM moves a single exchange by +-30 % (the same raw
-exchange, repeated: 0.17-0.36 s): one pause against the best of three floors would
-measure the noise, not the engine.
+``engine_runs``. On a small shared machine a single exchange moves by tens of percent from
+one repetition to the next: one pause against the best of three floors would measure the
+noise, not the engine.
 
 Writes ``{"pause_seconds", "total_seconds", "checkpoint_seconds", "floor_seconds",
 "bytes_moved", "speedup_vs_checkpoint", "total_speedup_vs_checkpoint", "ratio_to_floor",
