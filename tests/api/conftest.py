@@ -19,6 +19,7 @@ from elastic.metrics import InProcessSource
 from elastic.metrics.exporter import Exporter
 from elastic.store.models import Base
 from tests.controller.fake_backend import FakeBackend
+from tests.fakes import Clock
 
 ADMIN = "admin-token-0123456789abcdef"
 READER = "read-token-0123456789abcdef"
@@ -41,13 +42,6 @@ CONFIG: dict[str, Any] = {
     "controller": {"tick_seconds": 1},
 }
 
-
-class Clock:
-    def __init__(self, t: float = T0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @dataclass
@@ -87,7 +81,7 @@ def make_env(db_url: str, *, operator_mode: bool = False, require_auth_for_reads
     """1. migrate + connect; 2. controller over the fake backend; 3. app; 4. uvicorn on a free port."""
     db.upgrade(db_url)
     store = db.Store.from_url(db_url)
-    clock = clock or Clock()
+    clock = clock or Clock(T0)
     backend = FakeBackend({"n0": 4, "n1": 4})
     source = InProcessSource(max_age=60)
     ctl = Controller(load_config(data=config or CONFIG), backend, store, {"chat": source}, owner="ctl-a",

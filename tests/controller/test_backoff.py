@@ -13,6 +13,7 @@ from elastic.backends.base import BackendError
 from elastic.config import load_config
 from elastic.controller import Controller
 from elastic.metrics import InProcessSource
+from tests.fakes import Clock
 
 from .fake_backend import FakeBackend
 
@@ -42,13 +43,6 @@ class OOMBackend(FakeBackend):
                 raise BackendError(f"{spec.name}: workers OOM-killed while starting")
         return super().set_job_gpus(spec, gpus, layout)
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from elastic.config import load_config
 from elastic.controller import Controller
 from elastic.metrics import InProcessSource
 from elastic.model import SpecError
+from tests.fakes import Clock
 
 from .fake_backend import FakeBackend
 
@@ -22,13 +23,6 @@ CONFIG = {
     "controller": {"tick_seconds": 1},
 }
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @pytest.fixture

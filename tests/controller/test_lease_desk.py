@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from tests.fakes import Clock
+
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(300)]
 
 
@@ -19,13 +21,6 @@ def ray_local():
     yield ray
     ray.shutdown()
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def _free(expect: float, timeout: float = 15.0) -> float:
@@ -55,7 +50,7 @@ def test_a_parked_lease_keeps_its_gpu_booked_until_the_next_holder_of_that_gpu_t
     from elastic.model import GPU
     from elastic.ray_gpu_lease import LeaseDesk
 
-    clock = Clock()
+    clock = Clock(1000.0)
     desk = LeaseDesk(hold_seconds=10, clock=clock)
     g1, g2 = GPU("local", 1), GPU("local", 2)
     (lease,) = _leases(1)
@@ -78,7 +73,7 @@ def test_leases_not_taken_in_time_released_or_of_another_size_go_back_to_ray(ray
     from elastic.model import GPU
     from elastic.ray_gpu_lease import LeaseDesk
 
-    clock = Clock()
+    clock = Clock(1000.0)
     desk = LeaseDesk(hold_seconds=5, clock=clock)
     g = [GPU("local", i) for i in range(4)]
     a, b, c, d = _leases(4)

@@ -16,18 +16,12 @@ from elastic import store as db
 from elastic.config import load_config
 from elastic.controller import Controller
 from elastic.metrics import InProcessSource
+from tests.fakes import Clock
 
 from .fake_backend import FakeBackend
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pool.yaml"
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1_700_000_000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class Lines(logging.Handler):
@@ -61,7 +55,7 @@ def _controller(tmp_path: Path, data: dict | None = None, owner: str = "ctl-a", 
     if store is None:
         db.upgrade(url)
         store = db.Store.from_url(url)
-    clock, source = Clock(), InProcessSource(max_age=60)
+    clock, source = Clock(1_700_000_000.0), InProcessSource(max_age=60)
     ctl = Controller(cfg, FakeBackend({"n0": cfg.pool.gpus_per_node}), store, {"chat": source}, owner=owner,
                      clock=clock)
     return ctl, store, clock, source

@@ -13,6 +13,7 @@ from elastic.config import load_config
 from elastic.controller import Controller
 from elastic.metrics import InProcessSource
 from elastic.model import Layout
+from tests.fakes import Clock
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -30,13 +31,6 @@ CONFIG = {
     "controller": {"tick_seconds": 1, "metrics_max_age_seconds": 3600},
 }
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 2_000_000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +86,7 @@ def _controller(tmp_path, *, job: dict | None = None, scale_up: list | None = No
         data["services"][0]["behavior"]["scaleUp"]["policies"] = scale_up
     cfg = load_config(data=data)
     backend = _spy_backend(cfg.pool)
-    source, clock = InProcessSource(max_age=3600), Clock()
+    source, clock = InProcessSource(max_age=3600), Clock(2_000_000.0)
     ctl = Controller(cfg, backend, store, {"chat": source}, owner="t", clock=clock)
     return ctl, backend, source, clock, store
 

@@ -28,6 +28,7 @@ from elastic.config import load_config
 from elastic.controller import Controller
 from elastic.metrics import InProcessSource
 from elastic.model import Layout
+from tests.fakes import Clock
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(900)]
 
@@ -51,13 +52,6 @@ def _config(corpus: str, log_dir: str) -> dict:
         "controller": {"tick_seconds": 1, "metrics_max_age_seconds": 3600},
     }
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 2_000_000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +94,7 @@ def test_a_user_job_is_rescaled_by_the_controller_on_ray_through_four_layouts_on
                          train_options=LaunchOptions(pg_timeout_s=90, heartbeat_timeout_s=60, join_timeout_s=120,
                                                      verify_reshard=True),
                          drain_seconds=0.5)
-    source, clock = InProcessSource(max_age=3600), Clock()
+    source, clock = InProcessSource(max_age=3600), Clock(2_000_000.0)
     ctl = Controller(cfg, backend, store, {"chat": source}, owner="t", clock=clock, throughput={JOB: TABLE})
 
     def tick(load: float) -> None:

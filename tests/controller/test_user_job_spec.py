@@ -16,6 +16,7 @@ from elastic.config import load_config
 from elastic.controller import Controller, job_throughput_tables
 from elastic.metrics import InProcessSource
 from elastic.model import GPU, Layout, SpecError, TrainingSpec
+from tests.fakes import Clock
 
 from .fake_backend import FakeBackend
 
@@ -136,13 +137,6 @@ def test_a_user_job_never_gets_a_zero1_layout() -> None:
     assert all(Layout.parse(lay).tp == 1 for lay, _ in tables["user"].values())  # no tp dim in its mesh
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.t = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.t
-
 
 @pytest.mark.parametrize("user", [False, True], ids=["reference", "user"])
 def test_below_its_minimum_a_user_job_is_preempted_not_paused(db_url: str, user: bool) -> None:
@@ -160,7 +154,7 @@ def test_below_its_minimum_a_user_job_is_preempted_not_paused(db_url: str, user:
     db.upgrade(db_url)
     store = db.Store.from_url(db_url)
     try:
-        clock, source, backend = _Clock(), InProcessSource(max_age=60), FakeBackend({"n0": 4})
+        clock, source, backend = Clock(), InProcessSource(max_age=60), FakeBackend({"n0": 4})
         ctl = Controller(cfg, backend, store, {"chat": source}, owner="ctl-a", clock=clock)
         for load in (10.0, 40.0):  # one replica, then four: the job's 2-GPU minimum no longer fits
             clock.t += 20.0

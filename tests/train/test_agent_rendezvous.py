@@ -22,18 +22,11 @@ from elastic.train.rendezvous import (
     RendezvousError,
     RescaleFailed,
 )
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.fakes import Clock
 
 
 def make(**kw) -> tuple[Coordinator, Clock, CollectorRegistry]:
-    clock, reg = Clock(), CollectorRegistry()
+    clock, reg = Clock(1000.0), CollectorRegistry()
     kw.setdefault("heartbeat_timeout_s", 5.0)
     kw.setdefault("join_timeout_s", 10.0)
     c = Coordinator("job", {"model": "tiny"}, registry=reg, clock=clock, heartbeat_interval_s=1.0, **kw)
