@@ -154,6 +154,37 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
+class AllowHeader:
+    """ASGI middleware: a 405 names every method the path answers in ``Allow``. The router answers
+    with the methods of the first route whose path matches, and a path's methods are spread over
+    several routes (``GET`` and ``PUT`` and ``DELETE`` of one job are three), so a client told
+    ``Allow: GET`` would never learn it may ``PUT``."""
+
+    def __init__(self, app: ASGIApp, routes: Any) -> None:
+        self.app, self.routes = app, routes
+
+    def allowed(self, path: str) -> str:
+        methods: set[str] = set()
+        for r in self.routes():
+            if getattr(r, "methods", None) and r.path_regex.match(path):
+                methods |= set(r.methods)
+        return ", ".join(sorted(methods))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_allow(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] == 405:
+                headers = [(k, v) for k, v in message.get("headers") or () if k.lower() != b"allow"]
+                headers.append((b"allow", self.allowed(scope["path"]).encode("latin-1")))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_allow)
+
+
 class AuthGate:
     """ASGI middleware: authenticates ``/api/v1`` requests before routing and body parsing.
 
@@ -781,6 +812,7 @@ def create_app(store: db.Store, controller: Any | None = None, *, tokens: TokenS
                   description="Where every GPU is and why; pause the controller, pin a service, force a rescale.")
     install(app)
     # the last added runs first: authentication before any body is read, then the body's size
+    app.add_middleware(AllowHeader, routes=lambda: app.router.routes)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(AuthGate, tokens=tokens, require_auth_for_reads=require_auth_for_reads)
     _routes_reads(app, api, require_auth_for_reads)
