@@ -218,7 +218,7 @@ class LazyTuple(Sequence):
     def __len__(self) -> int:
         return self._n
 
-    def __getitem__(self, i):  # type: ignore[override]
+    def __getitem__(self, i):
         return self._get()[i]
 
     def __iter__(self) -> Iterator:
@@ -564,8 +564,8 @@ def _template(ob: _PosBoxes, nb: _PosBoxes, pairs: list[list[_Pair]], po_set: tu
             holders = holder_cache.get(hk)
             if holders is None:
                 holders = holder_cache[hk] = [
-                    widx[w] for p in po_set for q in ob.cell_pos[pr.i]
-                    if (w := old_of_rank[p * old.Q + q]) is not None
+                    widx[owner] for p in po_set for q in ob.cell_pos[pr.i]
+                    if (owner := old_of_rank[p * old.Q + q]) is not None
                 ]
             if len(holders) == 1:  # one holder (a ZeRO shard): no choice to make
                 h = holders[0]
