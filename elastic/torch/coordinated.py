@@ -210,6 +210,9 @@ class Session:
         self._hooks: list[Any] = []
         self._last_result: dict[str, Any] | None = None
         self._src: Any = None  # the old state, described, while the old groups are gone
+        # the publisher's replicated source of a rescale planned without exchanging descriptions
+        # (plain data parallelism on both sides); published with the new ranks for the others
+        self._replicated: Any = None
         self._union: Any = None
         self._union_bytes: Any = None  # on CUDA: the union's NCCL backend for the bytes (gloo keeps the metadata)
         self._store: Any = None
@@ -428,6 +431,7 @@ class Session:
             self.records.append(rec)
         tag = f"{d.job}/u{d.generation}.{d.switch_step}"
         prep, built, error = None, None, ""
+        self._replicated = None
         new_ranks: dict[str, int] = {}
         extras: Any = None
         # 1-3: before the meeting; any failure here is this member's error at the meeting
@@ -457,14 +461,19 @@ class Session:
 
                 # what is not a tensor comes from the first old member, through the store; a member whose
                 # new model is wrong says so in the plan's exchange, where every member hears it
-                extras = self._kept_extras if self.worker == self._publisher(d) else self._shared(d, tag)["extras"]
+                publisher = self.worker == self._publisher(d)
+                extras = self._kept_extras if publisher else self._shared(d, tag)["extras"]
+                # every member plans the way the publisher chose: a collective one for some and a
+                # local one for others would leave the first waiting in the exchange
+                known = self._replicated if publisher else self._shared(d, tag).get("replicated")
                 want = len(extras["groups"])
                 if built is not None and len(built[1].param_groups) != want:
                     err = (f"{self.worker}: build: the new optimizer has {len(built[1].param_groups)} parameter "
                            f"groups, the running one {want}; build the same optimizer on every layout")
                 dst = training_state(built[0], built[1], init_optimizer=True) if built is not None and not err else None
                 prep = prepare_reshard(self._src if was else None, dst, group=self._union,
-                                       transport=self._union_bytes, errors=[err] if err else [], agree=False)
+                                       transport=self._union_bytes, errors=[err] if err else [], agree=False,
+                                       known=known)
                 clock.mark("plan")
             elif err:
                 raise SpecError(err)
@@ -575,7 +584,8 @@ class Session:
                 joiners = [w for w in d.workers if w not in old]
                 ids = {**old, **{w: n_old + i for i, w in enumerate(joiners)}}
                 lay = Layout.parse(d.layout)
-                if _replicas_only(live, self.layout, lay):
+                replicas = _replicas_only(live, self.layout, lay)
+                if replicas:
                     # every old member holds all of it: any order keeps every byte local, and each
                     # member knows this one without asking its peers (a collective saved in the pause)
                     order = sorted((ids[w] for w in d.workers), key=lambda i: (i >= n_old, i))
@@ -587,6 +597,10 @@ class Session:
                 ranks = {by_id[i]: pos for pos, i in enumerate(order)}
                 self._src = self._freeze(live)
                 self._drop_world()
+                if replicas and self.worker == self._publisher(d):
+                    # the whole state, which every old member holds: each member plans from it and
+                    # its own new state, without the descriptions' exchange (another collective)
+                    self._replicated = _replicated_source(self._src, d)
             else:  # back from an abandoned rescale's rebuild that itself broke: the directive decides
                 ranks = {w: i for i, w in enumerate(d.workers)}
             if self.worker == self._publisher(d):
@@ -598,7 +612,7 @@ class Session:
         """The first old member's word to the others: the new positions and what is not a tensor."""
         from elastic.train.rendezvous import sign
 
-        payload = pickle.dumps({"ranks": ranks, "extras": self._kept_extras})
+        payload = pickle.dumps({"ranks": ranks, "extras": self._kept_extras, "replicated": self._replicated})
         self._store_for(d).set(f"{tag}/shared", sign(self.client.secret, payload))
 
     def _shared(self, d: Any, tag: str) -> dict[str, Any]:
@@ -1038,6 +1052,21 @@ def _replicas_only(live: Any, old: Layout | None, new: Layout) -> bool:
 
     return (old is not None and old.tp == old.pp == new.tp == new.pp == 1
             and not any(is_dtensor(t) for t in live.values()))
+
+
+def _replicated_source(src: Any, d: Any) -> Any:
+    """The old state as every member's known source of directive ``d`` (ranks in the union group,
+    whose members are ``d.members`` in sorted order); None (exchange the descriptions) if it holds
+    a DTensor after all."""
+    from elastic.reshard.plan import ReshardError
+    from elastic.torch.reshard import replicated
+
+    members = sorted(d.members)
+    try:
+        return replicated(src, [i for i, w in enumerate(members) if w in d.old_ranks],
+                          [i for i, w in enumerate(members) if w in d.workers])
+    except ReshardError:
+        return None
 
 
 def _digest(ranks: dict[str, int]) -> str:

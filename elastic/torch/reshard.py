@@ -56,8 +56,8 @@ from elastic.torch.regions import (
 )
 from elastic.torch.state import SEP
 
-__all__ = ["PreparedReshard", "ReshardStats", "describe", "execute_reshard", "freeze", "mesh_order", "plan",
-           "prepare_reshard", "reshard"]
+__all__ = ["PreparedReshard", "Replicated", "ReshardStats", "describe", "execute_reshard", "freeze", "mesh_order",
+           "plan", "prepare_reshard", "replicated", "reshard"]
 
 State = Mapping[str, torch.Tensor]
 
@@ -265,6 +265,61 @@ def _exchange(src: _Side | None, dst: _Side | None, group: Any) -> _World:
 # --------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Replicated:
+    """A ``src`` every old worker holds whole (plain data parallelism: no DTensor), known to every
+    worker before the reshard: its key table (:func:`replicated` of one old worker's frozen side)
+    and which ranks of the group are old and new. With it, :func:`plan` builds the exchange's
+    outcome locally instead of exchanging (no collective before the bytes move): each worker
+    assumes every new worker builds what it builds. A worker whose ``dst`` differs from the
+    running state still raises, naming the keys; two new workers that built different states
+    compute different plans, which a caller that compares :attr:`PreparedReshard.digest`
+    (a coordinator's meeting) refuses before any byte moves."""
+
+    table: dict[str, tuple]
+    device: str | None
+    old_members: tuple[int, ...]
+    new_members: tuple[int, ...]
+
+
+def replicated(src: State | _Side, old_members: Sequence[int], new_members: Sequence[int]) -> Replicated:
+    """``src`` (one old worker's state, or its :func:`freeze`) as the whole state every old worker
+    holds; ReshardError if it holds a DTensor (its shards differ between workers)."""
+    side = describe(src)
+    assert side is not None
+    sharded = sorted(k for k, e in side.table.items() if e[0] == "t" and e[3] is not None)
+    if sharded:
+        raise ReshardError(f"{sharded[0]} is a DTensor: a replicated source holds plain tensors only "
+                           f"({len(sharded)} DTensor key(s))")
+    return Replicated(dict(side.table), side.device, tuple(old_members), tuple(new_members))
+
+
+def _assumed_world(rep: Replicated, s: _Side | None, d: _Side | None, group: Any) -> _World:
+    """The exchange's outcome for a replicated source, built from what this worker knows."""
+    n, me = group_size(group), group_rank(group)
+    errors = list((s.errors if s else []) + (d.errors if d else []))
+    src_digest = _Side(rep.table, {}, {}, {}, [], rep.device).digest
+    if s is not None and not errors and s.digest != src_digest:
+        errors.append("this worker's state is not the replicated source's: the old workers' states differ "
+                      "(keys, shapes or dtypes)")
+    if (me in rep.new_members) != (d is not None) or (me in rep.old_members) != (s is not None):
+        errors.append(f"rank {me} is {'not ' if me not in rep.old_members else ''}an old and "
+                      f"{'not ' if me not in rep.new_members else ''}a new member of the replicated source, "
+                      "but passes the other sides")
+    if d is not None and d.coords:
+        errors.append("the new state holds DTensors: a replicated source's plan assumes plain tensors on both "
+                      "sides; reshard without `replicated`")
+    # a worker that builds no new state (a leaver) takes the new workers' for the old one's: a
+    # replica's new state holds the same tensors, and whatever differs moves no byte of the plan
+    dst_digest, dst_table = (d.digest, d.table) if d is not None else (src_digest, rep.table)
+    tables = {src_digest: rep.table, dst_digest: dst_table}
+    old, new = set(rep.old_members), set(rep.new_members)
+    return _World(n, [src_digest if r in old else None for r in range(n)],
+                  [dst_digest if r in new else None for r in range(n)],
+                  [{} for _ in range(n)], [{} for _ in range(n)], tables, [(me, e) for e in errors],
+                  {x for x in (rep.device, d.device if d else None) if x})
+
+
 def _placed(world: _World, which: str) -> tuple[dict[str, Placed], dict[str, tuple[str, Any]], list[int]]:
     """Every key of one side with every holder's region; scalars apart; the members of that side."""
     hashes = world.src_hash if which == "src" else world.dst_hash
@@ -380,16 +435,18 @@ def _check_sides(world: _World, old: Mapping[str, Placed], new: Mapping[str, Pla
 
 
 def plan(src: State | None, dst: State | None, *, group: Any = None, staging_cap_bytes: int | None = None,
-         errors: Sequence[str] = ()) -> tuple[RegionPlan, dict[str, tuple[str, Any]], _Side | None,
-                                               _Side | None, float]:
+         errors: Sequence[str] = (), known: Replicated | None = None) -> tuple[RegionPlan, dict[str, tuple[str, Any]],
+                                                                              _Side | None, _Side | None, float]:
     """Steps 1-3 of :func:`reshard` (collective): the plan every worker agrees on, the scalar values,
     this worker's two descriptions and the seconds the exchange took. ``errors``: this worker's own
-    reasons to refuse (its new model could not be built), heard by every worker in the exchange."""
+    reasons to refuse (its new model could not be built), heard by every worker in the exchange.
+    ``known``: a replicated source every worker knows (:class:`Replicated`): no exchange, and
+    ``errors`` raise on this worker only."""
     t0 = time.perf_counter()
     s, d = describe(src), describe(dst)
     if errors:  # on the new side, a copy: a frozen src is described once and used again
         d = _Side({}, {}, {}, {}, list(errors), None) if d is None else replace(d, errors=[*d.errors, *errors])
-    world = _exchange(s, d, group)
+    world = _exchange(s, d, group) if known is None else _assumed_world(known, s, d, group)
     t_exchange = time.perf_counter() - t0
     old, old_s, old_members = _placed(world, "src")
     new, new_s, new_members = _placed(world, "dst")
@@ -424,7 +481,7 @@ class PreparedReshard:
 
 def prepare_reshard(src: State | _Side | None, dst: State | None, *, group: Any = None,
                     staging_cap_bytes: int | None = None, transport: Any = None, errors: Sequence[str] = (),
-                    agree: bool = True) -> PreparedReshard:
+                    agree: bool = True, known: Replicated | None = None) -> PreparedReshard:
     """Steps 1-3 of :func:`reshard` and the executor's preparation (collective over ``group``):
     raises :class:`ReshardError` on every worker alike when the state cannot be moved. Nothing is
     allocated beyond staging buffers: the bytes land in ``dst``'s own tensors, and ``src`` stays
@@ -432,9 +489,15 @@ def prepare_reshard(src: State | _Side | None, dst: State | None, *, group: Any 
     carries the bytes (a raw NCCL backend for CUDA tensors, with a gloo ``group`` for the
     metadata); default ``group``. ``errors``: this worker's own reasons to refuse, raised on
     every worker. ``agree=False``: a preparation that fails here raises here only, for a caller
-    whose workers agree elsewhere before any byte moves (a coordinator's meeting)."""
+    whose workers agree elsewhere before any byte moves (a coordinator's meeting). ``known``: a
+    replicated source (:class:`Replicated`): planned without exchanging descriptions, for such a
+    caller (``agree=False``)."""
+    if known is not None and agree:
+        raise ValueError("prepare_reshard(known=...) plans without a collective; pass agree=False and compare "
+                         "the digests before executing")
     t0 = time.perf_counter()
-    p, scalars, s, d, t_exchange = plan(src, dst, group=group, staging_cap_bytes=staging_cap_bytes, errors=errors)
+    p, scalars, s, d, t_exchange = plan(src, dst, group=group, staging_cap_bytes=staging_cap_bytes, errors=errors,
+                                        known=known)
     t_plan = time.perf_counter() - t0 - t_exchange
     me = group_rank(group)
     device = (s.device if s and s.device else None) or (d.device if d and d.device else None) or "cpu"
