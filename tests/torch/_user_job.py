@@ -16,6 +16,9 @@ environment, and each variable below arms one fault in the worker it names:
 * ``ELASTIC_TEST_HOLD_FOR_GIVE_UP=<step>``: every worker, in that step, after its first
   micro-batch, waits until the coordinator has asked it to give the step up (a shrink posted
   while the step is in progress; bounded), so the next micro-batch's check gives it up.
+* ``ELASTIC_TEST_STEP_GATE=<file>``: before asking for step ``s``, every worker waits while
+  ``s`` is at or past the number the file holds (bounded): the test holds the job at a boundary
+  while a grow's joiners start, so a tiny model cannot reach ``max_steps`` meanwhile.
 
 Nothing here is shipped: the faults live in the test's process, around the user's code and
 around ``elastic.reshard.execute.execute``.
@@ -146,6 +149,40 @@ def _arm_hold_for_give_up(step: str) -> None:
     CoordinatedManager.micro_batches = micro_batches  # type: ignore[method-assign]
 
 
+def _arm_step_gate(path: str) -> None:
+    import time
+    from pathlib import Path
+
+    from elastic.torch.coordinated import CoordinatedManager, current_session
+
+    if getattr(CoordinatedManager.steps, "_gated", False):
+        return  # armed by the first call of main()
+    original = CoordinatedManager.steps
+
+    def limit() -> int:
+        text = Path(path).read_text().strip() if Path(path).exists() else ""
+        return int(text) if text else 1 << 62
+
+    def steps(self: Any) -> Any:
+        it = original(self)
+        while True:
+            session = current_session()
+            if session is not None:
+                deadline = time.monotonic() + 300
+                while session.next_step >= limit():
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"step gate {path} held step {session.next_step} for 300 s")
+                    time.sleep(0.01)
+            try:
+                s = next(it)
+            except StopIteration:
+                return
+            yield s
+
+    steps._gated = True  # type: ignore[attr-defined]
+    CoordinatedManager.steps = steps  # type: ignore[method-assign]
+
+
 def main() -> None:
     from examples.llama import job
 
@@ -159,4 +196,6 @@ def main() -> None:
         _arm_die_exchange(spec)
     if spec := os.environ.get("ELASTIC_TEST_HOLD_FOR_GIVE_UP"):
         _arm_hold_for_give_up(spec)
+    if spec := os.environ.get("ELASTIC_TEST_STEP_GATE"):
+        _arm_step_gate(spec)
     job.main()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -101,8 +102,42 @@ def _wait(pred: Any, h: ProcessJobHandle, timeout: float, what: str) -> Any:
     raise AssertionError(f"{what} not within {timeout} s: {h.status()}")
 
 
+def _gate(tmp_path: Path, limit: int | None) -> None:
+    """Hold the workers (``ELASTIC_TEST_STEP_GATE``) before asking for step ``limit``; None: let them go."""
+    f = tmp_path / "gate"
+    tmp = f.with_suffix(".tmp")
+    tmp.write_text("" if limit is None else str(limit))
+    tmp.replace(f)
+
+
+def _rescale_held(h: ProcessJobHandle, tmp_path: Path, layout: str, workers: list[str]) -> Any:
+    """``h.rescale`` with the job held at a step boundary until the directive is posted: a grow's
+    joiners take seconds to start, in which the tiny model could otherwise run to ``max_steps``."""
+    _gate(tmp_path, h.status().step + 2)
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["result"] = h.rescale(layout, workers, timeout=180)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    try:
+        _wait(lambda st: st.phase == "rescaling" or not t.is_alive(), h, 240, f"the directive for {layout}")
+    finally:
+        _gate(tmp_path, None)
+        t.join(240)
+    assert not t.is_alive(), f"rescale to {layout} did not return"
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
+
+
 def test_a_user_job_rescaled_by_its_coordinator_through_four_layouts_follows_one_process(
-        corpus: str, reference: dict, tmp_path: Path) -> None:
+        corpus: str, reference: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ELASTIC_TEST_STEP_GATE", str(tmp_path / "gate"))
     h = _job("byo-chain", corpus, tmp_path)
     chain = [("tp2.pp1.dp2", W4, [], []), ("tp2.pp1.dp1", ["w1", "w3"], [], ["w0", "w2"]),
              ("tp2.pp1.dp2", ["w1", "w3", "w4", "w5"], ["w4", "w5"], []),
@@ -111,7 +146,7 @@ def test_a_user_job_rescaled_by_its_coordinator_through_four_layouts_follows_one
         h.start("tp1.pp1.dp4", W4, timeout=180)
         h.wait_step(1, timeout=120)
         for layout, workers, joiners, leavers in chain:
-            res = h.rescale(layout, workers, timeout=180)
+            res = _rescale_held(h, tmp_path, layout, workers)
             rec = res.record
             assert rec.ok and rec.to_layout == layout, rec
             assert sorted(rec.joiners) == joiners and sorted(rec.leavers) == leavers
@@ -175,10 +210,13 @@ def test_a_build_that_raises_or_builds_other_keys_abandons_the_rescale_and_the_j
     _check_curve(h, tmp_path, reference)
 
 
+@pytest.mark.parametrize("replicas", [False, True], ids=["fsdp", "ddp"])
 def test_a_build_with_other_keys_is_refused_before_a_byte_moves(
-        corpus: str, reference: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ELASTIC_TEST_BUILD_FAULT", "dp_shard3.tp1:keys")
-    h = _job("byo-keys", corpus, tmp_path)
+        corpus: str, reference: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, replicas: bool) -> None:
+    """FSDP: found in the descriptions' exchange; DDP replicas: each member plans from the state the
+    first old member published, and those whose new model differs refuse at the meeting."""
+    monkeypatch.setenv("ELASTIC_TEST_BUILD_FAULT", f"{'dp_replicate' if replicas else 'dp_shard'}3.tp1:keys")
+    h = _job("byo-keys", corpus, tmp_path, replicas=replicas)
     try:
         h.start("tp1.pp1.dp4", W4, timeout=180)
         h.wait_step(1, timeout=120)
@@ -217,6 +255,7 @@ def test_a_worker_killed_mid_step_is_recovered_from_its_replicas_on_the_same_cur
 def test_ddp_replicas_with_tensor_parallel_rescale_and_recover_a_lost_worker_on_the_same_curve(
         corpus: str, reference: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """DDP x TP: every replica holds its parameters on a tp mesh of its own (sibling sub-meshes)."""
+    monkeypatch.setenv("ELASTIC_TEST_STEP_GATE", str(tmp_path / "gate"))
     h = _job("byo-ddptp", corpus, tmp_path, replicas=True)
     try:
         h.start("tp2.pp1.dp2", W4, timeout=180)
@@ -224,7 +263,7 @@ def test_ddp_replicas_with_tensor_parallel_rescale_and_recover_a_lost_worker_on_
         assert h.rescale("tp1.pp1.dp3", W4[:3], timeout=180).record.ok
         h.wait_step(h.status().step + 2, timeout=120)
         monkeypatch.setenv("ELASTIC_TEST_DIE", "w4:+3")  # armed in the joiner launched next: its 4th step
-        res = h.rescale("tp2.pp1.dp2", ["w0", "w1", "w2", "w4"], timeout=180)
+        res = _rescale_held(h, tmp_path, "tp2.pp1.dp2", ["w0", "w1", "w2", "w4"])
         assert res.record.ok and res.bytes_moved == res.lower_bound_bytes > 0
         st = _wait(lambda st: st.generation >= 4 and st.phase == "running", h, 180, "recovery")
         assert st.layout == "tp2.pp1.dp1" and "w4" not in st.workers, st
