@@ -1,33 +1,73 @@
-"""Domain types shared by every part of elastic.
+"""Domain types shared by every part of elastic: the model architecture (``ModelSpec``), its
+presets and the loading of model files, and every other domain type re-exported from where it is
+declared, so ``from elastic.model import ...`` names them all.
 
-Pure value objects: they validate themselves (with messages that show the
-arithmetic) and do no I/O beyond parsing a file a caller hands them. Runtimes
-(process groups, device meshes, DB rows) are built elsewhere from these.
+Pure value objects: they validate themselves (with messages that show the arithmetic) and do no
+I/O beyond parsing a file a caller hands them. Runtimes (process groups, device meshes, DB rows)
+are built elsewhere from these.
 
-Conventions (see docs/DESIGN.md):
-
-* ``Layout(tp, pp, dp, ep=1, vpp=1, zero=0)`` prints as ``tp2.pp2.dp4``; extra
-  axes only when not default (``tp1.pp4.dp8.ep8.vpp2.z1``).
-* Rank order is Megatron's default: tp fastest, then dp, then pp:
-  ``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``.
+Where each lives: ``SpecError`` in ``elastic/errors.py``, ``Layout`` (and its conventions) in
+``elastic/layout.py``, ``HardwareSpec`` and its presets in ``elastic/hardware.py``, the workload
+specs (``InferenceSpec``, ``TrainingSpec``, ``PoolSpec``, ...) in ``elastic/workloads.py``, the
+co-scheduler's ``Allocation`` and ``Plan`` in ``elastic/allocation.py``; ``ModelSpec``, the presets,
+``load_model`` and ``check_layout`` (a model against a layout) here.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import re
 import stat
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from elastic.allocation import GPU, Allocation, Plan, PlanStep
+from elastic.errors import SpecError, _clip
+from elastic.hardware import GB, HARDWARE_PRESETS, GiB, HardwareSpec, load_hardware
+from elastic.layout import Layout, padded_layers
+from elastic.workloads import (
+    Behavior,
+    CheckpointSpec,
+    InferenceSpec,
+    MetricTarget,
+    PoolSpec,
+    ScalingPolicy,
+    ScalingRules,
+    TrainingSpec,
+)
 
-class SpecError(ValueError):
-    """Bad user input. The message names the field and the fix; CLI prints it as one line."""
-
+__all__ = [
+    "GB",
+    "GPU",
+    "HARDWARE_PRESETS",
+    "MODEL_FILE_MAX_BYTES",
+    "MODEL_PRESETS",
+    "PUBLISHED_PARAMS",
+    "Allocation",
+    "Behavior",
+    "CheckpointSpec",
+    "GiB",
+    "HardwareSpec",
+    "InferenceSpec",
+    "Layout",
+    "MLASpec",
+    "MetricTarget",
+    "ModelSpec",
+    "MoESpec",
+    "Plan",
+    "PlanStep",
+    "PoolSpec",
+    "ScalingPolicy",
+    "ScalingRules",
+    "SpecError",
+    "TrainingSpec",
+    "check_layout",
+    "load_hardware",
+    "load_model",
+    "load_yaml",
+    "padded_layers",
+]
 
 # --------------------------------------------------------------------------------------------
 # Model architecture
@@ -358,179 +398,8 @@ def load_model(name_or_path: str, *, base_dir: str | Path | None = None) -> Mode
 
 
 # --------------------------------------------------------------------------------------------
-# Hardware
+# A model against a layout
 # --------------------------------------------------------------------------------------------
-
-
-class HardwareSpec(BaseModel):
-    """One accelerator type and the links between them."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str
-    memory_bytes: int = Field(gt=0, description="device memory per GPU")
-    peak_flops: float = Field(gt=0, description="dense bf16 peak FLOP/s per GPU")
-    intra_node_bandwidth: float = Field(gt=0, description="bytes/s per GPU inside a node (NVLink)")
-    inter_node_bandwidth: float = Field(gt=0, description="bytes/s per GPU across nodes (IB/RoCE)")
-    host_memory_bytes: int = Field(default=2 * 1024**4, gt=0, description="host RAM per node")
-    gpus_per_node: int = Field(default=8, gt=0)
-
-
-GiB = 1024**3
-GB = 10**9
-
-HARDWARE_PRESETS: dict[str, HardwareSpec] = {
-    h.name: h
-    for h in [
-        HardwareSpec(name="a100-80g", memory_bytes=80 * GiB, peak_flops=312e12, intra_node_bandwidth=300 * GB,
-                     inter_node_bandwidth=25 * GB),
-        HardwareSpec(name="h100-80g", memory_bytes=80 * GiB, peak_flops=989e12, intra_node_bandwidth=450 * GB,
-                     inter_node_bandwidth=50 * GB),
-        HardwareSpec(name="h800-80g", memory_bytes=80 * GiB, peak_flops=989e12, intra_node_bandwidth=200 * GB,
-                     inter_node_bandwidth=50 * GB),
-        HardwareSpec(name="h200-141g", memory_bytes=141 * GB, peak_flops=989e12, intra_node_bandwidth=450 * GB,
-                     inter_node_bandwidth=50 * GB),
-        HardwareSpec(name="cpu", memory_bytes=16 * GiB, peak_flops=0.2e12, intra_node_bandwidth=4 * GB,
-                     inter_node_bandwidth=1 * GB, host_memory_bytes=24 * GiB),
-    ]
-}
-
-
-def load_hardware(name: str) -> HardwareSpec:
-    try:
-        return HARDWARE_PRESETS[name]
-    except KeyError:
-        raise SpecError(f"unknown hardware '{name}': use one of {', '.join(HARDWARE_PRESETS)}") from None
-
-
-# --------------------------------------------------------------------------------------------
-# Layout
-# --------------------------------------------------------------------------------------------
-
-_AXES = ("tp", "pp", "dp", "ep", "vpp", "z")
-
-
-def _clip(text: str, n: int = 40) -> str:
-    """At most ``n`` characters of a bad value for an error message (never the whole of a huge one)."""
-    return text if len(text) <= n else f"{text[:n]}... ({len(text)} characters)"
-# ASCII digits only (\d also takes other scripts' digits, which int() reads), and few of them: a degree
-# of thousands of digits is no layout, only work for whoever reads it
-_LAYOUT_RE = re.compile(r"^(tp|pp|dp|ep|vpp|z)([0-9]{1,6})$")
-
-
-@dataclass(frozen=True, order=True)
-class Layout:
-    """A 3D-parallel layout. ``zero`` is 0 (replicated optimizer) or 1 (ZeRO-1 / distributed optimizer)."""
-
-    tp: int
-    pp: int
-    dp: int
-    ep: int = 1
-    vpp: int = 1
-    zero: int = 0
-
-    def __post_init__(self) -> None:
-        for axis in ("tp", "pp", "dp", "ep", "vpp"):
-            v = getattr(self, axis)
-            if not isinstance(v, int) or v < 1:
-                raise SpecError(f"layout {axis}={v!r}: every parallel degree must be an integer >= 1")
-        if self.zero not in (0, 1):
-            raise SpecError(f"layout zero={self.zero!r}: only 0 (off) and 1 (ZeRO-1) are supported")
-        if self.ep > 1 and (self.dp % self.ep):
-            raise SpecError(
-                f"layout ep={self.ep} must divide dp={self.dp} (experts are sharded inside the data-parallel group)"
-            )
-        if self.vpp > 1 and self.pp == 1:
-            raise SpecError(f"layout vpp={self.vpp} needs pp > 1 (interleaving splits pipeline stages)")
-
-    # ---- text form ----------------------------------------------------------------------------
-    @classmethod
-    def parse(cls, text: str) -> Layout:
-        """``tp2.pp2.dp4`` (tp, pp, dp required; ep/vpp/z optional)."""
-        if not isinstance(text, str) or not text.strip():
-            raise SpecError("layout: empty; expected e.g. 'tp2.pp2.dp4'")
-        vals: dict[str, int] = {}
-        for part in text.strip().lower().split("."):
-            m = _LAYOUT_RE.match(part)
-            if not m:
-                raise SpecError(f"layout '{_clip(text)}': cannot read '{_clip(part)}'; expected e.g. 'tp2.pp2.dp4' (axes "
-                                f"{', '.join(_AXES)}, each with a degree of 1 to 6 ASCII digits)")
-            axis, num = m.group(1), int(m.group(2))
-            if axis in vals:
-                raise SpecError(f"layout '{text}': axis '{axis}' given twice")
-            vals[axis] = num
-        missing = [a for a in ("tp", "pp", "dp") if a not in vals]
-        if missing:
-            raise SpecError(f"layout '{text}': missing {', '.join(missing)}; expected e.g. 'tp2.pp2.dp4'")
-        for axis, v in vals.items():
-            if v < 1 and axis != "z":
-                raise SpecError(f"layout '{text}': {axis}{v} is invalid; every degree must be >= 1")
-        return cls(tp=vals["tp"], pp=vals["pp"], dp=vals["dp"], ep=vals.get("ep", 1), vpp=vals.get("vpp", 1),
-                   zero=vals.get("z", 0))
-
-    def __str__(self) -> str:
-        s = f"tp{self.tp}.pp{self.pp}.dp{self.dp}"
-        if self.ep != 1:
-            s += f".ep{self.ep}"
-        if self.vpp != 1:
-            s += f".vpp{self.vpp}"
-        if self.zero:
-            s += f".z{self.zero}"
-        return s
-
-    def held(self) -> Layout:
-        """How keepers hold a paused job's state: the same model-parallel split, one data-parallel copy
-        (``tp.pp.dp1``; ZeRO-1 shards gather into it)."""
-        return Layout(self.tp, self.pp, 1, vpp=self.vpp)
-
-    # ---- ranks --------------------------------------------------------------------------------
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    def rank(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
-        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
-
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """``(tp_rank, dp_rank, pp_rank)`` of a global rank."""
-        if not 0 <= rank < self.world_size:
-            raise SpecError(f"rank {rank} outside layout {self} (world size {self.world_size})")
-        tp_rank = rank % self.tp
-        dp_rank = (rank // self.tp) % self.dp
-        pp_rank = rank // (self.tp * self.dp)
-        return tp_rank, dp_rank, pp_rank
-
-    def tp_group(self, rank: int) -> list[int]:
-        _, d, p = self.coords(rank)
-        return [self.rank(t, d, p) for t in range(self.tp)]
-
-    def dp_group(self, rank: int) -> list[int]:
-        t, _, p = self.coords(rank)
-        return [self.rank(t, d, p) for d in range(self.dp)]
-
-    def pp_group(self, rank: int) -> list[int]:
-        t, d, _ = self.coords(rank)
-        return [self.rank(t, d, p) for p in range(self.pp)]
-
-    def ep_group(self, rank: int) -> list[int]:
-        """Ranks that together hold all experts: consecutive dp ranks within one block of ``ep``."""
-        t, d, p = self.coords(rank)
-        base = d - d % self.ep
-        return [self.rank(t, base + e, p) for e in range(self.ep)]
-
-    def all_tp_groups(self) -> list[list[int]]:
-        return [self.tp_group(self.rank(0, d, p)) for p in range(self.pp) for d in range(self.dp)]
-
-    def all_dp_groups(self) -> list[list[int]]:
-        return [self.dp_group(self.rank(t, 0, p)) for p in range(self.pp) for t in range(self.tp)]
-
-    def all_pp_groups(self) -> list[list[int]]:
-        return [self.pp_group(self.rank(t, d, 0)) for d in range(self.dp) for t in range(self.tp)]
-
-    def with_(self, **kw: int) -> Layout:
-        d = {k: getattr(self, k) for k in ("tp", "pp", "dp", "ep", "vpp", "zero")}
-        d.update(kw)
-        return Layout(**d)
 
 
 def check_layout(model: ModelSpec, layout: Layout, gpus_per_node: int | None = None) -> None:
@@ -564,339 +433,3 @@ def check_layout(model: ModelSpec, layout: Layout, gpus_per_node: int | None = N
                 f"layout {layout}: ep={layout.ep} does not divide experts={model.moe.experts} "
                 f"({model.moe.experts} % {layout.ep} = {model.moe.experts % layout.ep})"
             )
-
-
-def padded_layers(layers: int, pp: int, vpp: int = 1) -> int:
-    """Layer slots after virtual padding: the next multiple of ``pp*vpp`` at or above ``layers``,
-    allowing at most ``pp*vpp - 1`` virtual (empty) slots. DeepSeek-V3: 61 layers, pp16 -> 64 slots."""
-    chunks = pp * vpp
-    return math.ceil(layers / chunks) * chunks
-
-
-# --------------------------------------------------------------------------------------------
-# Workload specs (kept small; later issues extend them)
-# --------------------------------------------------------------------------------------------
-
-
-class _Spec(BaseModel):
-    # no inf or NaN in any float field (1e999 reads as inf): they would only fail later, deep inside
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
-
-
-class ScalingPolicy(_Spec):
-    """One HPA v2 rate policy."""
-
-    type: Literal["Pods", "Percent"]
-    value: int = Field(gt=0)
-    period_seconds: int = Field(gt=0, le=1800, alias="periodSeconds")
-
-
-class ScalingRules(_Spec):
-    """HPA v2 ``behavior.scaleUp`` / ``behavior.scaleDown``."""
-
-    stabilization_window_seconds: int | None = Field(default=None, ge=0, le=3600, alias="stabilizationWindowSeconds")
-    select_policy: Literal["Max", "Min", "Disabled"] = Field(default="Max", alias="selectPolicy")
-    policies: list[ScalingPolicy] | None = None
-    # HPA v2 (Kubernetes 1.33+) per-direction tolerance; None = the HPA's cluster default 0.1.
-    tolerance: float | None = Field(default=None, ge=0, lt=1)
-
-
-class Behavior(_Spec):
-    scale_up: ScalingRules | None = Field(default=None, alias="scaleUp")
-    scale_down: ScalingRules | None = Field(default=None, alias="scaleDown")
-
-
-class MetricTarget(_Spec):
-    """What to measure and the value per replica (or in total) to hold it at."""
-
-    preset: str | None = Field(default=None, description="e.g. 'vllm-running', 'sglang-queue', 'request-rate'")
-    query: str | None = Field(default=None, description="PromQL instead of a preset")
-    prometheus: str | None = Field(default=None, description="Prometheus base URL; none = scrape replicas directly")
-    type: Literal["AverageValue", "Value", "Utilization"] = "AverageValue"
-    target: float = Field(gt=0, description="target value (per replica for AverageValue)")
-    # KEDA's activationThreshold: with min_replicas=0 the service leaves zero only when the
-    # metric is strictly above this value, and returns to zero when it is at or below it.
-    activation_threshold: float = Field(default=0.0, ge=0, alias="activationThreshold")
-    # Shrink only on the mean of the readings of the last windowSeconds (grow on the latest
-    # reading as before): an instantaneous gauge such as requests running jitters by
-    # +-sqrt(load), and the scale-down window keeps the highest of those jitters, which holds
-    # replicas the load does not need. Decided value = max(latest, window mean). 0 = off
-    # (the HPA's behaviour: every reading on its own).
-    window_seconds: float = Field(default=0.0, ge=0, le=3600, alias="windowSeconds",
-                                  description="scale down on the mean of this many seconds of readings "
-                                              "(scale up on the latest); 0 = off")
-    # A count of requests in flight (Poisson arrivals) scatters by about the square root of its
-    # value: at 70 requests a reading of 62 is one standard deviation, not a fall. A scale-down to
-    # n replicas needs load + noiseMargin * sqrt(load) <= n * target, so a dip that size does not
-    # drain a replica the load still needs (and start it again seconds later). AverageValue only.
-    noise_margin: float = Field(default=0.0, ge=0, le=5, alias="noiseMargin",
-                                description="scale down only when load + noiseMargin * sqrt(load) fits the "
-                                            "smaller count (count metrics: their noise is about sqrt(load)); "
-                                            "0 = off")
-
-    @model_validator(mode="after")
-    def _one_source(self) -> MetricTarget:
-        if (self.preset is None) == (self.query is None):
-            raise ValueError("metric: give exactly one of 'preset' or 'query'")
-        if self.noise_margin > 0 and self.type != "AverageValue":
-            raise ValueError(f"metric.noiseMargin applies to a count summed over replicas (type AverageValue); "
-                             f"with type {self.type} set noiseMargin to 0")
-        return self
-
-
-class InferenceSpec(_Spec):
-    name: str = Field(min_length=1)
-    gpus_per_replica: int = Field(default=1, gt=0, le=4096)
-    min_replicas: int = Field(default=1, ge=0)
-    max_replicas: int = Field(default=8, gt=0)
-    priority: int = Field(default=100)
-    metric: MetricTarget | None = None
-    behavior: Behavior | None = None
-    startup_seconds: float = Field(default=30.0, ge=0)
-    # Short-horizon forecast (elastic.policy.forecast): scale up `startup_seconds` ahead of a ramp.
-    forecast: Literal["off", "trend", "holt-winters"] = "off"
-    forecast_window_seconds: float = Field(default=600.0, gt=0, description="trend: regression window")
-    forecast_season_seconds: float = Field(default=86400.0, gt=0, description="holt-winters: season length")
-    drain_ahead_seconds: float = Field(
-        default=0.0, ge=0,
-        description="take the replica a scale-down will remove out of the load balancer this many seconds "
-                    "before the scale-down window lets it go, so its requests are done when it leaves and its "
-                    "GPU goes to training at once (set it near the longest request you serve); it is put "
-                    "back the moment the load rises again. 0 = off (drain only once the window has passed). "
-                    "The Ray backend does it; a backend that cannot hold a replica out of the balancer "
-                    "(Kubernetes today) ignores it")
-    handoff: bool = Field(
-        default=False,
-        description="a leaving replica hands its requests back to the load balancer, which resumes each on "
-                    "another replica from the tokens it had (Llumnix-style migration by recompute), instead of "
-                    "finishing them: its GPU is free within a second of the scale-down rather than after its "
-                    "longest request, and no request is cut. Needs replicas with POST /admin/handoff (the "
-                    "reference replica) and a balancer that resumes handed-off streams (elastic's load "
-                    "generator); a replica without the endpoint is drained as usual. The Ray backend does it; "
-                    "Kubernetes ignores it")
-
-    @model_validator(mode="after")
-    def _bounds(self) -> InferenceSpec:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(
-                f"min_replicas={self.min_replicas} > max_replicas={self.max_replicas}; raise max_replicas or lower min_replicas"
-            )
-        return self
-
-
-class CheckpointSpec(_Spec):
-    """Periodic sharded checkpoints of a training job (``elastic.train.checkpoint``)."""
-
-    dir: str = Field(min_length=1, description="a directory every worker can write (a shared volume); the job's "
-                                               "checkpoints go into <dir>/<job name>")
-    every_steps: int | None = Field(default=100, gt=0, description="save at every multiple of this many steps (the "
-                                                                   "step's tensors are copied, then written in the "
-                                                                   "background); null: by time only")
-    every_seconds: float | None = Field(default=None, gt=0, description="also save once this many seconds have passed "
-                                                                       "since the last checkpoint began")
-    keep: int = Field(default=2, gt=0, description="complete checkpoints kept; older ones are deleted")
-
-    @model_validator(mode="after")
-    def _one_interval(self) -> CheckpointSpec:
-        if self.every_steps is None and self.every_seconds is None:
-            raise ValueError("neither every_steps nor every_seconds is set; give at least one (e.g. every_steps: 100)")
-        return self
-
-
-class TrainingSpec(_Spec):
-    name: str = Field(min_length=1)
-    model: str = Field(description="preset name or path to a model file")
-    min_gpus: int = Field(default=1, gt=0)
-    max_gpus: int = Field(default=8, gt=0)
-    priority: int = Field(default=0)
-    on_below_minimum: Literal["pause", "preempt"] = Field(
-        default="pause",
-        description="when inference needs GPUs the job cannot spare above min_gpus: 'pause' moves its state "
-                    "off-GPU into keepers and resumes it at the same step later; 'preempt' stops it (state dropped, "
-                    "it starts again from step 0)")
-    global_batch: int = Field(default=16, gt=0)
-    micro_batch: int = Field(default=1, gt=0)
-    allowed_tp: list[int] | None = None
-    allowed_pp: list[int] | None = None
-
-    zero: int = Field(default=0, ge=0, le=1)
-    replicate_optimizer: bool = Field(
-        default=False,
-        description="never shard the optimizer state (no ZeRO-1) so that every data-parallel replica holds "
-                    "a full copy: a lost worker is then recovered from its replica without a restart; costs "
-                    "optimizer memory (GPU counts where only ZeRO-1 fits drop out)")
-    checkpoint: CheckpointSpec | None = Field(
-        default=None,
-        description="a safety net for losses no replica covers (dp = 1, ZeRO-1, two losses): the job then starts "
-                    "again from its newest complete checkpoint, on any layout, instead of from step 0. Rescales "
-                    "never use it (they move the state between live workers). None: no checkpoints")
-    entrypoint: str | None = Field(
-        default=None,
-        description="the user's own training code, run under elastic.torch.Manager by every worker: "
-                    "'package.module:function' (called with no arguments) or a script path ending in .py (run as "
-                    "__main__). The declared model is what the planner sizes the job from. None: the reference "
-                    "trainer")
-    args: list[str] = Field(
-        default_factory=list,
-        description="command-line arguments of the entrypoint (its sys.argv[1:]); only with an entrypoint")
-    mesh_dims: dict[str, str] | None = Field(
-        default=None,
-        description="the name of the user's device mesh dim for each controller axis it shards over (dp, tp, pp), "
-                    "e.g. {dp: dp_shard, tp: tp}; an axis without a name always has degree 1 (allowed_tp/allowed_pp "
-                    "become [1]). Only with an entrypoint; None: {dp: dp_shard, tp: tp}")
-    dp_replicas: bool = Field(
-        default=False,
-        description="with an entrypoint: the data-parallel ranks hold full copies of the state (DDP-style), so a "
-                    "lost worker is recovered in place from a copy; false: they hold shards (FSDP-style) and a "
-                    "lost worker fails the job")
-    seed: int = Field(default=0, ge=0, description="seed of the data order (the reference trainer may ignore it)")
-
-    @field_validator("allowed_tp", "allowed_pp")
-    @classmethod
-    def _degrees(cls, v: list[int] | None, info: Any) -> list[int] | None:
-        for d in v or ():
-            if not 1 <= d <= 65536:
-                raise ValueError(f"{info.field_name} contains {d}; degrees are from 1 to 65536")
-        return v
-
-    @model_validator(mode="after")
-    def _bounds(self) -> TrainingSpec:
-        if self.zero and self.replicate_optimizer:
-            raise ValueError("zero=1 shards the optimizer state and replicate_optimizer=true forbids it; "
-                             "choose one")
-        if self.min_gpus > self.max_gpus:
-            raise ValueError(f"min_gpus={self.min_gpus} > max_gpus={self.max_gpus}; raise max_gpus or lower min_gpus")
-        return self
-
-    @model_validator(mode="after")
-    def _user_code(self) -> TrainingSpec:
-        """With an entrypoint: the rules of ``elastic.train.userjob`` plus what a user job cannot do
-        (elastic's checkpoints, ZeRO-1, pausing into keepers); ``on_below_minimum`` becomes preempt and
-        an axis ``mesh_dims`` does not name is held at 1. Without one: the user-job fields stay unset.
-        Each error carries the offending field in its context (``ctx["field"]``)."""
-        err = self._field_error
-        if self.entrypoint is None:
-            for name, default in (("args", []), ("mesh_dims", None), ("dp_replicas", False)):
-                if getattr(self, name) != default:
-                    raise err(name, f"{name}: only a job with an entrypoint (its own training code) takes it; "
-                                    f"set entrypoint or remove {name}")
-            return self
-        # the workers apply these same rules; imported here, so only a user job loads elastic.train
-        from elastic.train.userjob import DEFAULT_MESH_DIMS, check_mesh_dims, parse_entrypoint
-
-        try:
-            parse_entrypoint(self.entrypoint, "entrypoint")
-        except SpecError as e:
-            raise err("entrypoint", str(e)) from None
-        try:
-            dims = check_mesh_dims(self.mesh_dims if self.mesh_dims is not None else DEFAULT_MESH_DIMS)
-        except SpecError as e:
-            raise err("mesh_dims", str(e)) from None
-        if self.checkpoint is not None:
-            raise err("checkpoint", "checkpoint: a job with an entrypoint keeps its own checkpoints (elastic "
-                                    "saves none of its state); remove checkpoint")
-        if self.zero:
-            raise err("zero", f"zero={self.zero}: a job with an entrypoint shards its optimizer state its own way "
-                              "(ZeRO-1 is the reference trainer's); set zero: 0")
-        if "on_below_minimum" in self.model_fields_set and self.on_below_minimum == "pause":
-            raise err("on_below_minimum", "on_below_minimum=pause: a job with an entrypoint cannot be paused into "
-                                          "keepers; set on_below_minimum: preempt or leave it out")
-        held: dict[str, Any] = {"on_below_minimum": "preempt"}
-        for axis, name in (("tp", "allowed_tp"), ("pp", "allowed_pp")):
-            allowed = getattr(self, name)
-            if axis in dims:
-                continue
-            if allowed not in (None, [1]):
-                raise err(name, f"{name}={allowed}: mesh_dims {dims} names no {axis} dim, so the job runs {axis}=1 "
-                                f"only; set {name}: [1] (or leave it out), or add a {axis} dim to mesh_dims "
-                                f"(e.g. {axis}: {axis})")
-            held[name] = [1]
-        for name, value in held.items():  # derived, not set: a dump with exclude_unset stays as written
-            object.__setattr__(self, name, value)
-        return self
-
-    @property
-    def no_zero1(self) -> bool:
-        """The planner must not shard this job's optimizer state: replicas are to stay whole
-        (``replicate_optimizer``), or the optimizer is the user's own (a job with an entrypoint)."""
-        return self.replicate_optimizer or self.entrypoint is not None
-
-    @staticmethod
-    def _field_error(field_name: str, message: str) -> Exception:
-        """An error about one field: ``ctx["field"]`` lets the API and the operator name it."""
-        from pydantic_core import PydanticCustomError
-
-        return PydanticCustomError("user_job", message, {"field": field_name})
-
-
-class PoolSpec(_Spec):
-    name: str = Field(default="default", min_length=1)
-    nodes: int = Field(default=1, gt=0)
-    gpus_per_node: int = Field(default=8, gt=0)
-    hardware: str = "cpu"
-    rescale_interval_seconds: float = Field(default=60.0, ge=0)
-    gain_threshold: float = Field(default=0.1, ge=0)
-    headroom_gpus: int = Field(default=0, ge=0)
-
-    @field_validator("hardware")
-    @classmethod
-    def _hw(cls, v: str) -> str:
-        if v not in HARDWARE_PRESETS:
-            raise ValueError(f"unknown hardware '{v}'; use one of {', '.join(HARDWARE_PRESETS)}")
-        return v
-
-    @property
-    def total_gpus(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-
-# --------------------------------------------------------------------------------------------
-# Allocation and plan (the co-scheduler's output)
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GPU:
-    node: str
-    index: int
-
-    def __str__(self) -> str:
-        return f"{self.node}/{self.index}"
-
-
-@dataclass(frozen=True)
-class Allocation:
-    """Which GPUs each workload holds. ``holdings``: workload name -> GPUs."""
-
-    holdings: dict[str, tuple[GPU, ...]]
-
-    def gpus_of(self, workload: str) -> tuple[GPU, ...]:
-        return self.holdings.get(workload, ())
-
-    def check_disjoint(self) -> None:
-        seen: dict[GPU, str] = {}
-        for w, gpus in self.holdings.items():
-            for g in gpus:
-                if g in seen:
-                    raise SpecError(f"GPU {g} allocated to both '{seen[g]}' and '{w}'")
-                seen[g] = w
-
-
-@dataclass(frozen=True)
-class PlanStep:
-    """One ordered action with a machine-readable reason and a human message."""
-
-    action: Literal["shrink_training", "scale_inference_up", "scale_inference_down", "grow_training",
-                    "pause_training", "preempt_training", "noop"]
-    workload: str
-    reason: str
-    message: str
-    target: Any = None
-
-
-@dataclass(frozen=True)
-class Plan:
-    allocation: Allocation
-    steps: tuple[PlanStep, ...]
-    reason: str
-    message: str

@@ -1,7 +1,9 @@
 """The admin REST API (FastAPI): ``create_app`` builds it, ``serve_api`` runs it in a thread.
 
-See ``app.py`` for the endpoints, ``auth.py`` for tokens, ``problems.py`` for the error
-shape and ``pagination.py`` for continue tokens.
+See ``app.py`` for the factory (the endpoints are in ``reads.py``, ``writes.py``,
+``interventions.py`` and ``ops.py``, their shared types in ``context.py``, the middleware in
+``middleware.py``), ``auth.py`` for tokens, ``problems.py`` for the error shape and
+``pagination.py`` for continue tokens.
 """
 
 from __future__ import annotations
