@@ -271,14 +271,17 @@ class Controller:
 
     def release_lease(self) -> None:
         """Hand the pool's lease back now if we hold it, so a successor need not wait for it
-        to expire; a failure is only logged (the lease expires on its own)."""
-        if not self.is_leader:
+        to expire; a failure is only logged (the lease expires on its own). Only at our epoch: if
+        we were stalled and a process of the same name took it over, its lease stays."""
+        if not self.is_leader or self.db.epoch is None:
             return
         try:
-            db.release_lease(self.store, self.pool, self.owner)
+            db.release_lease(self.store, self.pool, self.owner, epoch=self.db.epoch)
         except Exception as e:  # noqa: BLE001 - it expires on its own
             log.warning("could not release the lease of pool %s: %s", self.pool, e)
-        self.is_leader = False
+        # the released row keeps our name and epoch until someone takes it: our own fence must
+        # refuse from now on, not the DB's
+        self._stand_down(None)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait for grows still running in the background; True when none is left."""

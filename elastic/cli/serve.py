@@ -5,10 +5,14 @@ What it is for: run the production loop from a config file (``examples/pool.yaml
 1. load and validate the config, and check that every job has a layout within its GPU bounds
    (a bad file is one line on stderr, exit 2, nothing started);
 2. migrate and open the state DB (SQLite file by default, PostgreSQL by URL);
-3. connect the Ray backend: ``--ray-address`` joins a running Ray cluster in *detached*
-   mode (actors outlive this process; a restarted controller adopts them, see
+3. connect the backend. Ray by default: ``--ray-address`` joins a running Ray cluster in
+   *detached* mode (actors outlive this process; a restarted controller adopts them, see
    ``elastic.backends.ray``); without it an embedded local Ray with the pool's GPUs as
-   logical GPUs is started (actors die with this process);
+   logical GPUs is started (actors die with this process). ``--backend MODULE:FACTORY``
+   brings a cluster adapter of one's own instead (as Ray's autoscaler takes an external
+   node provider): ``FACTORY(pool)`` returns an object of the ``Backend`` protocol
+   (``elastic.backends.base``); one that has a ``fence`` attribute gets the lease's fence;
+   ``close()`` is called, if it has one, when the loop ends;
 4. build one metric source per service from its ``metric`` spec (Prometheus, or a direct
    scrape of the service's replicas);
 5. serve the admin API and ``/metrics`` (when ``elastic.api`` is installed), then tick
@@ -21,6 +25,7 @@ start work before the config has been validated.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import secrets
@@ -46,6 +51,7 @@ class Served:
     backend: Any
     controller: Any
     exporter: Any = None
+    external: bool = False  # a backend of one's own (``--backend MODULE:FACTORY``), not Ray
 
 
 def default_owner() -> str:
@@ -75,21 +81,66 @@ def connect_ray(pool: Any, ray_address: str | None) -> tuple[Any, bool]:
     return handle, detached
 
 
+RAY_BACKEND = "ray"
+
+
+def backend_factory(spec: str) -> Callable[[Any], Any] | None:
+    """What ``--backend`` names: None for the built-in Ray backend, else the callable
+    ``MODULE:FACTORY`` (imported now). ``SpecError`` naming the option when it cannot be had."""
+    from elastic.model import SpecError
+
+    if spec == RAY_BACKEND:
+        return None
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise SpecError(f"--backend: '{spec}' is neither '{RAY_BACKEND}' nor MODULE:FACTORY "
+                        "(e.g. mypackage.cluster:make_backend, a callable taking the pool spec)")
+    try:
+        obj: Any = importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - any import failure is the user's to fix, one line
+        raise SpecError(f"--backend: cannot import module '{module}' ({type(e).__name__}: {e}); "
+                        "is it installed or on PYTHONPATH?") from None
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise SpecError(f"--backend: module '{module}' has no '{attr}'; name its backend factory after the colon")
+    if not callable(obj):
+        raise SpecError(f"--backend: '{spec}' is not callable; name a function or class that takes the pool spec")
+    return obj
+
+
+def external_backend(factory: Callable[[Any], Any], pool: Any, spec: str) -> Any:
+    """``factory(pool)``, checked to be a ``Backend`` (its missing members named)."""
+    from elastic.backends.base import Backend
+    from elastic.model import SpecError
+
+    backend = factory(pool)
+    if not isinstance(backend, Backend):
+        required = ["name", *(n for n in dir(Backend) if not n.startswith("_"))]
+        missing = [n for n in required if not hasattr(backend, n)]
+        raise SpecError(f"--backend: {spec} returned a {type(backend).__name__}, not a backend: it lacks "
+                        f"{', '.join(missing)} (see elastic.backends.base.Backend)")
+    return backend
+
+
 def build(cfg: Any, *, db_url: str, ray_address: str | None = None, owner: str | None = None,
           sources: Mapping[str, Any] | None = None, replica_config: Any = None, train_options: Any = None,
           clock: Callable[[], float] | None = None, throughput: Mapping[str, Any] | None = None,
-          spare_workers: int = 0, spare_replicas: int = 0, config_source: str | None = None) -> Served:
+          spare_workers: int = 0, spare_replicas: int = 0, config_source: str | None = None,
+          backend: str = RAY_BACKEND) -> Served:
     """Steps 1b-4 of the module docstring. ``sources`` overrides the metric sources (tests);
-    ``throughput``: the jobs' planner tables if the caller already computed them."""
+    ``throughput``: the jobs' planner tables if the caller already computed them; ``backend``:
+    as ``--backend``."""
     from elastic import store as db
     from elastic.backends.base import BackendUnavailable
-    from elastic.backends.ray import RayBackend
     from elastic.controller import Controller, check_feasible, job_throughput_tables
     from elastic.metrics import build_source
 
-    # 1b. every job must have a layout within its bounds (the planner; before anything starts)
+    # 1b. every job must have a layout within its bounds (the planner; before anything starts),
+    # and an adapter of one's own must be importable
     tables = dict(throughput) if throughput is not None else job_throughput_tables(cfg)
     check_feasible(cfg, tables)
+    factory = backend_factory(backend)
 
     # 2. state
     migrated = db.upgrade(db_url)
@@ -97,20 +148,26 @@ def build(cfg: Any, *, db_url: str, ray_address: str | None = None, owner: str |
         log.info("%s", migrated.describe())
     store = db.Store.from_url(db_url)
     # 3. cluster
-    try:
-        ray, detached = connect_ray(cfg.pool, ray_address)
-    except Exception as e:  # noqa: BLE001 - an unreachable cluster is a user-facing error, one line
-        raise BackendUnavailable(f"cannot connect to Ray at {ray_address or 'a new local instance'}: {e}") from e
-    backend = RayBackend(cfg.pool, replica_config=replica_config, train_options=train_options,
-                         local=ray_address is None, detached=detached,
-                         namespace=ray.get_runtime_context().namespace if detached else None,
-                         spare_workers=spare_workers, spare_replicas=spare_replicas)
-    # 4. metric sources
+    if factory is not None:
+        actuator = external_backend(factory, cfg.pool, backend)
+    else:
+        from elastic.backends.ray import RayBackend
+
+        try:
+            ray, detached = connect_ray(cfg.pool, ray_address)
+        except Exception as e:  # noqa: BLE001 - an unreachable cluster is a user-facing error, one line
+            raise BackendUnavailable(f"cannot connect to Ray at {ray_address or 'a new local instance'}: {e}") from e
+        actuator = RayBackend(cfg.pool, replica_config=replica_config, train_options=train_options,
+                              local=ray_address is None, detached=detached,
+                              namespace=ray.get_runtime_context().namespace if detached else None,
+                              spare_workers=spare_workers, spare_replicas=spare_replicas)
+    # 4. metric sources (a direct scrape asks the backend for the replicas' URLs)
     if sources is None:
-        sources = {s.name: build_source(s.metric, targets=backend.metric_targets)
+        targets = getattr(actuator, "metric_targets", None) or actuator.service_targets
+        sources = {s.name: build_source(s.metric, targets=targets)
                    for s in cfg.services if s.metric is not None}
     kw = {"clock": clock} if clock is not None else {}
-    ctl = Controller(cfg, backend, store, sources, owner=owner or default_owner(), throughput=tables,
+    ctl = Controller(cfg, actuator, store, sources, owner=owner or default_owner(), throughput=tables,
                      config_source=config_source, **kw)
     exporter = None
     try:
@@ -119,7 +176,7 @@ def build(cfg: Any, *, db_url: str, ray_address: str | None = None, owner: str |
         exporter = Exporter()
     except ImportError:  # pragma: no cover - the exporter ships with the package
         pass
-    return Served(cfg, store, backend, ctl, exporter)
+    return Served(cfg, store, actuator, ctl, exporter, external=factory is not None)
 
 
 def start_api(served: Served, port: int, tokens: Any, *, host: str = "127.0.0.1",
@@ -170,12 +227,16 @@ def run(served: Served, *, ticks: int | None = None, stop: threading.Event | Non
 
 
 def close(served: Served) -> None:
-    """Release the lease; stop embedded workloads, leave detached ones to the next controller."""
+    """Release the lease; stop embedded workloads, leave detached ones to the next controller
+    (a backend of one's own: its ``close()``, if it has one)."""
     served.controller.release_lease()
-    if served.backend.detached:
-        served.backend.detach()
+    b = served.backend
+    if served.external:
+        getattr(b, "close", lambda: None)()
+    elif b.detached:
+        b.detach()
     else:
-        served.backend.shutdown()
+        b.shutdown()
     served.store.dispose()
 
 
@@ -200,6 +261,9 @@ def register(app: typer.Typer) -> None:
                                                   "read from (default ./models; the config file's own are trusted)"),
         ray_address: str | None = typer.Option(None, "--ray-address", envvar="ELASTIC_RAY_ADDRESS",
                                                help="join this Ray cluster (detached actors); none = embedded"),
+        backend: str = typer.Option(RAY_BACKEND, "--backend",
+                                    help="ray, or MODULE:FACTORY: a cluster adapter of your own, FACTORY(pool) "
+                                         "returning an elastic.backends.base.Backend"),
         owner: str | None = typer.Option(None, "--owner", help="lease identity (default: $ELASTIC_CONTROLLER_ID, "
                                                                "else one for this process alone)"),
         ticks: int | None = typer.Option(None, "--ticks", min=1, help="stop after this many ticks"),
@@ -232,6 +296,9 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter("spares are kept by the embedded Ray only (detached actors on a cluster "
                                      "cannot take them over); drop --ray-address or the --spare-* options",
                                      param_hint="--spare-workers/--spare-replicas")
+        if backend != RAY_BACKEND and (ray_address is not None or spare_workers or spare_replicas):
+            raise typer.BadParameter("--ray-address and the --spare-* options are the Ray backend's; drop them "
+                                     "or --backend", param_hint="--backend")
         from elastic.api.auth import TokenSet
 
         # 1. the config and the API tokens are validated before anything starts (SpecError -> one line, exit 2)
@@ -243,9 +310,13 @@ def register(app: typer.Typer) -> None:
         cfg = load_config(config)
         tables = job_throughput_tables(cfg)
         check_feasible(cfg, tables)
+        try:
+            backend_factory(backend)
+        except SpecError as e:
+            raise typer.BadParameter(str(e).removeprefix("--backend: "), param_hint="--backend") from None
         setup(log_level, log_format)
         served = build(cfg, db_url=db_url, ray_address=ray_address, owner=owner, throughput=tables,
-                       config_source=str(config),
+                       config_source=str(config), backend=backend,
                        spare_workers=spare_workers, spare_replicas=spare_replicas)
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,7 +1,8 @@
 """Connecting to the state store: ``Store`` (an Engine + sessionmaker), URL checks, errors.
 
 What this module is for: turning a database URL into a working, bounded connection
-(connect timeout, pre-ping, SQLite busy timeout), and turning driver failures into
+(connect timeout, pre-ping, SQLite busy timeout, PostgreSQL's end to a transaction left open by
+a stalled process), and turning driver failures into
 ``StoreError``s whose one-line message names the URL with the password masked.
 
 What it must not do: know any table or scheduling rule.
@@ -25,6 +26,12 @@ DEFAULT_URL = "sqlite:///./elastic.db"
 DEFAULT_CONNECT_TIMEOUT = 5
 #: Seconds a SQLite writer waits for another writer's lock before failing.
 SQLITE_BUSY_TIMEOUT = 15
+#: Seconds PostgreSQL keeps a session that sits inside an open transaction without sending
+#: anything before it ends the session (rolling the transaction back). Our transactions are
+#: milliseconds of work; one left open that long belongs to a stalled process (stopped, frozen,
+#: cut off), and the row locks it holds (the lease row, during a renewal) would otherwise keep
+#: every standby from taking over until the stalled process moves again.
+IDLE_IN_TRANSACTION_TIMEOUT = 5
 
 
 class StoreError(Exception):
@@ -124,6 +131,14 @@ def _sqlite_on_connect(dbapi_conn: Any, _record: Any) -> None:
         cur.close()
 
 
+def _postgres_on_connect(dbapi_conn: Any, _record: Any) -> None:
+    # a SET (not a startup option: connection poolers such as PgBouncer refuse those), committed so
+    # that it holds for the session
+    with dbapi_conn.cursor() as cur:
+        cur.execute(f"SET idle_in_transaction_session_timeout = '{IDLE_IN_TRANSACTION_TIMEOUT}s'")
+    dbapi_conn.commit()
+
+
 def _sqlite_on_begin(conn: sa.Connection) -> None:
     # IMMEDIATE takes the write lock up front, so SQLite transactions are serialisable:
     # a read-then-write (set_allocation, start_reshard, migrations) cannot interleave with
@@ -172,6 +187,8 @@ class Store:
             _check_sqlite_dir(u)
             sa.event.listen(engine, "connect", _sqlite_on_connect)
             sa.event.listen(engine, "begin", _sqlite_on_begin)
+        else:
+            sa.event.listen(engine, "connect", _postgres_on_connect)
         return cls(engine)
 
     @property

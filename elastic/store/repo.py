@@ -786,10 +786,21 @@ class FencedStore:
         return getattr(self.store, name)
 
 
-def release_lease(db: DB, pool: str, owner: str) -> bool:
-    """Give the lease up (clean shutdown) so a standby takes over without waiting for expiry."""
+#: what a released lease expires at: before any clock a taker may have
+_RELEASED = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def release_lease(db: DB, pool: str, owner: str, epoch: int | None = None) -> bool:
+    """Give the lease up (clean shutdown) so a standby takes over without waiting for expiry;
+    ``epoch``: only the lease held at that epoch (a process sharing ``owner``'s name that took it
+    over meanwhile keeps it). The row stays, expired, with its epoch: the next take goes on from
+    it, so the fencing token never repeats (a deleted row would start again at 1, and a stalled
+    leader of that epoch and name would pass the fence)."""
+    cond = [Lease.pool == pool, Lease.owner == owner, Lease.expires_at > _RELEASED]
+    if epoch is not None:
+        cond.append(Lease.epoch == epoch)
     with _tx(db) as s:
-        return s.execute(sa.delete(Lease).where(Lease.pool == pool, Lease.owner == owner)).rowcount == 1
+        return s.execute(sa.update(Lease).where(*cond).values(expires_at=_RELEASED)).rowcount == 1
 
 
 def lease_holder(db: DB, pool: str, now: datetime | None = None) -> LeaseRecord | None:
