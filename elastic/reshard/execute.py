@@ -88,6 +88,7 @@ __all__ = [
     "ReshardStats",
     "State",
     "execute",
+    "execute_local",
     "fast_exit",
     "prepare",
     "reshard_group",
@@ -164,6 +165,33 @@ def execute(
             + (f"; here: {'; '.join(bad[:5])}" if bad else "; none on this worker")
         )
     # 4. free what this worker no longer owns (a leaver: hand it to its exit, see Prepared.leftover)
+    return _free(p, new_state)
+
+
+def execute_local(prepared: Prepared, *, verify: bool = False) -> State:
+    """:func:`execute` for a plan with no message at all (every member keeps what it needs, e.g.
+    data-parallel replicas shrinking): this worker's local copies, no group and no final sync,
+    since no member waits for another's bytes. The caller knows the whole plan has no message
+    (``plan.n_messages == 0``, the same plan on every member); a worker with rounds to run
+    raises before anything is copied."""
+    p = prepared
+    if p.used:
+        raise ReshardError(f"worker '{p.me}': this Prepared was already executed; call prepare again")
+    if any(r.sends or r.recvs for r in p.rounds):
+        raise ReshardError(f"worker '{p.me}': the plan moves bytes between workers; run it with execute()")
+    p.used = True
+    t0 = time.perf_counter()
+    new_state = _materialize(p)
+    bad = _local_copies(p, new_state, verify, _Releaser(p))
+    p.stats.exchange_seconds = p.stats.local_copy_seconds = time.perf_counter() - t0
+    if bad:
+        raise ReshardError(f"worker '{p.me}': reshard verification failed here: {'; '.join(bad[:5])}")
+    return _free(p, new_state)
+
+
+def _free(p: Prepared, new_state: State) -> State:
+    """Drop what this worker no longer owns (a leaver's old tensors go to its exit, see
+    ``Prepared.leftover``); this worker's new state."""
     t2 = time.perf_counter()
     if p.is_leaver:
         p.leftover = dict(p.old_state)
@@ -172,7 +200,7 @@ def execute(
     p.staging = None
     if p.is_leaver:
         new_state = {}
-    st.free_seconds = time.perf_counter() - t2
+    p.stats.free_seconds = time.perf_counter() - t2
     return new_state
 
 

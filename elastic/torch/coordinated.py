@@ -420,7 +420,7 @@ class Session:
     def _transition(self, d: Any) -> int | None:
         """Take part in directive ``d``; the step to go on at, or None when this worker no longer trains."""
         from elastic.reshard.plan import ReshardError
-        from elastic.torch.reshard import execute_reshard, prepare_reshard
+        from elastic.torch.reshard import NoPeers, execute_reshard, prepare_reshard
 
         t0 = time.perf_counter()
         clock = _Phases()
@@ -439,10 +439,17 @@ class Session:
             if d.hold:
                 raise SpecError("a user job cannot be paused into keepers; preempt it or give it GPUs")
             new_ranks = self._new_ranks(d, tag)
+            # every member plans the way the publisher chose: a collective plan for some and a local
+            # one for others would leave the first waiting in the exchange
+            known = None if first else (self._replicated if self.worker == self._publisher(d)
+                                        else self._shared(d, tag).get("replicated"))
+            # replicas that only shrink: every member keeps its own copy and no byte crosses processes,
+            # so no group of old and new members is built
+            solo = known is not None and set(d.workers) <= set(d.old_ranks)
             clock.mark("ranks")
             self._building = d.generation
             self._comm_sockets.begin()
-            if not first:
+            if not first and not solo:
                 self._union = self._raw_group(d, f"{tag}/union", sorted(d.members))
                 if self.opts.device.startswith("cuda"):  # gloo carries no CUDA tensors point to point
                     self._union_bytes = self._raw_group(d, f"{tag}/union-nccl", sorted(d.members), nccl=True)
@@ -461,19 +468,15 @@ class Session:
 
                 # what is not a tensor comes from the first old member, through the store; a member whose
                 # new model is wrong says so in the plan's exchange, where every member hears it
-                publisher = self.worker == self._publisher(d)
-                extras = self._kept_extras if publisher else self._shared(d, tag)["extras"]
-                # every member plans the way the publisher chose: a collective one for some and a
-                # local one for others would leave the first waiting in the exchange
-                known = self._replicated if publisher else self._shared(d, tag).get("replicated")
+                extras = self._kept_extras if self.worker == self._publisher(d) else self._shared(d, tag)["extras"]
                 want = len(extras["groups"])
                 if built is not None and len(built[1].param_groups) != want:
                     err = (f"{self.worker}: build: the new optimizer has {len(built[1].param_groups)} parameter "
                            f"groups, the running one {want}; build the same optimizer on every layout")
                 dst = training_state(built[0], built[1], init_optimizer=True) if built is not None and not err else None
-                prep = prepare_reshard(self._src if was else None, dst, group=self._union,
-                                       transport=self._union_bytes, errors=[err] if err else [], agree=False,
-                                       known=known)
+                group = NoPeers(sorted(d.members).index(self.worker), len(d.members)) if solo else self._union
+                prep = prepare_reshard(self._src if was else None, dst, group=group, transport=self._union_bytes,
+                                       errors=[err] if err else [], agree=False, known=known)
                 clock.mark("plan")
             elif err:
                 raise SpecError(err)

@@ -56,8 +56,8 @@ from elastic.torch.regions import (
 )
 from elastic.torch.state import SEP
 
-__all__ = ["PreparedReshard", "Replicated", "ReshardStats", "describe", "execute_reshard", "freeze", "mesh_order",
-           "plan", "prepare_reshard", "replicated", "reshard"]
+__all__ = ["NoPeers", "PreparedReshard", "Replicated", "ReshardStats", "describe", "execute_reshard", "freeze",
+           "mesh_order", "plan", "prepare_reshard", "replicated", "reshard"]
 
 State = Mapping[str, torch.Tensor]
 
@@ -294,6 +294,24 @@ def replicated(src: State | _Side, old_members: Sequence[int], new_members: Sequ
     return Replicated(dict(side.table), side.device, tuple(old_members), tuple(new_members))
 
 
+class NoPeers:
+    """The group of a reshard in which no byte crosses processes (replicas shrinking: every member
+    keeps its own copy): this worker's ``rank`` among ``size`` members, the order a group of them
+    would have, and nothing to communicate over. Only with a known replicated source
+    (:func:`prepare_reshard` ``known=``): a plan that would move bytes is refused."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        if not 0 <= rank < size:
+            raise ValueError(f"NoPeers(rank={rank}, size={size}): the rank must be in [0, size)")
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
 def _assumed_world(rep: Replicated, s: _Side | None, d: _Side | None, group: Any) -> _World:
     """The exchange's outcome for a replicated source, built from what this worker knows."""
     n, me = group_size(group), group_rank(group)
@@ -495,11 +513,17 @@ def prepare_reshard(src: State | _Side | None, dst: State | None, *, group: Any 
     if known is not None and agree:
         raise ValueError("prepare_reshard(known=...) plans without a collective; pass agree=False and compare "
                          "the digests before executing")
+    if isinstance(group, NoPeers) and known is None:
+        raise ValueError("prepare_reshard(group=NoPeers(...)) needs known=: without a group the descriptions "
+                         "cannot be exchanged")
     t0 = time.perf_counter()
     p, scalars, s, d, t_exchange = plan(src, dst, group=group, staging_cap_bytes=staging_cap_bytes, errors=errors,
                                         known=known)
     t_plan = time.perf_counter() - t0 - t_exchange
     me = group_rank(group)
+    if isinstance(group, NoPeers) and p.n_messages:
+        raise ReshardError(f"the plan sends {p.n_messages} message(s) between workers ({p.bytes_planned} bytes): "
+                           "it needs a group of the old and new workers, not NoPeers")
     device = (s.device if s and s.device else None) or (d.device if d and d.device else None) or "cpu"
     old_state = {(k, p_kind(t)): t for k, t in (s.locals.items() if s else ())}
     into = {(k, p_kind(t)): t for k, t in (d.locals.items() if d else ())}
@@ -530,7 +554,10 @@ def execute_reshard(r: PreparedReshard, *, verify: bool = False) -> ReshardStats
     """Step 4: move the bytes of a prepared reshard into ``dst`` and set its scalars (collective)."""
     p = r.plan
     te = time.perf_counter()
-    ex.execute(r.prepared, r.group, {w: w for w in p.members}, verify=verify)
+    if isinstance(r.group, NoPeers):
+        ex.execute_local(r.prepared, verify=verify)
+    else:
+        ex.execute(r.prepared, r.group, {w: w for w in p.members}, verify=verify)
     if r.dst is not None:
         with torch.no_grad():
             for key, t in r.dst.scalars.items():

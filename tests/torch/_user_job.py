@@ -10,7 +10,8 @@ environment, and each variable below arms one fault in the worker it names:
   micro-batch's backward (a lost node mid-step); ``<worker>:+<n>``: in the n-th step it trains
   (0-based; a joiner's first steps come whenever it has started).
 * ``ELASTIC_TEST_DIE_EXCHANGE=<worker>:<generation>``: that worker SIGKILLs itself inside the
-  exchange of that generation's rescale, before it sends anything (a lost node mid-reshard).
+  exchange of that generation's rescale, before it sends or copies anything (a lost node
+  mid-reshard).
 * ``ELASTIC_TEST_MANAGER_GLOBAL_BATCH=<n>``: the loop passes ``global_batch=n`` to its Manager
   (a script whose settings disagree with the job's).
 * ``ELASTIC_TEST_HOLD_FOR_GIVE_UP=<step>``: every worker, in that step, after its first
@@ -101,15 +102,17 @@ def _arm_die_exchange(spec: str) -> None:
     worker, _, gen = spec.rpartition(":")
     if worker != _me():
         return
-    original = ex.execute
+    def dying(original: Any) -> Any:
+        def execute(prepared: Any, *a: Any, **kw: Any) -> Any:
+            s = current_session()
+            if s is not None and s.gen + 1 == int(gen):  # moving into generation gen (not a recovery)
+                _die(f"inside the exchange of generation {gen}")
+            return original(prepared, *a, **kw)
 
-    def execute(prepared: Any, *a: Any, **kw: Any) -> Any:
-        s = current_session()
-        if s is not None and s.gen + 1 == int(gen):  # moving into generation gen (not a recovery)
-            _die(f"inside the exchange of generation {gen}")
-        return original(prepared, *a, **kw)
+        return execute
 
-    ex.execute = execute
+    # execute_local: replicas that shrink copy locally, with no group (no byte crosses processes)
+    ex.execute, ex.execute_local = dying(ex.execute), dying(ex.execute_local)
 
 
 def _arm_manager_batch(n: str) -> None:

@@ -8,6 +8,8 @@ On four gloo processes, with an AdamW model whose old workers hold identical cop
 - a worker whose new model has another key, or whose old copy differs from the source, raises
   on that worker (naming the key / the difference) while the others plan; the digests then
   differ wherever a plan was made, which a coordinator's meeting refuses;
+- replicas that only shrink plan and copy with no group at all (``NoPeers``): the same plan, no
+  byte moved; a plan that would move bytes is refused there;
 - a DTensor source is refused, and ``agree=True`` with a known source is a usage error.
 """
 
@@ -58,20 +60,28 @@ def replicated_job(rank: int, n: int, port: int) -> dict[str, Any]:
 
     from elastic.reshard.plan import ReshardError
     from elastic.torch import training_state
-    from elastic.torch.reshard import execute_reshard, freeze, prepare_reshard, replicated
+    from elastic.torch.reshard import NoPeers, execute_reshard, freeze, prepare_reshard, replicated
 
     L.init(rank, n, port)
     try:
         out: dict[str, Any] = {}
         for case, (old, new) in CASES.items():
-            for how in ("exchange", "known"):
+            for how in ("exchange", "known", "solo"):
                 src_model = _trained(1) if rank in old else None
                 src = freeze(training_state(*src_model)) if src_model else None
                 dst_model = _model(7) if rank in new else None
                 dst = training_state(*dst_model, init_optimizer=True) if dst_model else None
                 # what the publisher shares: the first old worker's copy, described
-                known = replicated(freeze(training_state(*_trained(1))), old, new) if how == "known" else None
-                prep = prepare_reshard(src, dst, agree=how == "exchange", known=known)
+                known = replicated(freeze(training_state(*_trained(1))), old, new) if how != "exchange" else None
+                if how == "solo":  # no group: refused where bytes would cross processes
+                    try:
+                        prep = prepare_reshard(src, dst, group=NoPeers(rank, n), agree=False, known=known)
+                    except ReshardError as e:
+                        out[f"{case}/{how}"] = {"error": str(e)}
+                        dist.barrier()
+                        continue
+                else:
+                    prep = prepare_reshard(src, dst, agree=how == "exchange", known=known)
                 stats = execute_reshard(prep)
                 want = training_state(*_trained(1))
                 out[f"{case}/{how}"] = {
@@ -115,6 +125,14 @@ def test_a_known_replicated_source_plans_what_the_exchange_plans(results: list[d
     assert results[0]["shrink/known"]["moved"] == 0
 
 
+def test_replicas_that_shrink_need_no_group(results: list[dict[str, Any]]) -> None:
+    for r, res in enumerate(results):
+        solo, known = res["shrink/solo"], res["shrink/known"]
+        assert solo.get("digest") == known["digest"] and solo["moved"] == 0 and solo["wrong"] == [], (r, solo)
+        err = res["grow_with_leaver/solo"].get("error", "")
+        assert "needs a group of the old and new workers" in err, (r, res["grow_with_leaver/solo"])
+
+
 def test_a_worker_at_fault_refuses_on_its_own(results: list[dict[str, Any]]) -> None:
     ref = [res["refusal"] for res in results]
     assert "error" in ref[1] and "not the replicated source" in ref[1]["error"], ref[1]
@@ -124,10 +142,14 @@ def test_a_worker_at_fault_refuses_on_its_own(results: list[dict[str, Any]]) -> 
 
 def test_a_dtensor_source_and_an_agreeing_call_are_refused() -> None:
     from elastic.reshard.plan import ReshardError
-    from elastic.torch.reshard import Replicated, _Side, prepare_reshard, replicated
+    from elastic.torch.reshard import NoPeers, Replicated, _Side, prepare_reshard, replicated
 
     sharded = ({"w": ("t", (4, 2), "float32", "mesh-fp", ("Shard(0)",))}, {}, {}, {}, [], "cpu")
     with pytest.raises(ReshardError, match="w is a DTensor"):
         replicated(_Side(*sharded), [0], [0, 1])
     with pytest.raises(ValueError, match="agree=False"):
         prepare_reshard(None, {}, known=Replicated({}, "cpu", (0,), (0,)))
+    with pytest.raises(ValueError, match="needs known="):
+        prepare_reshard(None, {}, group=NoPeers(0, 1), agree=False)
+    with pytest.raises(ValueError, match="rank must be in"):
+        NoPeers(2, 2)
