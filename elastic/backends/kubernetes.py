@@ -250,8 +250,11 @@ class KubernetesBackend(_Training):
         """Take as many replicas as ``gpus`` hold out of the load balancer ahead of a scale-down the
         policy sees coming (GPU identities of pods are bookkeeping here: the pods chosen are those the
         ReplicaSet would remove, those drained already first). They keep their GPUs and stay ready
-        (scraped as before); not asked again within ``hold_seconds``, they serve again. Returns the
-        drained pods' URLs; [] for a service without ``drain``."""
+        (scraped as before). Every other replica drained ahead serves again at once: asked with
+        fewer GPUs or none (the load came back), the scale-down is off. ``hold_seconds`` is written
+        on the pod (``elastic.dev/drained-until``) for whoever reads it; a controller that stops
+        asking leaves the pods to the next one's first call. Returns the drained pods' URLs; [] for
+        a service without ``drain``."""
         t = self._target(service)
         if not t.drain:
             return []
@@ -262,7 +265,7 @@ class KubernetesBackend(_Training):
         for p in pods:
             if p.metadata.name in chosen:
                 self._mark(t, p, until)
-            elif _drained(p) and float((p.metadata.annotations or {}).get(ANN_DRAIN_UNTIL, 0)) < time.time():
+            elif _drained(p):
                 self._unmark(t, p)
         return sorted(self._pod_url(p) for p in pods if p.metadata.name in chosen and self._pod_url(p))
 

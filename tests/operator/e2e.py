@@ -448,9 +448,10 @@ def reference_losses(cfg: Any, steps: int) -> list[float]:
 
 # ---- the scenario ----------------------------------------------------------------------------------
 
-def user_job(workdir: Path) -> dict[str, Any]:
+def user_job(workdir: Path, *, step_log: Path | None = None) -> dict[str, Any]:
     """The example Llama's own loop (``examples.llama.job:main``, float64, FSDP x TP under
-    ``elastic.torch.Manager``) as an ElasticTrainingJob, on a small corpus of stdlib sources."""
+    ``elastic.torch.Manager``) as an ElasticTrainingJob, on a small corpus of stdlib sources
+    (``step_log``: the directory its workers write one JSON line per step to, ``--log``)."""
     import sysconfig
 
     from elastic.torch.data import prepare_corpus
@@ -461,17 +462,32 @@ def user_job(workdir: Path) -> dict[str, Any]:
         prepare_corpus(str(corpus), [stdlib / "dataclasses.py", stdlib / "functools.py", stdlib / "textwrap.py"])
     model = json.loads((REPO / "examples" / "llama" / "model.json").read_text())
     spec = {k: v for k, v in model.items() if k != "name"}
+    args = ["--corpus", str(corpus)] + (["--log", str(step_log)] if step_log is not None else [])
     return job_cr(model=None, modelSpec=spec, entrypoint="examples.llama.job:main",
-                  args=["--corpus", str(corpus)], globalBatch=12, seed=3, allowedTP=[1, 2])
+                  args=args, globalBatch=12, seed=3, allowedTP=[1, 2])
+
+
+def user_reference_steps(job: dict[str, Any], steps: int, out: Path) -> dict[int, dict[str, Any]]:
+    """The never-rescaled run of the example (one process, its local Manager), as the Ray test runs
+    it: step -> ``{"loss", "samples", "lr"}``."""
+    from tests.controller.test_ray_user_job import _reference
+
+    return _reference(job["spec"]["args"][1], steps, out)
 
 
 def user_reference(job: dict[str, Any], steps: int, out: Path) -> list[float]:
-    """The never-rescaled run of the example (one process, its local Manager), as the Ray test runs it."""
-    from tests.controller.test_ray_user_job import _reference
-
-    corpus = job["spec"]["args"][1]
-    ref = _reference(corpus, steps, out)
+    ref = user_reference_steps(job, steps, out)
     return [ref[s]["loss"] for s in range(steps)]
+
+
+def step_log(directory: Path) -> dict[int, list[dict[str, Any]]]:
+    """What the example's workers wrote with ``--log``: step -> one record per worker."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for f in sorted(directory.glob("*.jsonl")):
+        for line in f.read_text().splitlines():
+            rec = json.loads(line)
+            out.setdefault(int(rec["step"]), []).append({**rec, "worker": f.stem})
+    return out
 
 
 def run(workdir: Path, *, high_rate: float = 6.0, user: bool = False, nodes: dict[str, int] | None = None
