@@ -30,6 +30,7 @@ from elastic.train.rendezvous.routes import _Routes
 from elastic.train.rendezvous.state import Validator, _check_members, _Gen, _keeps_work, _Pending, _Recovery
 from elastic.train.rendezvous.wire import _bound_store, _make_handler, _Server
 from elastic.train.telemetry import TrainingMetrics
+from elastic.train.userjob import is_user_config
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +262,7 @@ class Coordinator(_Routes, _Liveness):
             grow = (cur is not None and not hold and not cur.hold and set(cur.ranks) < set(members)
                     and _keeps_work(Layout.parse(cur.layout), lay))
             asks = ((self.shrink_gives_up_step if shrink else self.grow_gives_up_step if grow else False)
-                    if give_up_step is None else give_up_step)
+                    and self._giving_up_pays_locked(cur) if give_up_step is None else give_up_step)
             if (shrink or grow) and asks and self._gives_up_locked(cur, switch):
                 self._pending.give_up_step, self._pending.give_up_begun_at = switch - 1, self._max_begun_at
                 # (the heartbeats woken above carry the request too: they answer once the lock is free)
@@ -292,6 +293,21 @@ class Coordinator(_Routes, _Liveness):
         and a step of this generation in progress."""
         return (min(self.shrink_lookahead_steps, self.lookahead_steps) == 0 and cur.give_up_checks
                 and Layout.parse(cur.layout).pp == 1 and switch - 1 == self._max_begun >= cur.start_step)
+
+    def _giving_up_pays_locked(self, cur: _Gen | None) -> bool:
+        """A user job's new layout redoes a given-up step whole (its loop cannot hand the work done
+        over), so by default the step in progress is given up only while that costs less than
+        waiting for its end: every member's seconds in it so far, against the seconds left of a
+        typical step of this generation, which the rescale would otherwise wait. Late in a step the
+        rescale waits for the boundary; with no step timed yet, it gives the step up."""
+        if cur is None or not is_user_config(self.config):
+            return True
+        times = sorted(h.seconds for h in self._history[-5:] if h.generation == cur.generation and h.seconds > 0)
+        if not times:
+            return True
+        typical = times[len(times) // 2]
+        elapsed = max(0.0, self._clock() - self._max_begun_at)
+        return len(cur.ranks) * elapsed < typical - elapsed
 
     def _begin_step_locked(self, step: int) -> None:
         if step > self._max_begun:
