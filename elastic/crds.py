@@ -235,6 +235,11 @@ class InferenceServiceSpec(_CR):
     """Typical seconds from scale-up to a ready replica (the forecast looks this far ahead)."""
     forecast: Literal["off", "trend", "holt-winters"] = "off"
     """Short-horizon load forecast used to scale up ahead of a ramp."""
+    drain_ahead_seconds: float = Field(default=0.0, ge=0, le=3600)
+    """Take the replicas a coming scale-down removes out of the load balancer this many seconds
+    before the scale-down window lets them go (they finish their requests, keep their GPUs and
+    serve again the moment the load rises); 0 = off. Needs the annotation ``elastic.dev/drain:
+    "true"`` and a Service that selects ``elastic.dev/serving: "true"``."""
 
 
 class InferenceServiceStatus(_CR):
@@ -677,7 +682,8 @@ def to_inference_spec(workload: str, spec: InferenceServiceSpec) -> InferenceSpe
         behavior = Behavior.model_validate(spec.behavior.model_dump(by_alias=True, exclude_none=True))
     return InferenceSpec(name=workload, gpus_per_replica=spec.gpus_per_replica, min_replicas=spec.min_replicas,
                          max_replicas=spec.max_replicas, priority=spec.priority, metric=metric, behavior=behavior,
-                         startup_seconds=spec.startup_seconds, forecast=spec.forecast)
+                         startup_seconds=spec.startup_seconds, forecast=spec.forecast,
+                         drain_ahead_seconds=spec.drain_ahead_seconds)
 
 
 def to_training_spec(workload: str, spec: ElasticTrainingJobSpec, model_dir: str | Path | None = None) -> TrainingSpec:

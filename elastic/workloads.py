@@ -102,8 +102,8 @@ class InferenceSpec(_Spec):
                     "before the scale-down window lets it go, so its requests are done when it leaves and its "
                     "GPU goes to training at once (set it near the longest request you serve); it is put "
                     "back the moment the load rises again. 0 = off (drain only once the window has passed). "
-                    "The Ray backend does it; a backend that cannot hold a replica out of the balancer "
-                    "(Kubernetes today) ignores it")
+                    "The Ray backend does it, and the Kubernetes backend for a service with the annotation "
+                    "elastic.dev/drain: \"true\" (spec.drainAheadSeconds)")
     handoff: bool = Field(
         default=False,
         description="a leaving replica hands its requests back to the load balancer, which resumes each on "

@@ -238,6 +238,10 @@ class OperatorRuntime:
             if annotations is not None:  # a retry of a refused spec keeps the annotations it was given
                 self._annotations[(SERVICES, namespace, name)] = dict(annotations)
             options = drain_options(self._annotations.get((SERVICES, namespace, name), {}))
+            if cr.drain_ahead_seconds > 0 and not options["drain"]:
+                raise CRError("spec.drainAheadSeconds", "InvalidDrainAhead",
+                              f"drainAheadSeconds={cr.drain_ahead_seconds:g} needs the annotation {ANN_DRAIN}: \"true\" "
+                              "(and a Service selecting elastic.dev/serving: \"true\"); add it or set 0")
         except CRError as e:
             self._refuse(SERVICES, namespace, name, uid, generation, e, spec=spec)
             return

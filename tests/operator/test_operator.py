@@ -194,6 +194,10 @@ def test_bad_input_sets_ready_false_naming_the_field_and_changes_nothing(emulato
             ("elastictrainingjobs", {**JOB, "metadata": {"name": "badmodel"},
                                      "spec": {**JOB["spec"], "model": "no-such-model"}},
              "InvalidModel", "spec.model"),
+            # draining ahead needs the drain annotation (and a Service selecting the serving label)
+            ("inferenceservices", {**SERVICE, "metadata": {"name": "nodrain"},
+                                   "spec": {**SERVICE["spec"], "drainAheadSeconds": 30}},
+             "InvalidDrainAhead", "spec.drainAheadSeconds"),
         ]
         for plural, body, _, _ in cases:
             k.create(plural, body)
