@@ -32,13 +32,15 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+from tests.operator.conftest import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 KUBECTL = shutil.which("kubectl")
@@ -146,18 +148,6 @@ def _split(command: str) -> list[str]:
     return shlex.split(command)
 
 
-def wait_until(what: str, cond: Callable[[], Any], timeout: float) -> Any:
-    """Poll ``cond`` until truthy; fail naming ``what``."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = cond()
-        if last:
-            return last
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what} (last: {last!r})")
-
-
 # ---- the operator's Deployment, run here as the ReplicaSet controller and kubelet would ---------------
 
 @contextlib.contextmanager
@@ -242,7 +232,7 @@ def operator_deployment(emu: Any, url: str, workdir: Path) -> Iterator[dict[str,
             return False
 
     try:
-        wait_until("the operator's readiness probe", ready, 45)
+        wait_for("the operator's readiness probe", ready, 45)
         info["ready_after"] = time.monotonic() - started
         core.patch_namespaced_pod_status(pod_name, ns, {"status": {
             "phase": "Running", "podIP": pod_ip, "conditions": [{"type": "Ready", "status": "True"}],
@@ -339,11 +329,11 @@ def walk(workdir: Path, out: dict[str, Any], *, settle: float = 0.0) -> dict[str
             w.run("kubectl create namespace ml")
             out["samples"] = w.run("kubectl apply -k manifests/samples/").output
             # Watch: the operator has taken the samples (their Ready conditions) and starts the job
-            out["pools"] = wait_until("kubectl get gpupools: READY", lambda: [
+            out["pools"] = wait_for("kubectl get gpupools: READY", lambda: [
                 r for r in w.table("kubectl get gpupools", poll=True) if r.get("READY") == "True"], 30)
-            out["services"] = wait_until("kubectl get inferenceservices: READY", lambda: [
+            out["services"] = wait_for("kubectl get inferenceservices: READY", lambda: [
                 r for r in w.table("kubectl get inferenceservices -n ml", poll=True) if r.get("READY")], 30)
-            out["pods"] = wait_until("the job's worker pods, one per GPU of its layout", lambda: _all_workers(
+            out["pods"] = wait_for("the job's worker pods, one per GPU of its layout", lambda: _all_workers(
                 emu, w.table("kubectl get pods -n ml -l elastic.dev/job=gpt-pretrain -L elastic.dev/worker",
                              poll=True)), 40)
             out["jobs"] = w.table("kubectl get elastictrainingjobs -n ml")
@@ -360,7 +350,7 @@ def walk(workdir: Path, out: dict[str, Any], *, settle: float = 0.0) -> dict[str
             out["refused"] = w.run("kubectl apply -f -", ok=False, stdin=BAD_JOB)
             # a spec the API accepts and the operator refuses: Ready=False naming the field, a Warning event
             w.run("kubectl apply -f -", stdin=REFUSED_JOB)
-            out["refused_events"] = wait_until("the operator's Warning event", lambda: [
+            out["refused_events"] = wait_for("the operator's Warning event", lambda: [
                 r for r in w.table("kubectl get events.events.k8s.io -n ml --field-selector "
                                    "reportingController=elastic.dev/operator", poll=True)
                 if r.get("REASON") == "InvalidTemplate"], 30)

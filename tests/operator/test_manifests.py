@@ -4,7 +4,6 @@ refuse the invalid samples."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -118,16 +117,10 @@ def _jsonschema(node: Any) -> Any:
 
 
 def _defaulted(schema: dict[str, Any], obj: Any) -> Any:
-    """Apply the schema's defaults the way the API server does before CEL runs."""
-    if not isinstance(obj, dict) or "properties" not in schema:
-        return obj
-    out = dict(obj)
-    for k, sub in schema["properties"].items():
-        if k not in out and "default" in sub:
-            out[k] = copy.deepcopy(sub["default"])
-        if k in out:
-            out[k] = _defaulted(sub, out[k])
-    return out
+    """Apply the schema's defaults the way the API server does before CEL runs (the emulator's own)."""
+    from .emulator import _default
+
+    return _default(schema, obj)
 
 
 def _cel_failures(schema: dict[str, Any], obj: Any, path: str = "spec") -> list[str]:
