@@ -156,7 +156,8 @@ class Store:
     """The state store: one Engine and a sessionmaker. Thread-safe; one per process.
 
     ``with store.session() as s:`` is one transaction: committed on success, rolled
-    back on any exception. Repository functions in ``repo.py`` accept a ``Store`` (one
+    back on any exception. Repository functions in ``repo.py`` (and the modules it
+    re-exports) accept a ``Store`` (one
     transaction per call) or a ``Session`` (compose several writes atomically).
     """
 

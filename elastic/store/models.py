@@ -4,7 +4,7 @@ What this module is for: declaring each table once, typed (``Mapped[...]``), so 
 the Alembic migrations under ``migrations/versions`` can be checked against it (a test
 diffs the two on SQLite and PostgreSQL).
 
-What it must not do: hold behaviour. Reads and writes live in ``repo.py``; scheduling
+What it must not do: hold behaviour. Reads and writes live in ``repo.py`` and the modules it re-exports; scheduling
 logic lives in the pure packages and never sees a row.
 
 Conventions:
