@@ -321,9 +321,12 @@ def _assumed_world(rep: Replicated, s: _Side | None, d: _Side | None, group: Any
         errors.append("this worker's state is not the replicated source's: the old workers' states differ "
                       "(keys, shapes or dtypes)")
     if (me in rep.new_members) != (d is not None) or (me in rep.old_members) != (s is not None):
-        errors.append(f"rank {me} is {'not ' if me not in rep.old_members else ''}an old and "
-                      f"{'not ' if me not in rep.new_members else ''}a new member of the replicated source, "
-                      "but passes the other sides")
+        role = {(True, True): "an old and a new member", (True, False): "an old member only",
+                (False, True): "a new member only", (False, False): "no member"}[(me in rep.old_members,
+                                                                                  me in rep.new_members)]
+        passes = " and ".join(x for x, y in (("src", s), ("dst", d)) if y is not None) or "neither side"
+        errors.append(f"rank {me} is {role} of the replicated source but passes {passes}: an old member "
+                      "passes src, a new member dst")
     if d is not None and d.coords:
         errors.append("the new state holds DTensors: a replicated source's plan assumes plain tensors on both "
                       "sides; reshard without `replicated`")
