@@ -3,6 +3,10 @@
 Only parsing and printing live here; every number comes from ``elastic.parallel.planner``.
 Exit codes: 0 a layout fits; 2 bad input (one line) or nothing fits (the reason says what
 would make one fit; with ``--json`` the object is still printed, ``plans`` empty).
+``--report PATH`` also writes ``PATH.json`` and ``PATH.png`` (``elastic.cli._plan_report``):
+per-GPU memory by component and pipeline stage of the chosen layout and the next best, and,
+with ``--measured FILE``, what a training run measured next to it. They are written even when
+nothing fits (the closest layout then), before the exit code says so.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
+from elastic.cli import _plan_report
 from elastic.model import Layout, SpecError, load_hardware, load_model
 from elastic.parallel.memory import GiB
+from elastic.parallel.memory_report import memory_report
 from elastic.parallel.planner import DEFAULT_GLOBAL_BATCH, PlannedLayout, PlanOptions, evaluate, plan
 
 _SEGMENTS = (("weights", "blue"), ("gradients", "cyan"), ("optimizer", "magenta"), ("activations", "yellow"),
@@ -35,10 +41,18 @@ def register(app: typer.Typer) -> None:
         layout: str | None = typer.Option(None, "--layout", help="evaluate exactly this layout, e.g. tp8.pp2.dp4"),
         top: int | None = typer.Option(None, "--top", help="layouts to show (default 5; --json: all that fit)"),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+        report: str | None = typer.Option(
+            None, "--report", help="also write PATH.json and PATH.png: per-GPU memory by component of the chosen "
+                                   "and the next 3 layouts, worst pipeline stage of each"),
+        measured: str | None = typer.Option(
+            None, "--measured", help="with --report: a JSON file of measured memory (elastic.train.memory) to "
+                                     "show next to the prediction"),
     ) -> None:
         """Valid layouts that fit, fastest first, with a per-GPU memory breakdown."""
         if top is not None and top < 1:
             raise SpecError(f"--top={top}: show at least 1 layout")
+        if measured is not None and report is None:
+            raise SpecError(f"--measured {measured}: give --report PATH too; the measurement is shown in the report")
         spec = load_model(model)
         hw = load_hardware(hardware)
         if gpus < 1:
@@ -46,13 +60,22 @@ def register(app: typer.Typer) -> None:
         if gpus_per_node is not None and gpus_per_node < 1:
             raise SpecError(f"--gpus-per-node={gpus_per_node}: must be >= 1")
         opts = PlanOptions(global_batch=global_batch, seq_len=seq_len, gpus_per_node=gpus_per_node)
+        records = _plan_report.read_measured(measured) if measured is not None else []
+        if report is not None:
+            _plan_report.report_paths(report)  # a bad PATH fails before any planning
         if layout is not None:
             p = evaluate(spec, Layout.parse(layout), hw, n_gpus=gpus, options=opts)
             plans, reason, ok = [p], p.reason, p.fits
+            ranked = [p] + [q for q in plan(spec, gpus, hw, options=opts).plans if q.layout != p.layout] \
+                if report is not None else []
         else:
             res = plan(spec, gpus, hw, options=opts)
             k = top if top is not None else (len(res.plans) if as_json else 5)
             plans, reason, ok = list(res.plans[:k]), res.reason, bool(res.plans)
+            ranked = list(res.plans) or ([res.closest] if res.closest is not None else [])
+        if report is not None:
+            rep = memory_report(spec, gpus, hw, ranked, options=opts, reason=reason, measured=records)
+            _plan_report.write_report(rep, report)
         if as_json:
             print(json.dumps({"model": spec.name, "gpus": gpus, "plans": [p.as_json() for p in plans],
                               "reason": reason}))

@@ -44,9 +44,13 @@ from elastic.reshard.spec import (
 )
 from elastic.train.data import SyntheticData, _mix
 from elastic.train.groups import DEFAULT_TIMEOUT, ParallelGroups, StepGivenUp, StepInterrupted, build_groups
+from elastic.train.memory import MeasuredMemory, MemoryMeter
 from elastic.train.model import GPTStage, check_supported
 from elastic.train.optim import AdamHyper, ShardedAdam
 from elastic.train.pipeline import P2PShape, interleaved_one_f_one_b, one_f_one_b
+
+MEMORY_FIRST_STEPS = 2  # a new layout's first steps are measured: its peak is known at once
+MEMORY_EVERY = 100  # then every this many steps
 
 State = dict[tuple[str, str], torch.Tensor]
 """``(tensor name, kind) -> local tensor`` with this rank's box shape (see elastic.reshard.spec)."""
@@ -241,6 +245,9 @@ class TrainEngine:
         self._contribute = False  # ... and whether this rank adds it
         self._step_started = 0.0
         self.act = P2PShape((self.micro_batch, cfg.model.seq_len, cfg.model.hidden), cfg.dtype, cfg.device)
+        self.meter = MemoryMeter()
+        self.memory: MeasuredMemory | None = None  # the last measured step's memory by component
+        self._steps_run = 0
 
     # ---- state ------------------------------------------------------------------------------
     def _initial_state(self) -> State:
@@ -267,13 +274,25 @@ class TrainEngine:
 
     # ---- one optimizer step -----------------------------------------------------------------
     def train_step(self, step: int) -> StepResult:
-        """One optimizer step over the global batch of ``step``.
+        """One optimizer step over the global batch of ``step``. The first steps of an engine (a
+        layout's) and every ``MEMORY_EVERY``-th step are measured: ``self.memory`` then holds what
+        the step held by component (:mod:`elastic.train.memory`). Not every step: the meter's hook
+        on each tensor autograd saves costs the step several percent on small ops.
 
         Failure points, for recovery from surviving replicas (see :meth:`recovery_state`): until
         the commit (step 4) nothing of the state has changed; a rank that passed the commit
         knows every rank had reduced its gradients, so any rank left with ``ready_step ==
         step`` may apply the step later (:meth:`apply_ready`) and all end on the same state.
         """
+        self._steps_run += 1
+        if self._steps_run > MEMORY_FIRST_STEPS and step % MEMORY_EVERY:
+            return self._train_step(step)
+        with self.meter.track(self.params.values(), self.cfg.device):
+            result = self._train_step(step)
+        self.memory = self.meter.measure(self, step)
+        return result
+
+    def _train_step(self, step: int) -> StepResult:
         t0 = self._step_started = time.perf_counter()
         self.ready_step = None
         # 1. forget the previous step's gradients
