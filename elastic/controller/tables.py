@@ -1,0 +1,65 @@
+"""Each job's GPU count -> (best layout, tokens/s) table, from the layout planner, and the check
+that every job has a layout within its GPU bounds.
+
+Pure: the planner's arithmetic over the config; no clock, DB or backend. The controller builds its
+tables at start unless it is given them; ``elastic serve``, the CLI and the operator use these too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from elastic.config import ControllerConfig
+from elastic.model import HardwareSpec, Layout, ModelSpec, SpecError, load_hardware
+
+
+def throughput_table(model: ModelSpec, hardware: HardwareSpec, max_gpus: int, *, gpus_per_node: int,
+                     global_batch: int, allowed_tp: list[int] | None = None,
+                     allowed_pp: list[int] | None = None, zero: int = 0,
+                     replicate_optimizer: bool = False) -> dict[int, tuple[str, float]]:
+    """GPU count -> (best feasible layout, tokens/s), from the planner; honours allowed tp/pp,
+    ``zero=1`` (ZeRO-1 wherever dp > 1; with 0 the planner chooses per layout) and
+    ``replicate_optimizer`` (no ZeRO-1: every replica a full copy, for recovery from a lost worker)."""
+    from elastic.parallel.planner import best_by_gpu_count, feasible_layouts
+
+    # vpp=1: the reference trainer runs non-interleaved 1F1B only
+    opts: dict[str, Any] = {"vpps": (1,)}
+    if not allowed_tp and not allowed_pp and not zero and not replicate_optimizer:
+        best = best_by_gpu_count(model, hardware, max_gpus, gpus_per_node=gpus_per_node, global_batch=global_batch,
+                                 **opts)
+        out = {n: (str(p.layout), p.tokens_per_second) for n, p in best.items()}
+        return {n: v for n, v in out.items() if Layout.parse(v[0]).world_size == n}
+    out = {}
+    for n in range(1, max_gpus + 1):
+        for p in feasible_layouts(model, n, hardware, gpus_per_node=gpus_per_node, global_batch=global_batch,
+                                  **opts):
+            L = p.layout
+            if L.world_size != n or (allowed_tp and L.tp not in allowed_tp) or (allowed_pp and L.pp not in allowed_pp):
+                continue
+            if (zero and L.dp > 1 and not L.zero) or (replicate_optimizer and L.zero):
+                continue
+            out[n] = (str(L), p.tokens_per_second)
+            break
+    return out
+
+
+def job_throughput_tables(cfg: ControllerConfig) -> dict[str, dict[int, tuple[str, float]]]:
+    """Every job's GPU count -> (best layout, tokens/s) on the pool's hardware (pure; the planner)."""
+    hw = load_hardware(cfg.pool.hardware)
+    models = cfg.models()
+    return {j.name: throughput_table(models[j.name], hw, min(j.max_gpus, cfg.pool.total_gpus),
+                                     gpus_per_node=cfg.pool.gpus_per_node, global_batch=j.global_batch,
+                                     allowed_tp=j.allowed_tp, allowed_pp=j.allowed_pp, zero=j.zero,
+                                     replicate_optimizer=j.no_zero1)
+            for j in cfg.jobs}
+
+
+def check_feasible(cfg: ControllerConfig, tables: Mapping[str, Mapping[int, Any]]) -> None:
+    """A job no layout can run within its GPU bounds would silently never start: refuse it (SpecError)."""
+    for i, j in enumerate(cfg.jobs):
+        if not any(j.min_gpus <= n <= j.max_gpus for n in tables.get(j.name, {})):
+            raise SpecError(
+                f"jobs[{i}] '{j.name}': no layout of model {j.model} with global_batch={j.global_batch} fits "
+                f"{cfg.pool.hardware} GPUs between min_gpus={j.min_gpus} and max_gpus={j.max_gpus} "
+                f"(pool of {cfg.pool.total_gpus}); raise max_gpus, pick a smaller model or bigger GPUs")
