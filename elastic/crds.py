@@ -327,9 +327,6 @@ class ElasticTrainingJobSpec(_CR):
          "message": "a job with an entrypoint keeps its own checkpoints; remove checkpoint", "fieldPath": ".checkpoint"},
         {"rule": "!has(self.entrypoint) || self.zero == 0",
          "message": "a job with an entrypoint shards its optimizer state its own way; set zero: 0", "fieldPath": ".zero"},
-        {"rule": "!has(self.entrypoint) || !has(self.onBelowMinimum) || self.onBelowMinimum == 'preempt'",
-         "message": "a job with an entrypoint cannot be paused; set onBelowMinimum: preempt or leave it out",
-         "fieldPath": ".onBelowMinimum"},
     ]})
 
     pool: str = Field(min_length=1)
@@ -347,8 +344,7 @@ class ElasticTrainingJobSpec(_CR):
     on_below_minimum: Literal["pause", "preempt"] | None = Field(default=None, alias="onBelowMinimum")
     """When inference needs GPUs the job cannot spare above minGPUs: ``pause`` keeps its state off-GPU and
     resumes it at the same step later (on backends that can; else it is preempted); ``preempt`` stops it
-    (state dropped, it starts again from step 0). Omitted: ``pause``, and ``preempt`` for a job with an
-    ``entrypoint`` (which cannot be paused)."""
+    (state dropped, it starts again from step 0). Omitted: ``pause``."""
     max_gpus: int = Field(default=8, ge=1, alias="maxGPUs")
     """Most GPUs the job takes."""
     global_batch: int = Field(default=16, ge=1)

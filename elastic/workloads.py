@@ -210,8 +210,7 @@ class TrainingSpec(_Spec):
     @model_validator(mode="after")
     def _user_code(self) -> TrainingSpec:
         """With an entrypoint: the rules of ``elastic.train.userjob`` plus what a user job cannot do
-        (elastic's checkpoints, ZeRO-1, pausing into keepers); ``on_below_minimum`` becomes preempt and
-        an axis ``mesh_dims`` does not name is held at 1. Without one: the user-job fields stay unset.
+        (elastic's checkpoints, ZeRO-1); an axis ``mesh_dims`` does not name is held at 1. Without one: the user-job fields stay unset.
         Each error carries the offending field in its context (``ctx["field"]``)."""
         err = self._field_error
         if self.entrypoint is None:
@@ -237,10 +236,7 @@ class TrainingSpec(_Spec):
         if self.zero:
             raise err("zero", f"zero={self.zero}: a job with an entrypoint shards its optimizer state its own way "
                               "(ZeRO-1 is the reference trainer's); set zero: 0")
-        if "on_below_minimum" in self.model_fields_set and self.on_below_minimum == "pause":
-            raise err("on_below_minimum", "on_below_minimum=pause: a job with an entrypoint cannot be paused into "
-                                          "keepers; set on_below_minimum: preempt or leave it out")
-        held: dict[str, Any] = {"on_below_minimum": "preempt"}
+        held: dict[str, Any] = {}
         for axis, name in (("tp", "allowed_tp"), ("pp", "allowed_pp")):
             allowed = getattr(self, name)
             if axis in dims:

@@ -55,10 +55,8 @@ class Deciding(Observing):
                      # services' outlook needs the GPUs again
                      pause_seconds=float((runtimes[j.name].last_pause_seconds if runtimes[j.name] else None) or 0.0),
                      status=_job_status(runtimes[j.name]),
-                     # a backend that cannot keep a job's state off-GPU can only preempt it, and no
-                     # backend can keep a user job's (its state is the user's code's): say so
-                     on_below_minimum=(j.on_below_minimum if self._can_pause and j.entrypoint is None
-                                       else "preempt"))
+                     # a backend that cannot keep a job's state off-GPU can only preempt it: say so
+                     on_below_minimum=j.on_below_minimum if self._can_pause else "preempt")
             for j in self.cfg.jobs)
         return Snapshot(now, nodes, services, jobs, previous, Knobs.from_pool(self.cfg.pool))
 

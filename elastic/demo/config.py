@@ -196,8 +196,8 @@ def _job_spec(job: UserJob | None, corpus: str) -> dict[str, Any]:
     # samples in the fewest passes of at most 36 (2 at dp 7, 12 at dp 1). Fewer passes keep the step
     # short, and that matters: a user loop cannot give its step up half-way, so a rescale waits for
     # the step in progress.
-    # No on_below_minimum: a user job cannot be paused (it is preempted below its minimum of 1 GPU,
-    # which inference's maximum of 6 replicas never takes it to).
+    # on_below_minimum left at pause: inference's six replicas at most never take it below its minimum
+    # of one GPU.
     return {"name": USER_JOB, "model": job.model, **bounds, "global_batch": 420, "micro_batch": 36,
             "entrypoint": job.entrypoint, "args": ["--corpus", corpus, *job.args], **job.spec}
 

@@ -15,7 +15,9 @@ recovered model at the step the survivors reached (nothing but the step in fligh
 When a shrink gives the step in progress up (:class:`elastic.torch.coordinated.StepGivenUp`
 leaves the function at a micro-batch), the worker takes part in the shrink and calls the
 function again on the new layout, at the same step; a leaver exits. Any other exception is the
-job's failure reason.
+job's failure reason. A keeper (``ELASTIC_KEEPER=1``: launched without a GPU to hold a paused
+job's state) loads none of the user's code: it holds the state until the resume sends it on
+(:mod:`elastic.torch.keeper`).
 
 The entrypoint comes from the command line, else ``ELASTIC_ENTRYPOINT`` (arguments in
 ``ELASTIC_ARGS``, a JSON list), else the job's config; modules and relative script paths are
@@ -139,6 +141,10 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         # torch's first-use costs and the user's code come before this worker registers: a launcher
         # waits for the registration before it posts the directive, so they stay out of the pause
         warm_up()
+        if session.keeper:  # holds a paused job's state: none of the user's code runs here
+            from elastic.torch.keeper import keep
+
+            return keep(session)
         fn, refusal = None, ""
         try:
             if argv or env.get("ELASTIC_ENTRYPOINT"):

@@ -23,8 +23,8 @@ def test_a_user_job_is_stored_and_shown_with_its_fields(env: Env, tmp_path: Path
     assert {k: spec[k] for k in ("entrypoint", "args", "mesh_dims", "dp_replicas", "seed")} == \
         {"entrypoint": "elastic.torch.run:main", "args": ["--steps", "10"], "mesh_dims": {"dp": "dp", "tp": "tp"},
          "dp_replicas": True, "seed": 7}
-    # a user job is never paused into keepers, and an axis its mesh does not name stays at 1
-    assert (spec["on_below_minimum"], spec["allowed_pp"], spec["allowed_tp"]) == ("preempt", [1], None)
+    # paused into keepers below its minimum, as any job, and an axis its mesh does not name stays at 1
+    assert (spec["on_below_minimum"], spec["allowed_pp"], spec["allowed_tp"]) == ("pause", [1], None)
     assert "llama" in [w["name"] for w in env.get("/api/v1/jobs").json()["items"]]
 
     script = tmp_path / "train.py"
@@ -55,7 +55,6 @@ BAD: list[tuple[str, dict[str, Any], str, str]] = [
     ("POST", {**USER, "entrypoint": ""}, "spec.entrypoint", "empty"),
     ("POST", {**USER, "checkpoint": {"dir": "/ckpt"}}, "spec.checkpoint", "keeps its own checkpoints"),
     ("POST", {**USER, "zero": 1}, "spec.zero", "set zero: 0"),
-    ("POST", {**USER, "on_below_minimum": "pause"}, "spec.on_below_minimum", "cannot be paused into keepers"),
     ("POST", {**USER, "mesh_dims": {"tp": "tp"}}, "spec.mesh_dims", "data-parallel axis 'dp'"),
     ("POST", {**USER, "mesh_dims": {"dp": "dp", "ep": "ep"}}, "spec.mesh_dims", "unknown axis 'ep'"),
     ("POST", {**USER, "mesh_dims": {"dp": "dp"}, "allowed_tp": [1, 2]}, "spec.allowed_tp", "names no tp dim"),

@@ -277,8 +277,8 @@ def test_the_user_job_demo_config_loads_with_the_examples_entrypoint_and_no_paus
     assert (job.name, job.entrypoint, job.model) == (USER_JOB, "examples.llama.job:main" if entry == "llama"
                                                      else entry, "examples/llama/model.json")
     assert job.args == ["--corpus", str(tmp_path / "corpus"), "--dtype", "float32"]
-    # a user job cannot be paused: the demo does not ask for it, and the spec holds it at preempt
-    assert "on_below_minimum" not in job.model_fields_set and job.on_below_minimum == "preempt"
+    # inference's six replicas at most never push it below its minimum of one GPU
+    assert "on_below_minimum" not in job.model_fields_set and job.on_below_minimum == "pause"
     # DDP-style replicas, tp held at 1: a killed worker is recovered in place from a full copy
     assert job.dp_replicas and job.mesh_dims == {"dp": "dp_replicate", "tp": "tp"} and job.allowed_tp == [1]
     assert not job.zero and job.checkpoint is None

@@ -4,9 +4,11 @@ The job is the example Llama's loop (``examples.llama.job:main``, float64, FSDP2
 ``(dp_shard, tp)``), declared in the controller's config like any job (``entrypoint``, ``args``,
 the model file the planner sizes it from) and run by the Ray backend as worker actors. The
 inference load (pushed, ``InProcessSource``) moves the GPUs inference leaves free through 6, 4,
-3, 2 and back to 6; the controller rescales the job in place each time, from the planner's table
+3, 2, 1 and back to 6; the controller rescales the job in place each time, from the planner's table
 for this job (injected: FSDP2 x TP2 at 6 and at 2, FSDP4 at 4, FSDP3 at 3), so the world size
-and the mesh change, with leavers on the way down and joiners on the way up. The job follows
+and the mesh change, with leavers on the way down and joiners on the way up. One GPU is under the
+job's minimum of two: it is paused into two keeper actors (no GPU, none of its code), and resumed
+from them onto six new workers at the step it paused at. The job follows
 the loss curve of one process that never rescaled to 1e-9, on the same samples with the same
 learning rate, and every rescale is on record with its bytes.
 """
@@ -42,12 +44,12 @@ def _config(corpus: str, log_dir: str) -> dict:
     return {
         "pool": {"name": "ray-local", "nodes": 1, "gpus_per_node": 8, "hardware": "h100-80g",
                  "rescale_interval_seconds": 0, "gain_threshold": 0.0},
-        "services": [{"name": "chat", "gpus_per_replica": 1, "min_replicas": 1, "max_replicas": 6,
+        "services": [{"name": "chat", "gpus_per_replica": 1, "min_replicas": 1, "max_replicas": 7,
                       "metric": {"preset": "vllm-running", "target": 10}, "startup_seconds": 0,
                       "behavior": {"scaleUp": {"stabilizationWindowSeconds": 0},
                                    "scaleDown": {"stabilizationWindowSeconds": 0}}}],
         "jobs": [{"name": JOB, "model": "examples/llama/model.json", "entrypoint": "examples.llama.job:main",
-                  "args": ["--corpus", corpus, "--log", log_dir], "min_gpus": 1, "max_gpus": 6,
+                  "args": ["--corpus", corpus, "--log", log_dir], "min_gpus": 2, "max_gpus": 6,
                   "global_batch": 12, "micro_batch": 1, "seed": 3, "allowed_tp": [1, 2]}],
         "controller": {"tick_seconds": 1, "metrics_max_age_seconds": 3600},
     }
@@ -89,7 +91,7 @@ def test_a_user_job_is_rescaled_by_the_controller_on_ray_through_four_layouts_on
     db.upgrade(url)
     store = db.Store.from_url(url)
     cfg = load_config(data=copy.deepcopy(_config(corpus, str(tmp_path / "steps"))))
-    assert cfg.jobs[0].entrypoint == "examples.llama.job:main" and cfg.jobs[0].on_below_minimum == "preempt"
+    assert cfg.jobs[0].entrypoint == "examples.llama.job:main" and cfg.jobs[0].on_below_minimum == "pause"
     backend = RayBackend(cfg.pool, replica_config=ReplicaConfig(model="tiny", max_running=4),
                          train_options=LaunchOptions(pg_timeout_s=90, heartbeat_timeout_s=60, join_timeout_s=120,
                                                      verify_reshard=True),
@@ -103,26 +105,34 @@ def test_a_user_job_is_rescaled_by_the_controller_on_ray_through_four_layouts_on
         res = ctl.tick()
         assert res.error is None, res.error
 
-    # load per phase -> replicas (target 10 each) -> GPUs left for the job -> its layout
+    # load per phase -> replicas (target 10 each) -> GPUs left for the job -> its layout; at 70 the
+    # seven replicas leave one GPU, under the job's minimum of two: paused into keepers, then resumed
     phases = [(10.0, "tp2.pp1.dp3"), (30.0, "tp1.pp1.dp4"), (50.0, "tp1.pp1.dp3"), (60.0, "tp2.pp1.dp1"),
-              (10.0, "tp2.pp1.dp3")]
+              (70.0, "paused"), (10.0, "tp2.pp1.dp3")]
     seen = []
     try:
         for load, want in phases:
             tick(load)
             rt = backend.job_runtime(JOB)
+            handle = backend.jobs[JOB].handle
+            if want == "paused":
+                assert rt is not None and rt.phase == "Paused" and rt.gpus == (), (load, rt)
+                st = handle.status()
+                assert st.phase == "paused" and len(st.workers) == 2, st  # tp2: two keepers, no GPU
+                assert len(backend.service_gpus("chat")) == 7
+                seen.append(("paused", st.generation))
+                continue
             assert rt is not None and rt.layout == want, (load, rt)
             assert len(rt.gpus) == Layout.parse(want).world_size
             seen.append((rt.layout, rt.generation))
-            handle = backend.jobs[JOB].handle
             handle.wait_step(max(rt.step, 0) + 2, timeout=180)  # it trains on the new layout
-        assert [g for _, g in seen] == [1, 2, 3, 4, 5], seen
+        assert [g for _, g in seen] == [1, 2, 3, 4, 5, 6], seen
         history = handle.history()
     finally:
         backend.shutdown()
     steps = [r.step for r in history]
     assert steps == list(range(len(steps))), f"a step was lost or repeated: {steps}"
-    assert {r.layout for r in history} == {w for _, w in phases}
+    assert {r.layout for r in history} == {w for _, w in phases} - {"paused"}
     ref = _reference(corpus, len(steps) + 5, tmp_path / "ref.json")
     for r in history:
         want = ref[r.step]["loss"]
@@ -137,7 +147,8 @@ def test_a_user_job_is_rescaled_by_the_controller_on_ray_through_four_layouts_on
     reshards = db.list_reshards(store, job=JOB)
     moves = [(r.from_layout, r.to_layout, r.status) for r in reshards]
     assert moves == [("tp2.pp1.dp3", "tp1.pp1.dp4", "done"), ("tp1.pp1.dp4", "tp1.pp1.dp3", "done"),
-                     ("tp1.pp1.dp3", "tp2.pp1.dp1", "done"), ("tp2.pp1.dp1", "tp2.pp1.dp3", "done")], moves
+                     ("tp1.pp1.dp3", "tp2.pp1.dp1", "done"), ("tp2.pp1.dp1", "paused:tp2.pp1.dp1", "done"),
+                     ("paused:tp2.pp1.dp1", "tp2.pp1.dp3", "done")], moves
     assert all(r.bytes_moved and r.bytes_moved > 0 for r in reshards)
     print("reshards:", [(r.from_layout, r.to_layout, r.bytes_moved, round(r.pause_seconds or 0, 3)) for r in reshards])
     store.dispose()

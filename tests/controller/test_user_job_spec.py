@@ -28,12 +28,13 @@ USER: dict[str, Any] = {"name": "llama", "model": "tiny", "global_batch": 8, "en
 
 # (extra fields, on_below_minimum, allowed_tp, allowed_pp) after validation
 GOOD: list[tuple[dict[str, Any], str, list[int] | None, list[int] | None]] = [
-    ({}, "preempt", None, [1]),  # default mesh {dp: dp_shard, tp: tp}: no pp dim
+    ({}, "pause", None, [1]),  # default mesh {dp: dp_shard, tp: tp}: no pp dim
     ({"on_below_minimum": "preempt"}, "preempt", None, [1]),
-    ({"mesh_dims": {"dp": "dp_replicate"}, "dp_replicas": True}, "preempt", [1], [1]),
-    ({"mesh_dims": {"dp": "dp"}, "allowed_tp": [1], "allowed_pp": None}, "preempt", [1], [1]),
-    ({"mesh_dims": {"pp": "pp", "dp": "dp", "tp": "tp"}, "allowed_tp": [1, 2]}, "preempt", [1, 2], None),
-    ({"entrypoint": "train.py", "args": ["--lr", "3e-4"], "seed": 5}, "preempt", None, [1]),
+    ({"on_below_minimum": "pause"}, "pause", None, [1]),
+    ({"mesh_dims": {"dp": "dp_replicate"}, "dp_replicas": True}, "pause", [1], [1]),
+    ({"mesh_dims": {"dp": "dp"}, "allowed_tp": [1], "allowed_pp": None}, "pause", [1], [1]),
+    ({"mesh_dims": {"pp": "pp", "dp": "dp", "tp": "tp"}, "allowed_tp": [1, 2]}, "pause", [1, 2], None),
+    ({"entrypoint": "train.py", "args": ["--lr", "3e-4"], "seed": 5}, "pause", None, [1]),
 ]
 
 
@@ -59,7 +60,6 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
     ({**USER, "entrypoint": "  "}, "entrypoint", "empty"),
     ({**USER, "checkpoint": {"dir": "/ckpt"}}, "checkpoint", "remove checkpoint"),
     ({**USER, "zero": 1}, "zero", "set zero: 0"),
-    ({**USER, "on_below_minimum": "pause"}, "on_below_minimum", "set on_below_minimum: preempt"),
     ({**USER, "mesh_dims": {"tp": "tp"}}, "mesh_dims", "data-parallel axis 'dp'"),
     ({**USER, "mesh_dims": {"dp": "dp", "cp": "cp"}}, "mesh_dims", "unknown axis 'cp'"),
     ({**USER, "mesh_dims": {"dp": "x", "tp": "x"}}, "mesh_dims", "distinct identifiers"),
@@ -92,7 +92,7 @@ def test_config_takes_a_user_job_whose_code_is_there(tmp_path: Path, monkeypatch
     monkeypatch.chdir(tmp_path)  # a relative script is looked for where the controller (and its workers) run
     for entry in (ENTRY, "train.py", str(tmp_path / "train.py")):
         job = load_config(data=_config(entrypoint=entry, args=["--steps", "3"])).jobs[0]
-        assert (job.entrypoint, job.args, job.on_below_minimum) == (entry, ["--steps", "3"], "preempt")
+        assert (job.entrypoint, job.args, job.on_below_minimum) == (entry, ["--steps", "3"], "pause")
 
 
 @pytest.mark.parametrize(("entry", "needle"), [
@@ -111,7 +111,6 @@ def test_config_refuses_an_entrypoint_that_does_not_load(entry: str, needle: str
 
 @pytest.mark.parametrize(("job", "text"), [
     ({"entrypoint": ENTRY, "checkpoint": {"dir": "/c"}}, "config: jobs[0].checkpoint: a job with an entrypoint"),
-    ({"entrypoint": ENTRY, "on_below_minimum": "pause"}, "config: jobs[0].on_below_minimum=pause: "),
     ({"args": ["--x"]}, "config: jobs[0].args: only a job with an entrypoint"),
     ({"entrypoint": ENTRY, "model": "gpt-99t"}, "config: jobs[0].model: unknown model"),
 ])
@@ -138,19 +137,19 @@ def test_a_user_job_never_gets_a_zero1_layout() -> None:
 
 
 
-@pytest.mark.parametrize("user", [False, True], ids=["reference", "user"])
-def test_below_its_minimum_a_user_job_is_preempted_not_paused(db_url: str, user: bool) -> None:
-    """The fake backend can pause jobs into keepers; a user job's state is its code's, so it is preempted,
-    even where a spec slipped past validation with on_below_minimum=pause."""
+@pytest.mark.parametrize(("user", "below"), [(False, "pause"), (True, "pause"), (True, "preempt")],
+                         ids=["reference", "user", "user-preempt"])
+def test_below_its_minimum_a_user_job_is_paused_into_keepers_like_any_job(db_url: str, user: bool, below: str) -> None:
+    """The fake backend can pause jobs into keepers: a user job (its keepers hold the state its code
+    built) is paused as the reference trainer's is, unless it asks to be preempted."""
     cfg = load_config(data={
         "pool": {**POOL, "nodes": 1},
         "services": [{"name": "chat", "gpus_per_replica": 1, "min_replicas": 1, "max_replicas": 4,
                       "metric": {"preset": "vllm-running", "target": 10},
                       "behavior": {"scaleDown": {"stabilizationWindowSeconds": 0}}}],
         "jobs": [{"name": "job", "model": "gpt-1.3b", "min_gpus": 2, "max_gpus": 3, "global_batch": 64,
+                  "on_below_minimum": below,
                   **({"entrypoint": ENTRY, "mesh_dims": {"pp": "pp", "dp": "dp"}} if user else {})}]})
-    if user:
-        cfg = cfg.model_copy(update={"jobs": (cfg.jobs[0].model_copy(update={"on_below_minimum": "pause"}),)})
     db.upgrade(db_url)
     store = db.Store.from_url(db_url)
     try:
@@ -163,7 +162,7 @@ def test_below_its_minimum_a_user_job_is_preempted_not_paused(db_url: str, user:
             if load == 10.0:
                 assert len(backend.jobs["job"].gpus) == 3
         assert len(backend.service_gpus("chat")) == 4
-        if user:  # stopped, its GPUs back in the pool
+        if below == "preempt":  # stopped, its GPUs back in the pool
             assert ("job", "job", 0) in backend.calls and "job" not in backend.jobs, backend.calls
             assert not any(c[0] == "pause" for c in backend.calls), backend.calls
         else:  # paused into keepers, its layout kept
@@ -257,7 +256,7 @@ def test_the_example_user_job_config_loads_and_every_gpu_count_has_a_layout() ->
 
     cfg = load_config("examples/llama/job.yaml")
     (job,) = cfg.jobs
-    assert job.entrypoint == "examples.llama.job:main" and job.on_below_minimum == "preempt"
+    assert job.entrypoint == "examples.llama.job:main" and job.on_below_minimum == "pause"
     tables = job_throughput_tables(cfg)
     check_feasible(cfg, tables)
     assert sorted(tables["llama"]) == list(range(1, 8))

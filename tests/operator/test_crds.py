@@ -62,8 +62,8 @@ def test_maps_a_user_job_without_looking_for_its_code() -> None:
     job = to_training_spec("ml/u", parse_spec(ElasticTrainingJobSpec, USER))
     assert (job.entrypoint, job.args, job.mesh_dims, job.dp_replicas, job.seed) == (
         "myteam.train:main", ["--lr", "3e-4"], {"dp": "dp_shard"}, True, 3)
-    # never paused into keepers; no tp or pp dim in its mesh: both held at 1
-    assert (job.on_below_minimum, job.allowed_tp, job.allowed_pp, job.checkpoint) == ("preempt", [1], [1], None)
+    # paused into keepers below its minimum, as any job; no tp or pp dim in its mesh: both held at 1
+    assert (job.on_below_minimum, job.allowed_tp, job.allowed_pp, job.checkpoint) == ("pause", [1], [1], None)
     job = to_training_spec("ml/u", parse_spec(ElasticTrainingJobSpec, {
         **USER, "meshDims": None, "allowedTP": [1, 2], "onBelowMinimum": "preempt"}))
     assert (job.mesh_dims, job.allowed_tp, job.allowed_pp) == (None, [1, 2], [1])
@@ -74,7 +74,6 @@ def test_maps_a_user_job_without_looking_for_its_code() -> None:
 BAD: list[tuple[str, dict[str, Any], str, str]] = [
     ("job", {**USER, "checkpoint": {"dir": "/c"}}, "spec.checkpoint", "InvalidCheckpoint"),
     ("job", {**USER, "zero": 1}, "spec.zero", "InvalidZero"),
-    ("job", {**USER, "onBelowMinimum": "pause"}, "spec.onBelowMinimum", "InvalidOnBelowMinimum"),
     ("job", {**USER, "allowedTP": [1, 2]}, "spec.allowedTP", "InvalidAllowedTP"),
     ("job", {**USER, "allowedPP": [2]}, "spec.allowedPP", "InvalidAllowedPP"),
     ("job", {**USER, "meshDims": {"tp": "tp"}}, "spec.meshDims", "InvalidMeshDims"),
@@ -130,8 +129,8 @@ def test_bad_specs_name_the_field(kind: str, spec: dict[str, Any], field: str, r
 
 def test_user_job_messages_use_the_custom_resources_words() -> None:
     with pytest.raises(CRError) as e:
-        to_training_spec("ml/u", parse_spec(ElasticTrainingJobSpec, {**USER, "onBelowMinimum": "pause"}))
-    assert "set onBelowMinimum: preempt" in str(e.value)
+        to_training_spec("ml/u", parse_spec(ElasticTrainingJobSpec, {**USER, "allowedPP": [1, 2]}))
+    assert "set allowedPP: [1]" in str(e.value) and "meshDims" in str(e.value), str(e.value)
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -139,8 +138,7 @@ def test_user_job_messages_use_the_custom_resources_words() -> None:
     ({"onBelowMinimum": "preempt"}, None),
     ({"checkpoint": {"dir": "/c"}}, "spec: a job with an entrypoint keeps its own checkpoints; remove checkpoint"),
     ({"zero": 1}, "spec: a job with an entrypoint shards its optimizer state its own way; set zero: 0"),
-    ({"onBelowMinimum": "pause"}, "spec: a job with an entrypoint cannot be paused; set onBelowMinimum: preempt or "
-                                  "leave it out"),
+    ({"onBelowMinimum": "pause"}, None),
 ])
 def test_cel_rules_refuse_what_a_user_job_cannot_do(change: dict[str, Any], message: str | None) -> None:
     """``kubectl apply`` refuses it already; ``to_training_spec`` says the same where CEL does not run."""

@@ -6,7 +6,8 @@ Ray. The real Kopf operator (coordinator runtime), the node agent running every 
 job cannot give one GPU and stay at its minimum, so it pauses: its state moves peer to peer into 2
 keeper pods (``tp2.pp1.dp1``: one copy, no GPU), every worker pod goes, and only then the Deployment
 grows. Load for 1 again: the Deployment shrinks, and the keepers hand the state to 4 new worker pods;
-the step counter goes on and every loss equals the never-rescaled run's."""
+the step counter goes on and every loss equals the never-rescaled run's. The same for a user's own
+loop (the example Llama under ``elastic.torch.Manager``): its keeper pods run none of its code."""
 
 from __future__ import annotations
 
@@ -21,21 +22,26 @@ from .e2e import NS, wait_for
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def test_a_job_below_its_minimum_waits_in_keeper_pods_and_resumes_in_place(tmp_path: Path) -> None:
+@pytest.mark.parametrize("user", [False, True], ids=["reference", "user"])
+def test_a_job_below_its_minimum_waits_in_keeper_pods_and_resumes_in_place(tmp_path: Path, user: bool) -> None:
     from elastic.metrics import InProcessSource
+    from elastic.model import Layout
     from tests.operator.test_e2e_restart import _sleepers
 
+    job = e2e.user_job(tmp_path, step_log=tmp_path / "steps") if user else e2e.job_cr()
+    job["spec"]["minGPUs"] = 4
     source = InProcessSource(max_age=3600)
     source.set(f"{NS}/{e2e.SERVICE}", 4.0, time.time())  # target 4: 1 replica
     with e2e.cluster(tmp_path / "c") as c, e2e.operator(c, source=source):
         c.apply(_sleepers())
         c.apply(e2e.pool_cr())
         c.apply(e2e.service_cr())
-        c.apply(e2e.job_cr(minGPUs=4))
+        c.apply(job)
         wait_for("job on 4 GPUs", lambda: c.refused(e2e.JOB) or (c.status("elastictrainingjobs", e2e.JOB).get(
             "worldSize") == 4 and c.status("elastictrainingjobs", e2e.JOB).get("phase") == "Running"), 150)
         h = c.handle()
         h.wait_step(h.status().step + 2, timeout=60)
+        running = h.status().layout
         workers = sorted(p["metadata"]["name"] for p in c.worker_pods())
 
         # 1. load for 3 replicas: the job pauses into keepers, then the Deployment grows
@@ -58,13 +64,16 @@ def test_a_job_below_its_minimum_waits_in_keeper_pods_and_resumes_in_place(tmp_p
         events = [(e["regarding"]["name"], e["action"]) for e in c.events()]
         left = sorted(p["metadata"]["name"] for p in c.worker_pods(live=False))
     # the keepers: the held layout (one copy, no data parallelism), no GPU asked, not pinned to a node
-    assert paused.phase == "paused" and paused.layout == "tp2.pp1.dp1", paused
-    assert len(keepers) == 2 and gpu_pods == [], (keepers, gpu_pods)
+    held = Layout.parse(running).held()
+    assert paused.phase == "paused" and paused.layout == str(held), (running, paused)
+    assert len(keepers) == held.world_size and gpu_pods == [], (keepers, gpu_pods)
+    if not user:
+        assert paused.layout == "tp2.pp1.dp1", paused
     for k in keepers:
         ctr = k["spec"]["containers"][0]
         assert "nvidia.com/gpu" not in str(ctr.get("resources")) and "affinity" not in k["spec"]
         assert {"name": "ELASTIC_KEEPER", "value": "1"} in ctr["env"]
-    assert (st_paused["worldSize"], st_paused["layout"]) == (0, "tp2.pp1.dp1")
+    assert (st_paused["worldSize"], st_paused["layout"]) == (0, str(held))
     # the pause before the Deployment grew; the Deployment shrank before the resume
     pause_i = events.index((e2e.JOB, "pause_training"))
     up_i = next(i for i in range(pause_i, len(events)) if events[i] == (e2e.SERVICE, "scale_inference_up"))
@@ -76,7 +85,8 @@ def test_a_job_below_its_minimum_waits_in_keeper_pods_and_resumes_in_place(tmp_p
     steps = [r.step for r in history]
     assert steps == list(range(len(steps)))
     assert len({r.generation for r in history}) == 2  # the paused generation ran no step
-    ref = e2e.reference_losses(cfg, len(history))
+    ref = (e2e.user_reference(job, len(history), tmp_path / "reference.json") if user
+           else e2e.reference_losses(cfg, len(history)))
     worst = max(abs(r.loss - w) / abs(w) for r, w in zip(history, ref, strict=True))
     assert worst <= 1e-9, worst
     peak, unsched = e2e.gpu_ledger(c.emu)

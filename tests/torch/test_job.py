@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from elastic.model import SpecError, load_model
+from elastic.model import Layout, SpecError, load_model
 from elastic.train.launch import LaunchOptions, ProcessJobHandle
 from elastic.train.rendezvous import RescaleFailed
 from elastic.train.userjob import UserJobConfig
@@ -97,7 +97,7 @@ def _wait(pred: Any, h: ProcessJobHandle, timeout: float, what: str) -> Any:
         st = h.status()
         if pred(st):
             return st
-        assert st.phase in ("running", "recovering", "rescaling"), (st.phase, st.error)
+        assert st.phase in ("running", "recovering", "rescaling", "paused"), (st.phase, st.error)
         time.sleep(0.05)
     raise AssertionError(f"{what} not within {timeout} s: {h.status()}")
 
@@ -110,15 +110,17 @@ def _gate(tmp_path: Path, limit: int | None) -> None:
     tmp.replace(f)
 
 
-def _rescale_held(h: ProcessJobHandle, tmp_path: Path, layout: str, workers: list[str]) -> Any:
-    """``h.rescale`` with the job held at a step boundary until the directive is posted: a grow's
-    joiners take seconds to start, in which the tiny model could otherwise run to ``max_steps``."""
+def _rescale_held(h: ProcessJobHandle, tmp_path: Path, layout: str, workers: list[str], *,
+                  pause: bool = False) -> Any:
+    """``h.rescale`` (or ``h.pause()``) with the job held at a step boundary until the directive is
+    posted: a grow's joiners (and keepers) take seconds to start, in which the tiny model could
+    otherwise run to ``max_steps``."""
     _gate(tmp_path, h.status().step + 2)
     out: dict[str, Any] = {}
 
     def run() -> None:
         try:
-            out["result"] = h.rescale(layout, workers, timeout=180)
+            out["result"] = h.pause(timeout=180) if pause else h.rescale(layout, workers, timeout=180)
         except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
             out["error"] = e
 
@@ -163,6 +165,51 @@ def test_a_user_job_rescaled_by_its_coordinator_through_four_layouts_follows_one
     layouts = [r.layout for r in h.history()]
     assert sorted(set(layouts)) == sorted({"tp1.pp1.dp4", "tp2.pp1.dp2", "tp2.pp1.dp1", "tp1.pp1.dp3"})
     assert len(steps) >= 10
+
+
+@pytest.mark.parametrize(("start", "keepers", "resume", "replicas"), [
+    ("tp2.pp1.dp2", 2, "tp1.pp1.dp3", False),  # FSDP2 x TP2 -> two keepers -> FSDP3
+    ("tp1.pp1.dp3", 1, "tp2.pp1.dp1", True),  # DDP replicas -> one keeper -> TP2
+], ids=["fsdp-tp", "ddp"])
+def test_a_paused_user_job_keeps_its_state_in_keepers_and_resumes_on_another_mesh_on_the_same_curve(
+        corpus: str, reference: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, start: str, keepers: int,
+        resume: str, replicas: bool) -> None:
+    """Every GPU freed, nothing lost: the state moves into keepers (no GPU, none of the user's code),
+    every training worker exits, and the resume moves it onto new workers of another mesh."""
+    monkeypatch.setenv("ELASTIC_TEST_STEP_GATE", str(tmp_path / "gate"))
+    h = _job(f"byo-keep-{keepers}", corpus, tmp_path, replicas=replicas)
+    first = W4[:Layout.parse(start).world_size]
+    fresh = [f"w{4 + i}" for i in range(Layout.parse(resume).world_size)]
+    try:
+        h.start(start, first, timeout=180)
+        h.wait_step(1, timeout=120)
+        paused = _rescale_held(h, tmp_path, "", [], pause=True)
+        rec = paused.record
+        st = h.status()
+        assert rec.ok and st.phase == "paused" and len(st.workers) == keepers == len(h.keepers), (rec, st)
+        assert set(st.workers) == h.keepers and not set(st.workers) & set(first)
+        # the whole state crossed to the keepers, each byte once (they held nothing before)
+        assert paused.bytes_moved == paused.lower_bound_bytes == paused.planned_bytes > 0, paused
+        for w in first:
+            assert h.procs[w].wait(30) == 0, f"training worker {w} should exit cleanly once its state is kept"
+        for k in st.workers:
+            assert h.procs[k].poll() is None, f"keeper {k} should hold the state"
+            assert "keeping" in (tmp_path / "workers" / f"{k}.log").read_text()
+        res = _rescale_held(h, tmp_path, resume, fresh)
+        # training goes on at the step it paused at
+        assert res.record.ok and res.record.switch_step == rec.switch_step, (res.record, rec)
+        # exactly what the new layout needs (at least the whole state: the keepers leave)
+        assert res.bytes_moved == res.lower_bound_bytes >= paused.bytes_moved, (res, paused)
+        for k in st.workers:
+            assert h.procs[k].wait(30) == 0, f"keeper {k} should exit once the state is back on GPU workers"
+        h.wait_step(h.status().step + 2, timeout=120)
+        assert h.status().layout == resume
+    finally:
+        final = h.stop()
+    assert final.error is None, final.error
+    _check_curve(h, tmp_path, reference)
+    layouts = [r.layout for r in h.history()]
+    assert layouts[0] == start and layouts[-1] == resume and "paused" not in "".join(layouts)
 
 
 def test_a_shrink_gives_the_step_in_progress_up_and_the_new_layout_redoes_it_on_the_same_curve(
