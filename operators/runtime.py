@@ -10,6 +10,14 @@ condition; ``tick_pool`` is one reconcile cycle of a pool:
 3. tick      ``Controller.tick()``: decide and apply (the DB lease makes one replica act);
 4. publish   status fields, conditions and Events carrying the controller's reasons.
 
+A job's start and grow run in the background (``Controller(async_grow=True)``): waiting for its
+pods to start and register (up to the launcher's ``register_timeout_s``, two minutes by default)
+must not hold the pool's cycle, so its services go on scaling, status goes on being published and
+a finalizer does not wait for it (it calls a start still starting its pods off). The GPUs of a grow in flight stay reserved for it; its outcome is read on a later
+cycle: a landed grow posts its Normal Event then, a failed first start backs off as a synchronous
+one would (below). A rebuilt controller (a spec or membership change) takes over the grows in
+flight and the pool's lease from the one it replaces.
+
 A refused spec never reaches the controller: a new bad CR is not registered; a bad update
 keeps the last good spec running. ``remove_job`` (the finalizer) deletes the job's pods. A job
 whose start fails (its pods exit at once, say) sits out the pool's cycles on a doubling back-off
@@ -31,7 +39,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from elastic import store as db
@@ -51,7 +59,7 @@ from elastic.crds import (
 )
 from elastic.metrics import build_source
 from elastic.metrics.sample import MetricSource
-from elastic.model import InferenceSpec, SpecError, TrainingSpec, load_hardware, load_model
+from elastic.model import InferenceSpec, PlanStep, SpecError, TrainingSpec, load_hardware, load_model
 from operators.status import StatusWriter
 
 log = logging.getLogger("operators.runtime")
@@ -132,6 +140,21 @@ class Pool:
     # pods exit at once does not churn pods every cycle; the rest of the pool goes on
     backoff: dict[str, tuple[float, float, str]] = field(default_factory=dict)
     not_ready_since: dict[str, float] = field(default_factory=dict)  # service -> when its replicas fell short
+    # job -> its start or grow running in the background, until a cycle reads its outcome
+    growing: dict[str, Grow] = field(default_factory=dict)
+
+
+@dataclass
+class Grow:
+    """A job's start or grow the controller runs in the background (``Controller(async_grow=True)``)."""
+
+    thread: threading.Thread
+    errors: list[str]  # the controller appends the failure here before the thread ends
+    step: PlanStep | None  # what the plan said (its reason and message go in the Event once it landed)
+
+    @property
+    def running(self) -> bool:
+        return self.thread.is_alive()
 
 
 SourceFactory = Callable[[InferenceSpec, KubernetesBackend], MetricSource]
@@ -215,9 +238,32 @@ class OperatorRuntime:
             if old is not None:  # a changed selector or GPU count: a fresh backend, same registrations
                 pool.backend.booked = dict(old.backend.booked)
                 pool.backend._jobs = old.backend._jobs
+                # one cycle at a time across the swap; the next cycle rebuilds the controller from
+                # the old one (its lease, its grows in flight); a back-off runs on
+                pool.lock, pool.controller, pool.backoff, pool.growing = old.lock, old.controller, old.backoff, \
+                    old.growing
             self.pools[name] = pool
+            waiting = [m for m in self.members.values() if m.pool == name] if old is None else []
         self.status.set_condition(POOLS, None, name, "Ready", True, "Accepted", "spec accepted; reconciling",
                                   generation)
+        for m in waiting:  # registered before their pool existed: Ready=False/PoolNotFound until now
+            self._pool_found(pool, m)
+
+    def _pool_found(self, pool: Pool, m: Member) -> None:
+        """A member registered before its pool: its GPUs on record (a service's ``status.gpus``, after
+        an operator restart) are booked now, and its ``PoolNotFound`` condition goes."""
+        assert self.status is not None
+        if m.plural == SERVICES:
+            booked = tuple(parse_gpu(g) for g in self.status.known(SERVICES, m.namespace, m.name).get("gpus", [])
+                           if "/" in g)
+            if booked:
+                with pool.lock:
+                    pool.backend.set_service(m.workload, ServiceTarget(m.namespace, m.cr.scale_target_ref.name),
+                                             booked)
+        was = next((c for c in self.status.conditions(m.plural, m.namespace, m.name) if c.get("type") == "Ready"), {})
+        if was.get("reason") == "PoolNotFound":
+            self.status.set_condition(m.plural, m.namespace, m.name, "Ready", True, "Accepted",
+                                      f"spec accepted by pool {m.pool}", m.generation)
 
     def remove_pool(self, name: str) -> None:
         with self._lock:
@@ -340,17 +386,37 @@ class OperatorRuntime:
         backend = pool.backend if pool is not None else self._backend(GPUPoolSpec())
         lock = pool.lock if pool is not None else threading.RLock()
         with lock:  # never in the middle of a tick of this pool
+            if pool is not None:
+                self._call_off_grow(pool, workload)
             if workload not in backend.jobs:
                 backend.set_job(workload, JobTarget(namespace, name, {"image": "-"}, None))
             deleted = backend.release_job(workload)
             backend.forget(workload)
+            with self._lock:  # before the next cycle: it must not start the job again
+                self.members.pop(key, None)
             if pool is not None:
                 pool.config_key = None
-        with self._lock:
-            self.members.pop(key, None)
         if self.status is not None:
             self.status.forget(JOBS, namespace, name)
         return deleted
+
+    def _call_off_grow(self, pool: Pool, workload: str) -> None:
+        """A start or grow of the job still starting its pods is called off and waited for (bounded),
+        so that no pod of it is created after the finalizer listed the job's pods. One past its
+        directive is not waited for: its pods all exist, and stopping the job ends it."""
+        g = pool.growing.get(workload)
+        if g is None or not g.running:
+            return
+        try:
+            called_off = pool.backend.cancel_grow(workload)
+        except BackendError as e:
+            log.warning("%s: could not call its start off: %s", workload, e)
+            return
+        if called_off:
+            g.thread.join(self.settings.wait_seconds)
+            if g.running:
+                log.warning("%s: its start was called off and has not ended within %g s; deleting its pods anyway",
+                            workload, self.settings.wait_seconds)
 
     # ---- one reconcile cycle of a pool (Kopf timer) ---------------------------------------------
     def tick_pool(self, name: str, *, force: bool = False) -> TickResult | None:
@@ -376,34 +442,85 @@ class OperatorRuntime:
                                      f"spec.nodeSelector: no schedulable node matches {sel} with allocatable "
                                      "nvidia.com/gpu")
                 return None
-            # 2. build (a job backing off after a failed start sits this cycle out)
+            # 2. build (a job backing off after a failed start sits this cycle out, one whose start
+            #    failed in the background since the last cycle included)
             members = self._members_of(name)
+            landed = self._landed(pool, members, now)
             waiting = {w for w, (at, _, _) in pool.backoff.items() if now < at}
             ctl = self._controller(pool, len(nodes), [m for m in members if m.workload not in waiting])
             # 3. tick
             res = ctl.tick()
+            self._track_grows(pool, ctl, res)
             # 4. publish
             self._back_off(pool, res, members, now)
-            self._publish(pool, ctl, res, nodes, members)
+            res = _with_landed(res, landed)
+            self._publish(pool, ctl, res, nodes, members, landed)
             ctl.housekeep()  # retention: the lease holder only, between ticks, in bounded batches
             return res
 
     def _back_off(self, pool: Pool, res: TickResult, members: list[Member], now: float) -> None:
         """A failed start of a job (``"<action> <workload>: <why>"`` while it holds no GPU) puts it on
-        back-off: 5 s, doubling up to 5 min; a later cycle that applies a step to it clears it."""
+        back-off: 5 s, doubling up to 5 min; a later cycle that applies a step to it clears it. A
+        start that runs in the background reports here through ``_landed``, a cycle later."""
         for m in members:
             if m.plural != JOBS:
                 continue
             prefix = f" {m.workload}: "
             failed = res.error and prefix in res.error and res.error.split(prefix, 1)[0].endswith("_training")
-            # only a job that holds no GPU: one that runs stays the controller's to shrink or stop
-            if failed and pool.backend.job_runtime(m.workload) is None:
-                last = pool.backoff.get(m.workload)
-                wait = min(last[1] * 2, 300.0) if last else 5.0
-                pool.backoff[m.workload] = (now + wait, wait, str(res.error).split(prefix, 1)[1])
+            if failed:
+                self._failed_start(pool, m, str(res.error).split(prefix, 1)[1], now)
             elif m.workload in pool.backoff and now >= pool.backoff[m.workload][0] and (
                     any(a.endswith(f" {m.workload}") for a in res.applied)):
                 pool.backoff.pop(m.workload, None)
+
+    @staticmethod
+    def _failed_start(pool: Pool, m: Member, why: str, now: float) -> None:
+        # only a job that holds no GPU: one that runs stays the controller's to shrink or stop
+        if pool.backend.job_runtime(m.workload) is not None:
+            return
+        last = pool.backoff.get(m.workload)
+        wait = min(last[1] * 2, 300.0) if last else 5.0
+        pool.backoff[m.workload] = (now + wait, wait, why)
+
+    def _track_grows(self, pool: Pool, ctl: Controller, res: TickResult) -> None:
+        """Remember each start or grow this tick left running in the background, with its plan step."""
+        steps = {st.workload: st for st in (res.plan.steps if res.plan else ()) if st.action == "grow_training"}
+        started = {a.split(" ")[1] for a in res.applied if a.startswith("grow_training ") and a.endswith(" (started)")}
+        for job, (thread, errors) in ctl.grows_in_flight().items():
+            g = pool.growing.get(job)
+            if g is not None and g.thread is thread:
+                continue
+            # one started this tick may have ended already (pods that exit at once); an older one that
+            # ended was read by ``_landed`` (the controller forgets it only when it next observes the job)
+            if thread.is_alive() or job in started:
+                pool.growing[job] = Grow(thread, errors, steps.get(job))
+
+    def _landed(self, pool: Pool, members: list[Member], now: float) -> dict[str, tuple[Grow, str | None]]:
+        """The starts and grows that ended since the last cycle: job -> (grow, why it failed or None).
+        A failed one of a job left holding no GPU (a first start) backs off as a synchronous failure
+        does; one that left the job running clears its back-off. One called off, or of a job no
+        longer registered, is only forgotten."""
+        jobs = {m.workload: m for m in members if m.plural == JOBS}
+        out: dict[str, tuple[Grow, str | None]] = {}
+        for job, g in list(pool.growing.items()):
+            if g.running:
+                continue
+            del pool.growing[job]
+            m = jobs.get(job)
+            if m is None:
+                continue
+            if g.errors:
+                self._failed_start(pool, m, g.errors[-1], now)
+                out[job] = (g, g.errors[-1])
+                continue
+            try:
+                rt = pool.backend.job_runtime(job)
+            except BackendError:
+                rt = None
+            if rt is not None and rt.gpus and rt.phase != "Failed":
+                pool.backoff.pop(job, None)
+                out[job] = (g, None)
+        return out
 
     def _members_of(self, pool: str) -> list[Member]:
         with self._lock:
@@ -454,12 +571,12 @@ class OperatorRuntime:
                     allowed_pp=j.allowed_pp, zero=j.zero, replicate_optimizer=j.no_zero1)
             throughput[j.name] = self._throughput[tkey]
         sources = {s.name: self.source_factory(s, pool.backend) for s in cfg.services}
+        # a start or grow waits for pods to start (up to wait_seconds): in the background, not in the
+        # pool's cycle (see the module docstring)
         ctl = Controller(cfg, pool.backend, self.store, sources, owner=self.settings.instance, clock=self.clock,
-                         throughput=throughput)
-        if old is not None:  # carry what the loop has learnt: stabilisation windows, rescale times
-            ctl.policy_state.update({k: v for k, v in old.policy_state.items() if k in ctl.policy_state})
-            ctl.last_rescale.update(old.last_rescale)
-            ctl.recovered = old.recovered
+                         throughput=throughput, async_grow=True)
+        if old is not None:
+            ctl.take_over(old)
         self._sync_overrides(ctl, services)
         pool.controller, pool.config_key = ctl, key
         return ctl
@@ -505,8 +622,14 @@ class OperatorRuntime:
                               action="Reconcile")
 
     def _publish(self, pool: Pool, ctl: Controller, res: TickResult, nodes: dict[str, int],
-                 members: list[Member]) -> None:
+                 members: list[Member], landed: dict[str, tuple[Grow, str | None]] | None = None) -> None:
         assert self.status is not None
+        by_workload = {m.workload: m for m in members}
+        for job, (g, why) in (landed or {}).items():  # a start or grow that ran in the background landed
+            m = by_workload.get(job)
+            if m is not None and why is None and g.step is not None:
+                self.status.event(m.plural, m.namespace, m.name, m.uid, type_="Normal", reason=g.step.reason,
+                                  note=g.step.message, action=g.step.action)
         if not res.acted:
             if res.reason == "NotLeader":
                 return  # the leader publishes; a standby stays silent
@@ -529,7 +652,6 @@ class OperatorRuntime:
             self.status.event(POOLS, None, pool.name, pool.uid, type_="Warning", reason="ApplyFailed",
                               note=str(res.error), action="Apply")
         applied = set(res.applied)
-        by_workload = {m.workload: m for m in members}
         for a in res.applied:  # a failed job the controller stopped this cycle (its GPUs back in the pool)
             kind, _, rest = a.partition(" ")
             workload, _, why = rest.partition(": ")
@@ -542,7 +664,8 @@ class OperatorRuntime:
                 self.status.event(m.plural, m.namespace, m.name, m.uid, type_="Normal", reason=step.reason,
                                   note=step.message, action=step.action)
         for m in members:
-            if m.workload in pool.backoff:
+            starting = (g := pool.growing.get(m.workload)) is not None and g.running
+            if m.workload in pool.backoff and not starting:  # its next try, starting now, says how it goes
                 _, wait, why = pool.backoff[m.workload]
                 note = f"{why}; next try after a back-off of {wait:g} s"
                 if self.status.set_condition(m.plural, m.namespace, m.name, "Ready", False, "StartFailed", note,
@@ -678,6 +801,15 @@ def _check_template_gpus(cr: ElasticTrainingJobSpec) -> None:
             raise CRError(f"spec.template.resources.{kind}", "InvalidTemplate",
                           f"{GPU_RESOURCE}: {v}: every worker pod holds one GPU and the operator asks for it; "
                           f"remove {GPU_RESOURCE} from the template (the job's GPU count is minGPUs..maxGPUs)")
+
+
+def _with_landed(res: TickResult, landed: dict[str, tuple[Grow, str | None]]) -> TickResult:
+    """The cycle's result with the failures of the starts and grows that ran in the background
+    (``"grow_training <job>: <why>"``, as a synchronous failure reads), for the pool's status."""
+    failed = [f"grow_training {job}: {why}" for job, (_, why) in landed.items() if why is not None]
+    if not failed or not res.acted:
+        return res
+    return replace(res, error="; ".join([res.error, *failed] if res.error else failed))
 
 
 def pool_spec_tick(rt: OperatorRuntime, pool_spec: Any) -> float:

@@ -147,6 +147,35 @@ class Controller(Applying, Recording):
             t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return not any(g[0].is_alive() for g in self._growing.values())
 
+    def grows_in_flight(self) -> dict[str, tuple[threading.Thread, list[str]]]:
+        """Each start or grow running in the background (``async_grow``): job -> (its thread, the
+        failures it appends before it ends). A caller reads the outcome once the thread ended."""
+        return {job: (g[0], g[2]) for job, g in list(self._growing.items())}
+
+    def take_over(self, old: Controller) -> None:
+        """Carry on from ``old``, a controller of the same pool in this process being replaced (its
+        config changed): what the loop has learnt (stabilisation windows, rescale times, recovery
+        done and recoveries on record, retention's last pass), the grows still running in the
+        background (their GPUs stay reserved; a shrink waits for one, inference calls one off) and
+        the pool's lease.
+
+        The lease: this controller shares ``old``'s fenced store (its epoch) and deadline; else it
+        would stand by until that lease ran out (a lease is taken only once free or expired) and the
+        pool would not act meanwhile. The grows of replaced controllers write their outcome through
+        that one store, whose fence is now this controller's (it renews the lease; ``old`` no longer
+        ticks), and record their times in the one ``last_rescale``."""
+        self.policy_state.update({k: v for k, v in old.policy_state.items() if k in self.policy_state})
+        old.last_rescale.update(self.last_rescale)
+        self.last_rescale = old.last_rescale
+        self.recovered = old.recovered
+        self._recoveries_seen.update(old._recoveries_seen)
+        self._housekept_at = old._housekept_at
+        self._growing = old._growing  # this controller sees those grows end, as old would have
+        self.db = old.db
+        self.db.guard = self._check_lead
+        self._lead_until, self._lost, self.is_leader, self._lease_state = (old._lead_until, old._lost, old.is_leader,
+                                                                         old._lease_state)
+
     def run_forever(self) -> None:
         while not self._stop.is_set():
             started = self.clock()
@@ -239,8 +268,9 @@ class Controller(Applying, Recording):
         nodes = self._bounded("backend inventory", self.backend.inventory)
         # a failed job's workers are gone or stuck: its GPUs are reclaimed in step 3a, so the
         # plan already treats it as not running (it starts afresh when GPUs allow)
-        failed = {j.name: rt for j in self.cfg.jobs
-                  if (rt := self.backend.job_runtime(j.name)) is not None and rt.phase == "Failed"}
+        # (a job whose start or grow is in flight is stopped by that thread if it failed: not reaped twice)
+        failed = {j.name: rt for j in self.cfg.jobs if not self._grow_in_flight(j.name)
+                  and (rt := self.backend.job_runtime(j.name)) is not None and rt.phase == "Failed"}
         previous, runtimes = self._observe_jobs(set(failed))
         samples = {s.name: self._sample(s.name, now) for s in self.cfg.services}
         # 2. decide
