@@ -2,8 +2,10 @@
 
 What it is for: ``TrainEngine(cfg, layout, rank, state=..., pg=...)`` is everything one worker
 needs to run optimizer steps of a 3D-parallel (TP x PP x DP) GPT under one layout
-generation (``vpp > 1``: Megatron's interleaved 1F1B over ``vpp`` model chunks per rank), and
-to hand its complete training state to the resharder between steps:
+generation (``vpp > 1``: Megatron's interleaved 1F1B over ``vpp`` model chunks per rank; a
+mixture-of-experts model with ``ep > 1``: experts split over ``ep`` dp ranks, see
+:mod:`elastic.train.moe`), and to hand its complete training state to the resharder between
+steps:
 
 * ``state()`` returns the *live* tensors, keyed ``(tensor name, kind)`` exactly as
   :func:`elastic.reshard.spec.sharding_spec` names and shapes this rank's pieces;
@@ -80,12 +82,17 @@ class TrainConfig:
     # the samples of each step are unchanged, so the loss curve is too (up to float
     # reduction order).
     micro_batch_cap: int | None = None
+    # Weight of a mixture-of-experts model's sequence-wise balance loss (DeepSeek-V3's
+    # complementary loss, see elastic.train.moe) in the objective; 0 turns it off.
+    moe_balance: float = 0.01
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.micro_batch < 1:
             raise SpecError(f"global_batch={self.global_batch}, micro_batch={self.micro_batch}: both must be >= 1")
         if self.micro_batch_cap is not None and self.micro_batch_cap < 1:
             raise SpecError(f"micro_batch_cap={self.micro_batch_cap}: must be >= 1 (or None for a fixed micro_batch)")
+        if not self.moe_balance >= 0:
+            raise SpecError(f"moe_balance={self.moe_balance}: the balance loss weight must be >= 0 (0 turns it off)")
         if self.dtype not in _DTYPES:
             raise SpecError(f"dtype={self.dtype}: use torch.float32 (CPU default), torch.float64 or torch.bfloat16")
         check_supported(self.model)
@@ -205,9 +212,8 @@ class TrainEngine:
 
     def __init__(self, cfg: TrainConfig, layout: Layout, rank: int, *, state: State | None = None,
                  pg: dist.ProcessGroup | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
-        # 1. validate everything before touching the network
-        if layout.ep != 1:
-            raise SpecError(f"layout {layout}: the reference trainer runs ep=1 only (no experts)")
+        # 1. validate everything before touching the network (the spec refuses ep > 1 without
+        #    experts, or not dividing them)
         self.cfg, self.layout, self.rank = cfg, layout, rank
         self.spec: ShardingSpec = sharding_spec(cfg.model, layout, cfg.kinds)
         self.grad_accum = cfg.grad_accum(layout)
@@ -221,15 +227,27 @@ class TrainEngine:
             layout, rank, pg, tied_embeddings=cfg.model.tie_embeddings, timeout=timeout, device=cfg.device)
         # 3. the model shard, holding exactly the state's tensors
         self._state: State = dict(state) if state is not None else self._initial_state()
-        self.stage = GPTStage(self.spec, rank, self.groups.tp, cfg.dtype, cfg.device)
+        self.stage = GPTStage(self.spec, rank, self.groups.tp, cfg.dtype, cfg.device, ep=self.groups.ep)
         self.params: dict[str, nn.Parameter] = {}
         for (name, kind) in self.pieces:  # spec order: DP and ZeRO buffers pack in the same order everywhere
             if kind == "param":
                 self.params[name] = _install(self.stage, name, self._state[(name, kind)])
         self.stage._check_against(self.spec, rank)
-        # 4. optimizer over the state's optimizer tensors
+        # parameters whose replicas are the ranks holding the same experts, not every DP rank (ep > 1)
+        self.expert_names: frozenset[str] = frozenset(
+            n for n in self.params if layout.ep > 1 and self.spec.tensor(n).expert)
+        # 4. optimizer over the state's optimizer tensors; with ep > 1 the experts' ZeRO-1 slices
+        #    are shared among their own replicas
         hp = AdamHyper(cfg.lr, tuple(cfg.betas), cfg.eps, cfg.weight_decay)
-        self.optimizer = ShardedAdam(self.spec, rank, self.params, self._state, self.groups.dp, hp)
+        if not self.expert_names:
+            self.optimizer: ShardedAdam | _Adams = ShardedAdam(
+                self.spec, rank, self.params, self._state, self.groups.dp, hp)
+        else:
+            dense = {n: p for n, p in self.params.items() if n not in self.expert_names}
+            experts = {n: p for n, p in self.params.items() if n in self.expert_names}
+            assert self.groups.edp is not None
+            self.optimizer = _Adams([ShardedAdam(self.spec, rank, dense, self._state, self.groups.dp, hp),
+                                     ShardedAdam(self.spec, rank, experts, self._state, self.groups.edp, hp)])
         self.data = SyntheticData(cfg.model.vocab, cfg.model.seq_len, cfg.seed, cfg.data_noise)
         self.ready_step: int | None = None  # gradients of this step reduced, update not applied yet
         self.dirty = False  # an optimizer update was interrupted half-way
@@ -362,6 +380,11 @@ class TrainEngine:
         Needs one pipeline stage."""
         if self.layout.pp != 1:
             raise SpecError(f"layout {self.layout}: a given-up step's work is kept on one pipeline stage only (pp=1)")
+        if self.layout.ep != 1:
+            # the replicas would run different numbers of micro-batches, and an expert exchange
+            # needs every member of its group in each one
+            raise SpecError(f"layout {self.layout}: a given-up step's work is not kept with experts split (ep > 1); "
+                            "redo the step whole")
         if carry.dp * carry.grad_accum * carry.micro_batch != self.cfg.global_batch:
             raise SpecError(f"step {carry.step} was given up on dp={carry.dp} x {carry.grad_accum} micro-batches x "
                             f"{carry.micro_batch} samples, not the global batch {self.cfg.global_batch}")
@@ -395,7 +418,8 @@ class TrainEngine:
             self.groups.world.all_reduce(flag, "max")
         if flag.item() > 0:
             self._give_up_step = None
-            carry = self._keep_partial(step, micro, losses) if self.keep_given_up and micro > 0 else None
+            keep = self.keep_given_up and micro > 0 and self.layout.ep == 1  # no layout with ep > 1 finishes it
+            carry = self._keep_partial(step, micro, losses) if keep else None
             for p in self.params.values():
                 p.grad = None
             raise StepGivenUp(step, micro, time.perf_counter() - self._step_started, self.rank, carry=carry)
@@ -404,7 +428,7 @@ class TrainEngine:
         """The work of the first ``micro`` micro-batches of every replica: gradients summed over the
         replicas (one DP all-reduce, as at the end of a step) and losses over every rank."""
         flat = self._flat_grads()
-        self.groups.dp.all_reduce(flat)
+        self._sum_over_replicas(flat)
         flat.div_(self.layout.dp)  # per sample: 1 / (grad_accum * micro_batch) / dp = 1 / global batch
         grads, off = {}, 0
         for name, p in self.params.items():
@@ -449,6 +473,7 @@ class TrainEngine:
                                       "a peer was lost")
             idx = mine[i:i + self.micro_batch]
             inputs, targets = self.data.samples(step, idx, self.cfg.device)
+            self.stage.set_moe_loss_scale(self.cfg.moe_balance * len(idx) / gb)
             loss = self.stage.loss(self.stage(inputs), targets)
             (loss * (len(idx) / gb)).backward()
             weighted.append(loss.detach().double() * len(idx))
@@ -456,7 +481,7 @@ class TrainEngine:
         if self._contribute:  # one rank per TP coordinate: the DP sum hands the kept work to every replica
             assert carry.grads is not None
             flat.add_(torch.cat([carry.grads[name].reshape(-1) for name in self.params]).to(flat.device, flat.dtype))
-        self.groups.dp.all_reduce(flat)  # a sum: each sample already weighs 1 / global batch
+        self._sum_over_replicas(flat)  # a sum: each sample already weighs 1 / global batch
         self._set_grads(flat)
         # the commit, as in train_step: every rank passing it has its gradients reduced
         self.ready_step = step
@@ -487,6 +512,8 @@ class TrainEngine:
         first, last = stage.takes_tokens(chunk), stage.gives_logits(chunk)
         if first or last:
             inputs, targets = self.data.batch(step, start, mb, self.cfg.device)
+        if self.cfg.model.moe is not None:  # the balance loss weighs as this micro-batch's LM loss
+            stage.set_moe_loss_scale(self.cfg.moe_balance / self.grad_accum)
         out = stage(inputs if first else x, chunk)
         if not last:
             return out
@@ -510,9 +537,30 @@ class TrainEngine:
             missing = [n for n, p in self.params.items() if p.grad is None]
             raise RuntimeError(f"no gradient for {missing[:4]} on rank {self.rank}")
         flat = self._flat_grads()
-        dp.all_reduce(flat)
+        self._sum_over_replicas(flat)
         flat.div_(dp.size)
         self._set_grads(flat)
+
+    def _sum_over_replicas(self, flat: torch.Tensor) -> None:
+        """Sum ``flat`` (every gradient, in parameter order) over each parameter's replicas: every
+        DP rank for most, the ranks holding the same experts for experts split by ``ep > 1``
+        (an expert's gradient already holds the tokens of its whole EP group)."""
+        if not self.expert_names:
+            self.groups.dp.all_reduce(flat)
+            return
+        assert self.groups.edp is not None
+        dense, experts = [], []
+        off = 0
+        for name, p in self.params.items():
+            (experts if name in self.expert_names else dense).append((off, off + p.numel()))
+            off += p.numel()
+        for comm, ranges in ((self.groups.dp, dense), (self.groups.edp, experts)):
+            part = torch.cat([flat[a:b] for a, b in ranges])
+            comm.all_reduce(part)
+            at = 0
+            for a, b in ranges:
+                flat[a:b].copy_(part[at:at + b - a])
+                at += b - a
 
     def _commit_loss(self, losses: list[torch.Tensor]) -> float:
         """The global-batch mean loss on every rank, from one all-reduce over all ranks (the commit):
@@ -529,6 +577,22 @@ class TrainEngine:
         for p in self.params.values():
             p.grad = None
         self.groups.close()
+
+
+class _Adams:
+    """Several :class:`ShardedAdam` stepped as one: with ``ep > 1``, one over the parameters every DP
+    rank holds and one over the experts, whose replicas (and ZeRO-1 slices) are fewer."""
+
+    def __init__(self, parts: list[ShardedAdam]) -> None:
+        self.parts = parts
+
+    @property
+    def zero(self) -> bool:
+        return any(p.zero for p in self.parts)
+
+    def step(self, step: int) -> None:
+        for p in self.parts:
+            p.step(step)
 
 
 def _install(root: nn.Module, name: str, tensor: torch.Tensor) -> nn.Parameter:

@@ -1,9 +1,10 @@
-"""Communicators of one layout generation: TP, DP, PP and the tied-embedding group.
+"""Communicators of one layout generation: TP, DP, PP, the tied-embedding group and, with
+experts split (``ep > 1``), the expert-parallel and expert-data-parallel groups.
 
 What it is for: given the process group of a layout's members (``pg``; None = the default
 group) and a :class:`~elastic.model.Layout`, build one small communicator per parallel axis
 this rank belongs to, and wrap the few collectives the trainer needs (all-reduce,
-broadcast, all-gather, point-to-point) behind :class:`Comm`, addressed by *index inside the
+broadcast, all-gather, all-to-all, point-to-point) behind :class:`Comm`, addressed by *index inside the
 group* so callers never juggle global ranks.
 
 Why not ``torch.distributed.new_group``: it needs every process of the *default* group to
@@ -107,6 +108,16 @@ class Comm:
             self.backend.allgather([out], [t]).wait()
         return out
 
+    def all_to_all(self, t: torch.Tensor, send_rows: list[int], recv_rows: list[int]) -> torch.Tensor:
+        """Member ``i`` gets the ``send_rows[i]`` rows of ``t`` (dim 0) that follow those for members
+        ``< i``; returns the ``sum(recv_rows)`` rows received, member by member. Rows may be 0."""
+        if self.backend is None:
+            return t.clone()
+        out = t.new_empty((sum(recv_rows), *t.shape[1:]))
+        self.backend.alltoall_base(out, t.contiguous(), list(recv_rows), list(send_rows),
+                                   dist.AllToAllOptions()).wait()
+        return out
+
     def isend(self, t: torch.Tensor, peer_index: int, tag: int = 0) -> dist.Work:
         if self.backend is None:
             raise RuntimeError("a solo communicator has no peer to send to")
@@ -135,6 +146,11 @@ class ParallelGroups:
 
     ``embed`` links the first and last pipeline stage of the same (tp, dp) coordinate when
     embeddings are tied and pp > 1 (Megatron's embedding group); None otherwise.
+
+    Experts (``elastic.reshard.spec``: ``ep`` consecutive dp ranks hold one copy of all experts
+    between them, expert rank ``dp_rank % ep``): ``ep`` links those ranks (token dispatch and
+    combine), ``edp`` the ``dp / ep`` ranks that hold the same experts (their gradients are
+    reduced there). With ``ep == 1``: ``ep`` is solo and ``edp`` is ``dp`` itself.
     """
 
     layout: Layout
@@ -145,13 +161,21 @@ class ParallelGroups:
     embed: Comm | None
     # every rank of the layout: the parent group itself (not owned: close() leaves it to its creator)
     world: Comm | None = None
+    ep: Comm | None = None
+    edp: Comm | None = None
 
     def close(self) -> None:
-        for c in (self.tp, self.dp, self.pp, self.embed):
+        for c in (self.tp, self.dp, self.pp, self.embed, self.ep, self.edp):
             if c is not None:
                 c.close()
         if self.world is not None:
             self.world.backend = None  # forget, do not shut down: the parent group is not ours
+
+
+def expert_dp_group(layout: Layout, rank: int) -> list[int]:
+    """Ranks holding the same experts as ``rank``: the dp ranks with the same ``dp_rank % ep``."""
+    t, d, p = layout.coords(rank)
+    return [layout.rank(t, d % layout.ep + j * layout.ep, p) for j in range(layout.dp // layout.ep)]
 
 
 def _embed_ranks(layout: Layout, rank: int) -> list[int]:
@@ -170,15 +194,17 @@ def build_groups(
 ) -> ParallelGroups:
     """Build this rank's communicators. Every member of ``pg`` must call it (same layout).
 
-    Steps: 1. check ``pg`` matches the layout; 2. agree on a nonce; 3. create the TP, DP, PP
-    and embedding communicators, in that order on every rank (so no two ranks wait on each
+    Steps: 1. check ``pg`` matches the layout; 2. agree on a nonce; 3. create the TP, DP, PP,
+    embedding and (``ep > 1``) expert communicators, in that order on every rank (so no two ranks wait on each
     other's groups in opposite orders).
     """
     # 1. a 1-rank layout needs no process group at all
     layout.coords(rank)  # validates the rank
     want_embed = tied_embeddings and layout.pp > 1
     if layout.world_size == 1:
-        return ParallelGroups(layout, rank, Comm.solo(rank), Comm.solo(rank), Comm.solo(rank), None, Comm.solo(rank))
+        dp1 = Comm.solo(rank)
+        return ParallelGroups(layout, rank, Comm.solo(rank), dp1, Comm.solo(rank), None, Comm.solo(rank),
+                              ep=Comm.solo(rank), edp=dp1)
     parent = _check_parent(layout, rank, pg)
 
     # 2. the nonce keeps this generation's rendezvous keys apart from every earlier one
@@ -200,9 +226,13 @@ def build_groups(
     pp = make("pp", layout.pp_group(rank))
     _, _, p = layout.coords(rank)
     embed = make("embed", _embed_ranks(layout, rank)) if want_embed and p in (0, layout.pp - 1) else None
+    if layout.ep > 1:
+        ep, edp = make("ep", layout.ep_group(rank)), make("edp", expert_dp_group(layout, rank))
+    else:
+        ep, edp = Comm.solo(rank), dp
     # the parent (default) group is gloo: its CPU backend carries the step's commit (a few bytes)
     world = Comm(tuple(range(layout.world_size)), rank, parent._get_backend(torch.device("cpu")))
-    return ParallelGroups(layout, rank, tp, dp, pp, embed, world)
+    return ParallelGroups(layout, rank, tp, dp, pp, embed, world, ep=ep, edp=edp)
 
 
 def _check_parent(layout: Layout, rank: int, pg: dist.ProcessGroup | None) -> dist.ProcessGroup:

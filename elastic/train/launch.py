@@ -161,8 +161,6 @@ def make_validator(cfg: Any, hardware: HardwareSpec | str | None = None, gpus_pe
         check_layout(cfg.model, layout, gpus_per_node or (hw.gpus_per_node if hw else None))
         if is_user_config(cfg):
             cfg.check_axes(layout)  # the user's mesh names a dim for every axis above 1
-        elif layout.ep != 1:
-            raise SpecError(f"layout {layout}: the reference trainer runs ep=1 only (no experts)")
         # 2. the global batch must split into dp * micro_batch * grad_accum (with vpp > 1, into a
         #    multiple of pp micro-batches: the interleaved schedule goes round in groups of pp)
         cfg.grad_accum(layout)

@@ -8,6 +8,11 @@ live parameters to the resharder and adopt the tensors it gets back. With ``vpp 
 holds ``vpp`` model chunks (the stage partition's chunks ``c*pp + pp_rank``, virtual padding
 slots left out) and runs one at a time (``forward(x, chunk)``).
 
+Mixture of experts (``model.moe``): layers from ``moe.dense_layers`` on replace the MLP by
+:class:`elastic.train.moe.MoE` (``layers.5.moe.router.weight``, the stacked routed experts
+``layers.5.moe.experts.*`` of which a rank holds its expert-parallel box, the shared experts
+``layers.5.moe.shared.*``); the first ones stay dense, as in DeepSeek-V3.
+
 Architecture: pre-norm decoder; causal self-attention with grouped-query heads (GQA) and
 rotary position embeddings (RoPE); MLP ``swiglu`` (gate/up/down, RMSNorm) or ``gelu``
 (fc1/fc2, LayerNorm); biases when ``model.has_bias``; optional tied embeddings (the last
@@ -17,7 +22,8 @@ Megatron TP: q/k/v, gate/up and fc1 are column-parallel (whole heads per rank), 
 out, down and fc2 row-parallel, the embedding and head vocab-parallel; norms and
 row-parallel biases are replicated.
 
-Must not: communicate outside TP (pipeline and data parallelism live in the engine),
+Must not: communicate outside TP and the MoE layers' expert-parallel exchange (pipeline and
+data parallelism live in the engine),
 initialise weights (the engine does, from the global tensors), or hold optimizer state.
 """
 
@@ -32,6 +38,7 @@ from torch import nn
 from elastic.model import ModelSpec, SpecError
 from elastic.reshard.spec import ShardingSpec, box_shape, split_range
 from elastic.train.groups import Comm
+from elastic.train.moe import MoE
 from elastic.train.tp import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -45,10 +52,8 @@ ROPE_BASE = 10000.0
 
 
 def check_supported(model: ModelSpec) -> None:
-    """The reference trainer runs dense GPTs; say so clearly for the rest."""
-    if model.moe is not None:
-        raise SpecError(f"model {model.name}: mixture-of-experts is not supported by the reference trainer "
-                        "(its sharding spec is; train a dense model or use a framework that implements MoE)")
+    """The reference trainer runs GPTs with GQA attention, dense or mixture-of-experts; say so clearly
+    for the rest."""
     if model.mla is not None:
         raise SpecError(f"model {model.name}: multi-head latent attention is not supported by the reference "
                         "trainer; use a model with plain (GQA) attention")
@@ -116,11 +121,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, model: ModelSpec, tp: Comm, dtype: torch.dtype, device: str) -> None:
+    """The dense MLP (``width`` defaults to ``model.ffn_hidden``; a MoE layer's shared experts are one of these)."""
+
+    def __init__(self, model: ModelSpec, tp: Comm, dtype: torch.dtype, device: str, width: int | None = None) -> None:
         super().__init__()
         h, b = model.hidden, model.has_bias
-        # ffn_hidden need not divide by tp: the spec's balanced split decides this rank's width
-        lo, hi = split_range(model.ffn_hidden, tp.size, tp.index)
+        # the width need not divide by tp: the spec's balanced split decides this rank's width
+        lo, hi = split_range(model.ffn_hidden if width is None else width, tp.size, tp.index)
         w = hi - lo
         self.tp = tp
         self.kind = model.mlp
@@ -140,24 +147,34 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, model: ModelSpec, tp: Comm, dtype: torch.dtype, device: str) -> None:
+    """Layer ``layer``: attention, then the dense MLP (``self.mlp``) or, in a MoE layer, ``self.moe``."""
+
+    def __init__(self, model: ModelSpec, layer: int, tp: Comm, ep: Comm, dtype: torch.dtype, device: str) -> None:
         super().__init__()
         kind = "rms" if model.mlp == "swiglu" else "layer"
         self.attn_norm = Norm(model.hidden, kind, model.has_bias, dtype, device)
         self.attn = Attention(model, tp, dtype, device)
         self.mlp_norm = Norm(model.hidden, kind, model.has_bias, dtype, device)
-        self.mlp = MLP(model, tp, dtype, device)
+        self.is_moe = model.is_moe_layer(layer)
+        if self.is_moe:
+            assert model.moe is not None
+            m = model.moe
+            shared = MLP(model, tp, dtype, device, m.shared_experts * m.expert_ffn_hidden) if m.shared_experts else None
+            self.moe = MoE(model, tp, ep, dtype, device, shared)
+        else:
+            self.mlp = MLP(model, tp, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+        return x + (self.moe if self.is_moe else self.mlp)(self.mlp_norm(x))
 
 
 class GPTStage(nn.Module):
     """The layers of one pipeline rank (all its model chunks), TP-sharded. First stage: ids ->
     hidden; last: -> loss."""
 
-    def __init__(self, spec: ShardingSpec, rank: int, tp: Comm, dtype: torch.dtype, device: str) -> None:
+    def __init__(self, spec: ShardingSpec, rank: int, tp: Comm, dtype: torch.dtype, device: str,
+                 ep: Comm | None = None) -> None:
         super().__init__()
         model, layout = spec.model, spec.layout
         check_supported(model)
@@ -173,7 +190,8 @@ class GPTStage(nn.Module):
         if self.is_first or (self.is_last and model.tie_embeddings):
             self.embed = VocabParallelEmbedding(self.vocab_start, rows, model.hidden, tp, dtype, device)
         self.layers = nn.ModuleDict(
-            {str(i): Block(model, tp, dtype, device) for i in spec.partition.layers_of_rank(pp_rank)}
+            {str(i): Block(model, i, tp, ep if ep is not None else Comm.solo(rank), dtype, device)
+             for i in spec.partition.layers_of_rank(pp_rank)}
         )
         # the rank's model chunks (vpp of them): chunk c is virtual stage c*pp + pp_rank; its virtual
         # padding slots hold nothing and compute nothing (identity), so only real layers are listed
@@ -195,6 +213,13 @@ class GPTStage(nn.Module):
         if want != have:
             diff = sorted(set(want.items()) ^ set(have.items()))
             raise AssertionError(f"trainer parameters differ from the sharding spec at rank {rank}: {diff[:6]}")
+
+    def set_moe_loss_scale(self, scale: float) -> None:
+        """The weight of the MoE balance loss in the next micro-batch's objective (its LM loss's weight
+        times the balance coefficient): the gradient the MoE layers give their balance terms."""
+        for block in self.layers.values():
+            if block.is_moe:
+                block.moe.loss_scale = scale
 
     def takes_tokens(self, chunk: int) -> bool:
         """Whether ``chunk`` is the first virtual stage (it embeds token ids)."""

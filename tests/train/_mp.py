@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from elastic.model import MODEL_PRESETS, Layout, ModelSpec
-from elastic.reshard.spec import ShardingSpec, sharding_spec
+from elastic.model import MODEL_PRESETS, Layout, ModelSpec, MoESpec
+from elastic.reshard.spec import ShardingSpec, box_numel, sharding_spec
 from elastic.train.engine import State, TrainConfig, TrainEngine
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -103,6 +103,17 @@ MODELS: dict[str, ModelSpec] = {
     # split unevenly over tp2 (125/126 and 87/88), 5 layers over pp2 (a virtual padding slot)
     "tiny-gpt2": ModelSpec(name="tiny-gpt2", layers=5, hidden=64, ffn_hidden=175, heads=4, kv_heads=4, vocab=251,
                            seq_len=16, mlp="gelu", tie_embeddings=True),
+    # DeepSeek-shaped: one dense layer, then MoE layers of 8 routed experts (top 2) and one shared
+    # expert; 8 experts split over ep 1, 2 and 4; expert width 24 over tp2 (12/12), ffn 80 (40/40)
+    "tiny-moe": ModelSpec(name="tiny-moe", layers=4, hidden=32, ffn_hidden=80, heads=4, kv_heads=2, vocab=128,
+                          seq_len=16, moe=MoESpec(experts=8, top_k=2, expert_ffn_hidden=24, shared_experts=1,
+                                                  dense_layers=1)),
+    # GPT-2 flavoured MoE: gelu experts with biases (the down-projection's added after the TP
+    # reduction), tied embeddings, top 1 of 4 experts (its weight is 1: the router learns from the
+    # balance loss alone), no shared expert, every layer MoE
+    "tiny-moe-gelu": ModelSpec(name="tiny-moe-gelu", layers=2, hidden=32, ffn_hidden=64, heads=4, kv_heads=4,
+                               vocab=96, seq_len=16, mlp="gelu", tie_embeddings=True,
+                               moe=MoESpec(experts=4, top_k=1, expert_ffn_hidden=20)),
 }
 
 
@@ -192,6 +203,9 @@ def run_layouts(rank: int, world: int, runs: list[tuple[str, dict[str, Any]]], s
         gather_full_state(eng.state(), eng.spec, rank)  # asserts replicas stayed bitwise equal
         out["state_bytes"][key] = eng.state_bytes()
         out["spec_bytes"][key] = eng.spec.bytes_per_rank(rank, torch.finfo(cfg.dtype).bits // 8)
+        assert eng.memory is not None  # the first steps are measured
+        out.setdefault("weight_elements", {})[key] = (eng.memory.weight_elements, sum(
+            box_numel(b) for (_, kind), b in eng.spec.rank_pieces(rank).items() if kind == "param"))
         eng.close()
         ref_key = str(sorted(kw.items()))
         if rank == 0 and ref_key not in out["reference"]:
@@ -250,7 +264,8 @@ def run_rescale(rank: int, world: int, generations: list[tuple[str, list[str]]],
         after = gather_full_state(eng.state() if eng else {}, spec_of(cfg, layout), ranks.get(me))
         same = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
         out["reshards"].append({"gen": g + 1, "layout": next_text, "bitwise_equal": same,
-                                "bytes_planned": plan.bytes_planned, "new_ranks": dict(plan.new_ranks)})
+                                "bytes_planned": plan.bytes_planned, "bytes_lower_bound": plan.bytes_lower_bound,
+                                "new_ranks": dict(plan.new_ranks)})
     if eng:
         eng.close()
     return out

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from elastic.model import MODEL_PRESETS, Layout, ModelSpec, MoESpec, SpecError
+from elastic.model import MODEL_PRESETS, Layout, MLASpec, ModelSpec, SpecError
 from elastic.reshard.spec import MIXED_KINDS, box_shape, sharding_spec
 from elastic.train import TrainConfig, TrainEngine
 from elastic.train.data import SyntheticData
@@ -105,13 +105,14 @@ def test_grad_accum_keeps_the_global_batch(global_batch: int, micro_batch: int, 
 @pytest.mark.parametrize(
     "make,match",
     [
-        (lambda: TrainConfig(TINY.model_copy(update={"name": "moe", "moe": MoESpec(experts=4, top_k=1,
-                                                                                     expert_ffn_hidden=32)}),
-                             global_batch=4), "mixture-of-experts"),
+        (lambda: TrainConfig(TINY.model_copy(update={"name": "mla", "mla": MLASpec(
+            q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16)}),
+                             global_batch=4), "multi-head latent attention"),
+        (lambda: TrainConfig(TINY, global_batch=4, moe_balance=-1.0), "moe_balance"),
         (lambda: TrainConfig(TINY, global_batch=0), "global_batch=0"),
         (lambda: TrainConfig(TINY, global_batch=4, dtype=torch.float16), "dtype"),
         (lambda: TrainEngine(TrainConfig(TINY, global_batch=3), Layout(1, 2, 1, vpp=2), 0), "multiple of pp=2"),
-        (lambda: TrainEngine(TrainConfig(TINY, global_batch=4), Layout(1, 1, 2, ep=2), 0), "ep=1"),
+        (lambda: TrainEngine(TrainConfig(TINY, global_batch=4), Layout(1, 1, 2, ep=2), 0), "has no experts"),
         (lambda: TrainEngine(TrainConfig(TINY, global_batch=4), Layout(1, 2, 1), 0), "not initialised"),
         (lambda: TrainEngine(TrainConfig(TINY, global_batch=4), Layout(4, 1, 1), 0), "kv_heads=2"),
     ],
