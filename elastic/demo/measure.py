@@ -73,6 +73,8 @@ def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup:
         "e2e_p99_seconds": _r(quantile(e2e, 0.99)),
         "requests": requests,
         "reshards": len(done),
+        # every layout the job ran on, in order (a pause shows as no layout, not as one)
+        "layouts": _layouts(run),
         "reshards_failed": sum(1 for r in run.reshards if r["status"] == "failed"),
         # grows called off before their directive because inference wanted the GPUs back (nothing moved)
         "grows_cancelled": sum(1 for r in run.reshards if r["status"] == "cancelled"),
@@ -89,6 +91,14 @@ def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup:
     }
     out["goals"] = dict(GOALS)
     out["goals_met"] = all(out[k] >= v for k, v in GOALS.items())
+    return out
+
+
+def _layouts(run: DemoRun) -> list[str]:
+    out: list[str] = []
+    for x in run.samples:
+        if x.layout and (not out or out[-1] != x.layout):
+            out.append(x.layout)
     return out
 
 

@@ -132,7 +132,8 @@ def test_a_recovery_is_counted_apart_from_the_rescales_and_not_subtracted_twice(
     from elastic.demo import DemoRun, Sample, _summary, day_offset
 
     run = DemoRun(warmup=0.0)
-    run.samples = [Sample(float(t), 1.0, 1, 1.0, 2, 2, "tp1.pp1.dp2", t, 1.0, 1.0) for t in range(11)]
+    run.samples = [Sample(float(t), 1.0, 1, 1.0, 2, 2, "tp1.pp1.dp2" if t else "tp1.pp1.dp1", t, 1.0, 1.0)
+                   for t in range(11)]
     run.reshards = [
         {"id": 1, "generation": 2, "from": "tp1.pp1.dp1", "to": "tp1.pp1.dp2", "status": "done", "pause_seconds": 0.5},
         {"id": 2, "generation": 3, "from": "tp1.pp1.dp2", "to": "tp1.pp1.dp1", "status": "done", "pause_seconds": 3.0},
@@ -142,6 +143,7 @@ def test_a_recovery_is_counted_apart_from_the_rescales_and_not_subtracted_twice(
     s = _summary(run, report, 1.0, None, 10.0, 0.0)
     assert (s["reshards"], s["mean_reshard_pause_seconds"], s["recoveries"], s["recovery_seconds"],
             s["workers_killed"]) == (1, 0.5, 1, [3.0], 1)
+    assert s["layouts"] == ["tp1.pp1.dp1", "tp1.pp1.dp2"]  # every layout the job ran on, in order
     # 11 samples of 1 s: 2 training GPUs busy each, minus the one rescale's 0.5 s x 2 GPUs (the
     # larger of its layouts: the samples show either during the pause)
     assert s["training_busy_fraction"] == pytest.approx((22 - 1.0) / (8 * 11), abs=1e-4)
