@@ -17,8 +17,8 @@ shape to the last hour of today's load to find how early today runs; once that i
 ``locked_lead`` shrinks the lead to it plus a margin. ``seasonal_outlook`` is the season's load
 up to two hours ahead at today's level, for the co-scheduler's lending (never for sizing). ``ramp_headroom`` is the slope of
 the last few minutes times the horizon, when the slope is more than noise. With
-``holt-winters`` the policy forecasts ``max(trend, load now + max(seasonal rise, ramp
-headroom), highest load of the last horizon)``: a day that ramps earlier than the season
+``holt-winters`` the policy forecasts ``max(load now + max(seasonal rise, ramp headroom),
+highest load of the last horizon)`` (the trend line is for ``trend`` alone): a day that ramps earlier than the season
 says is still caught by the ramp headroom, and a day that stays flat while the season rises
 only costs replicas, never the SLO. The policy takes
 ``max(reactive, forecast)``: a forecast only ever adds replicas early. Nothing here reads the
@@ -235,7 +235,10 @@ def locked_lead(horizon: float, phase: float | None, margin: float) -> float:
         return full
     return min(full, max(0.0, phase) + margin)
 RAMP_Z = 2.0  # standard errors a slope must clear to count as a ramp
-RAMP_WINDOW = 240.0  # seconds of load the ramp rate is measured over: a few ticks, so a ramp that just began shows
+# seconds of load the ramp rate is measured over: a few ticks, so a ramp that just began shows;
+# long enough that a few minutes of noise drifting one way is not read as a ramp (chosen on the
+# scenario family: a longer window let a noise rise on long start-ups through)
+RAMP_WINDOW = 300.0
 
 
 def ramp_headroom(samples: tuple[tuple[float, float], ...], now: float, horizon: float,

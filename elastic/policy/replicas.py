@@ -235,14 +235,16 @@ def _forecast_replicas(spec: InferenceSpec, state: PolicyState, cur: int, now: f
     horizon = spec.startup_seconds
     if spec.forecast == "off":
         return None
-    load = fc.trend_forecast(state.samples, now, horizon, spec.forecast_window_seconds)
-    if spec.forecast == "holt-winters":
-        # the season's rise over the start-up on top of today's load; the trend stays the floor
-        # (a ramp the season does not know yet: an early morning)
+    if spec.forecast == "trend":
+        load = fc.trend_forecast(state.samples, now, horizon, spec.forecast_window_seconds)
+    else:
+        # the season's rise over the start-up on top of today's load, or the ramp under way when
+        # it is steeper (a ramp the season does not know yet: an early morning). No trend line on
+        # top: extrapolated from the middle of its 10-minute window, it adds the window's noise
+        # again to what the ramp headroom reads from the same, more recent readings.
         rise = _seasonal_rise(spec, state, now, horizon)
         ramp = fc.ramp_headroom(state.samples, now, horizon)
-        if rise is not None or ramp is not None:
-            load = max(load or 0.0, load_now + max(rise or 0.0, ramp or 0.0))
+        load = load_now + max(rise or 0.0, ramp or 0.0) if rise is not None or ramp is not None else None
         # a replica given back now cannot return sooner than a start-up: keep what the last
         # start-up's worth of load needed (a dip in a noisy plateau is not a fall)
         # ... less what the scale-down window holds already: the two would add up
