@@ -181,6 +181,10 @@ def _feasible(api: _Api, rec: db.JobRecord, text: str) -> Any:
     except SpecError as e:
         raise invalid("layout", str(e)) from None
     job = TrainingSpec.model_validate(rec.spec)
+    for d in (rec.status or {}).get("droppedLayouts") or []:
+        if isinstance(d, dict) and d.get("layout") == str(layout):
+            raise invalid("layout", f"{layout} was dropped for job '{rec.name}' for the rest of its life "
+                                    f"({d.get('reason')}: {d.get('message')}); pin another layout")
     pool = api.pool_spec(rec.pool, field="pool")
     n = layout.world_size
     if not job.min_gpus <= n <= job.max_gpus:

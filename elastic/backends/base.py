@@ -54,6 +54,10 @@ class JobRuntime:
     recovered_from: str | None = None  # the layout before that recovery
     # the step its newest complete checkpoint continues at (-1: none yet); None: no checkpoints
     checkpoint_step: int | None = None
+    # the current generation's worst rank's measured memory (``MeasuredMemory.as_json()``), as the
+    # reference trainer measures it on a layout's first steps and every 100th; None: not measured
+    # yet, or a job that does not measure (a user's training loop)
+    memory: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -105,7 +109,7 @@ def coordinator_runtime(job: str, st: Any, workers: dict[GPU, str], last: Rescal
                       last.pause_seconds if last else None, last.bytes_moved if last else None,
                       recovery=rec.recovery if recovered else "",
                       recovered_from=rec.from_layout if recovered else None,
-                      checkpoint_step=getattr(st, "checkpoint_step", None))
+                      checkpoint_step=getattr(st, "checkpoint_step", None), memory=getattr(st, "memory", None))
 
 
 @dataclass(frozen=True)

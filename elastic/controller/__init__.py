@@ -17,7 +17,10 @@ One ``tick()`` reads as numbered steps (Kueue's scheduler, Kopf's collected effe
                 training shrinks finish before inference gets their GPUs; inference drains
                 before training grows. A grow still starting its joiners when inference wants
                 the GPUs back is called off (nothing has moved yet) and the tick plans once
-                more from what the job really holds.
+                more from what the job really holds. c. a job left on a layout dropped for its
+                memory (observe: its measured peak passed the per-GPU budget, or it failed out
+                of memory) moves in place to the next layout of its GPU count. d. replicas a
+                coming scale-down removes leave the load balancer (drain ahead).
 4. record    the decision (with its reason), allocations and reshard events in the DB. A tick
              that changes nothing is a *hold*: a run of identical holds is one decision row
              (its count and last time grow), so the log keeps changes, not a row per tick.

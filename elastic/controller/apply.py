@@ -6,7 +6,9 @@ b. the plan's ordered steps, each confirmed before the next: training shrinks fi
    inference gets their GPUs; inference drains before training grows. A grow still starting its
    joiners when inference wants the GPUs back is called off (nothing has moved yet) and the tick
    plans once more from what the job really holds;
-c. drain ahead: replicas a scale-down the policy sees coming will remove leave the load balancer.
+c. a job still on a layout dropped for its memory (``observe``) that the plan left on its GPUs moves
+   in place to the next layout of that GPU count (``_relayout``);
+d. drain ahead: replicas a scale-down the policy sees coming will remove leave the load balancer.
 
 Every action is fenced by the lease (``_act``), and every one that moves a job's state is in the
 reshard history: in flight first, then done with its bytes and pause, or failed or cancelled.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from elastic import store as db
@@ -94,6 +97,35 @@ class Applying(Leading, Deciding):
                 return applied, f"{step.action} {step.workload}: {e}"
             db.finish_action(self.db, action_id, now=_dt(self.clock()))
             applied.append(f"{step.action} {step.workload}")
+        return applied, None
+
+    def _relayout(self, now: float, plan: SchedulePlan) -> tuple[list[str], str | None]:
+        """Move each job whose running layout was dropped for its memory, and which this tick's plan
+        left on the GPUs it holds, in place to the re-planned layout of the same GPU count (a plan that
+        resized it already took a layout of the re-planned table). Recorded as an action and a reshard."""
+        applied: list[str] = []
+        resized = {st.workload for st in plan.steps if st.action != "noop"}
+        for spec in self.cfg.jobs:
+            if spec.name in resized or self._grow_in_flight(spec.name):
+                continue
+            rt = self.backend.job_runtime(spec.name)
+            to = self._relayout_target(spec.name, rt)
+            if rt is None or to is None:
+                continue
+            gpus = rt.gpus
+            action_id = db.begin_action(self.db, pool=self.pool, kind="relayout_training", workload=spec.name,
+                                        payload={"gpus": [str(g) for g in gpus], "reason": "MemoryExceeded",
+                                                 "from": rt.layout, "to": str(to)}, now=_dt(now))
+            try:
+                self._reshard_on_record(spec, rt, str(to), now,
+                                        partial(self._act, self.backend.set_job_gpus, spec, gpus, to))
+            except BackendError as e:
+                db.finish_action(self.db, action_id, error=str(e), now=_dt(self.clock()))
+                log.error("relayout of %s off %s failed: %s", spec.name, rt.layout, e)
+                return applied, f"relayout_training {spec.name}: {e}"
+            db.finish_action(self.db, action_id, now=_dt(self.clock()))
+            applied.append(f"relayout_training {spec.name}: {rt.layout} -> {to} on the same {len(gpus)} GPUs "
+                           "(its layout exceeded its memory budget)")
         return applied, None
 
     def _drain_ahead(self, now: float, nodes: dict[str, int], failed: dict[str, JobRuntime], plan: SchedulePlan,

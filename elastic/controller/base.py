@@ -133,6 +133,10 @@ class ControllerState:
     _growing: dict[str, tuple[threading.Thread, tuple[GPU, ...], list[str]]]
     _replan: bool
     _ahead: dict[str, set[GPU]]
+    # never out of memory (observe): job -> layouts dropped for it (loaded from its status on first
+    # use); job -> (the table and dropped layouts its re-planned table is for, that table)
+    _mem_dropped: dict[str, dict[Any, Any]]
+    _mem_tables: dict[str, tuple[Any, dict[int, tuple[str, float]]]]
     # what the ticks recorded
     ready: bool
     last_error: str | None

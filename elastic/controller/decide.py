@@ -61,9 +61,10 @@ class Deciding(Observing):
         return Snapshot(now, nodes, services, jobs, previous, Knobs.from_pool(self.cfg.pool))
 
     def _table(self, job: str, now: float, previous: Allocation) -> Mapping[int, tuple[str, float]]:
-        """The job's GPU count -> layout table as the co-scheduler sees it: its pin if any; while it
-        backs off from a failed start, no count above what it holds (it is not started or grown)."""
-        table = self.pinned.get(job, self._throughput[job])
+        """The job's GPU count -> layout table as the co-scheduler sees it: its pin if any, never a
+        layout dropped for its memory (``observe``; re-planned by ``elastic.controller.memory``); while
+        it backs off from a failed start, no count above what it holds (it is not started or grown)."""
+        table = self._layout_table(job)
         if self._backing_off(job, now) is None:
             return table
         held = len(previous.gpus_of(job))

@@ -39,6 +39,8 @@ class Controller(Applying, Recording):
         self.async_grow = async_grow
         self._replan = False  # set by _apply when it called a grow off: the tick plans once more
         self._growing: dict[str, tuple[threading.Thread, tuple[GPU, ...], list[str]]] = {}
+        self._mem_dropped = {}
+        self._mem_tables = {}
         self.backend = backend
         self.store = store
         self.sources = dict(sources)
@@ -171,6 +173,7 @@ class Controller(Applying, Recording):
         self._recoveries_seen.update(old._recoveries_seen)
         self._housekept_at = old._housekept_at
         self._growing = old._growing  # this controller sees those grows end, as old would have
+        self._mem_dropped = old._mem_dropped
         self.db = old.db
         self.db.guard = self._check_lead
         self._lead_until, self._lost, self.is_leader, self._lease_state = (old._lead_until, old._lost, old.is_leader,
@@ -276,7 +279,7 @@ class Controller(Applying, Recording):
         # 2. decide
         replica_decisions = self._decide_replicas(now, previous, samples)
         plan = schedule(self._snapshot(now, nodes, previous, replica_decisions, runtimes))
-        # 3. apply: 3a. reclaim failed jobs, 3b. the plan's ordered steps
+        # 3. apply: 3a. reclaim failed jobs, 3b. the plan's ordered steps, 3c. relayouts off dropped layouts
         applied, error = self._reap_failed(now, failed)
         if error is None:
             steps, error = self._apply(now, plan)
@@ -290,7 +293,11 @@ class Controller(Applying, Recording):
             steps, error = self._apply(now, plan)
             applied += steps
         if error is None:
-            # 3c. drain ahead of the scale-downs the policy's windows are about to let through
+            # 3c. a job left on a layout dropped for its memory moves in place to the next of its count
+            steps, error = self._relayout(now, plan)
+            applied += steps
+        if error is None:
+            # 3d. drain ahead of the scale-downs the policy's windows are about to let through
             applied += self._drain_ahead(now, nodes, failed, plan, replica_decisions)
         # 4. record
         self._record(now, plan, replica_decisions, samples, applied, error)

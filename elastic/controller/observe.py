@@ -5,6 +5,12 @@ A job whose start or grow fails backs off exponentially (``start_backoff_seconds
 ``start_backoff_max_seconds``): the co-scheduler does not give it more GPUs until the next attempt.
 A job that recovered from a lost worker on its own is put on record once. A metric source that
 fails or never answers is missing data (never zero), logged when it starts and when it ends.
+
+Never out of memory (``elastic.controller.memory`` decides): a job's layout whose measured step
+peaked over the per-GPU budget the planner fitted it in, or whose worker failed out of memory, is
+dropped for the rest of the job's life and put on record (a ``MemoryExceeded`` decision naming the
+layout, the peak and the budget). The dropped layouts live in the job's status in the store, so a
+restarted controller (or the next leader) keeps them; the decide step plans the job without them.
 """
 
 from __future__ import annotations
@@ -13,13 +19,16 @@ from collections.abc import Mapping
 
 from elastic import store as db
 from elastic.backends.base import JobRuntime
+from elastic.controller import memory as mem
 from elastic.controller.base import Backoff, ControllerState, _call_within, _dt, log
 from elastic.metrics.sample import MetricSample
-from elastic.model import GPU, Allocation
+from elastic.model import GPU, Allocation, Layout, SpecError
+from elastic.parallel.memory_report import MeasuredMemory
 
 
 class Observing(ControllerState):
-    """Reads the backend and the metric sources; keeps the backoff of failed starts."""
+    """Reads the backend and the metric sources; keeps the backoff of failed starts and the layouts
+    each job ran out of memory on."""
 
     def _observe_jobs(self, failed: set[str]) -> tuple[Allocation, dict[str, JobRuntime | None]]:
         """What every workload holds, and each job's runtime (None: not running, or failed)."""
@@ -27,8 +36,106 @@ class Observing(ControllerState):
         for name, rt in runtimes.items():
             if rt is not None and rt.recovery and self._recoveries_seen.get(name) != rt.generation:
                 self._record_recovery(rt)
+        for name in failed:  # its runtime says what it failed with: out of memory drops its layout
+            self._check_memory(name, self.backend.job_runtime(name))
+        for name, rt in runtimes.items():
+            self._check_memory(name, rt)
         self._forgive(runtimes, self.clock())
         return self._observed_allocation(exclude=failed), runtimes
+
+    # ---- never out of memory --------------------------------------------------------------------
+    def _dropped(self, job: str) -> dict[Layout, mem.Dropped]:
+        """The layouts ``job`` may not run again, as its status in the store keeps them."""
+        if job not in self._mem_dropped:
+            self._mem_dropped[job] = self._load_dropped(job)
+        return self._mem_dropped[job]
+
+    def _load_dropped(self, job: str) -> dict[Layout, mem.Dropped]:
+        rec = db.get_job(self.store, job)
+        out: dict[Layout, mem.Dropped] = {}
+        for i, doc in enumerate(((rec.status or {}).get("droppedLayouts") or []) if rec else []):
+            try:
+                d = mem.Dropped.from_json(doc, where=f"job {job}: status.droppedLayouts[{i}]")
+            except SpecError as e:  # a status edited by hand: that entry is lost, never the tick
+                log.warning("%s; left out", e)
+                continue
+            out[d.layout] = d
+        if out:
+            log.info("job %s: layouts dropped for their memory on record: %s", job, ", ".join(map(str, out)))
+        return out
+
+    def _check_memory(self, job: str, rt: JobRuntime | None) -> None:
+        """Drop the layout ``rt`` reports overrunning its memory budget (``memory.check_*``): once, on
+        record as a ``MemoryExceeded`` decision. A user job reports no measurement: nothing happens."""
+        if rt is None:
+            return
+        budget = mem.budget_bytes(self.hardware)
+        found = [mem.check_failure(rt.layout, rt.error, budget, self.clock()) if rt.phase == "Failed" else None,
+                 mem.check_failure(rt.recovered_from, rt.recovery, budget, self.clock())]
+        if rt.memory:
+            try:
+                m = MeasuredMemory.from_json(rt.memory, where=f"job {job}: measured memory")
+            except SpecError as e:
+                log.warning("%s; not checked", e)
+            else:
+                over = mem.check_measured(m, budget, self.clock())
+                if over is not None and over.layout not in self._dropped(job):
+                    # the planner's prediction beside what was measured, in the decision's message
+                    predicted = mem.predicted_stage(self.cfg.models()[job], m, self.hardware,
+                                                    gpus_per_node=self.cfg.pool.gpus_per_node)
+                    found.append(mem.check_measured(m, budget, self.clock(), predicted))
+        for d in found:
+            if d is not None and d.layout not in self._dropped(job):
+                self._drop(job, rt, d)
+
+    def _drop(self, job: str, rt: JobRuntime, d: mem.Dropped) -> None:
+        self._dropped(job)[d.layout] = d
+        to = self._relayout_target(job, rt)
+        then = (f"it moves in place to {to}" if to is not None
+                else "it is re-planned without it" if rt.phase != "Failed" else "it restarts on another layout")
+        msg = f"{job}: layout {d.message}; dropped for the rest of the job's life, {then}"
+        log.warning("%s", msg)
+        db.record_decision(self.db, pool=self.pool, tick_at=_dt(self.clock()), reason=mem.MEMORY_EXCEEDED,
+                           message=msg, plan={"steps": [], "notes": [msg], "job": job, "dropped": d.as_json(),
+                                              "to": None if to is None else str(to)}, inputs={"memory": rt.memory})
+
+    def _layout_table(self, job: str) -> Mapping[int, tuple[str, float]]:
+        """The job's GPU count -> layout table: its pin if any (unless the pinned layout was dropped for
+        its memory: then the planner's), without the layouts dropped for their memory."""
+        table = self.pinned.get(job, self._throughput[job])
+        dropped = self._dropped(job)
+        if not dropped:
+            return table
+        if job in self.pinned and any(Layout.parse(t) in dropped for t, _ in table.values()):
+            table = self._throughput[job]
+        return self._memory_table(job, table)
+
+    def _memory_table(self, job: str, table: Mapping[int, tuple[str, float]]) -> Mapping[int, tuple[str, float]]:
+        """``table`` without the layouts ``job`` dropped (``memory.without_dropped``; the planner is asked
+        once per change of the table or of what is dropped)."""
+        dropped = frozenset(self._dropped(job))
+        cached = self._mem_tables.get(job)
+        key = (dropped, tuple(sorted(table.items())))
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        spec = next(j for j in self.cfg.jobs if j.name == job)
+        model = self.cfg.models()[job]
+
+        def candidates(n: int) -> list[mem.Candidate]:
+            return mem.alternatives(model, self.hardware, n, gpus_per_node=self.cfg.pool.gpus_per_node,
+                                    global_batch=spec.global_batch, allowed_tp=spec.allowed_tp,
+                                    allowed_pp=spec.allowed_pp, zero=spec.zero, replicate_optimizer=spec.no_zero1)
+
+        out = mem.without_dropped(table, dropped, candidates)
+        self._mem_tables[job] = (key, out)
+        return out
+
+    def _relayout_target(self, job: str, rt: JobRuntime | None) -> Layout | None:
+        """Where ``job`` moves in place, on the GPUs it holds, off a layout dropped for its memory; None:
+        it stays (not dropped, not running, or no other layout of that count: it gets fewer GPUs)."""
+        if rt is None or rt.phase != "Running":
+            return None
+        return mem.relayout_target(rt.layout, len(rt.gpus), self._dropped(job), self._layout_table(job))
 
     def _record_recovery(self, rt: JobRuntime) -> None:
         """A job recovered from a lost worker on its own (no action of ours): put it on record as a

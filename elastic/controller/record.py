@@ -108,6 +108,10 @@ class Recording(Observing):
             "loss": rt.loss if rt else None, "tokensPerSecond": rt.tokens_per_second if rt else 0.0,
             "worldSize": len(rt.gpus) if rt else 0,
             "checkpointStep": rt.checkpoint_step if rt else None,
+            # the worst rank's measured memory of the current layout, and the layouts dropped for
+            # theirs (kept here for the job's life: a restarted controller reads them back)
+            "memory": rt.memory if rt else None,
+            "droppedLayouts": [d.as_json() for d in self._dropped(name).values()],
             "reason": jd.reason if jd else None, "message": jd.message if jd else None}, now=_dt(now))
 
     def _log_decision(self, reason: str, message: str, plan: SchedulePlan, replicas: dict[str, ReplicaDecision],
@@ -116,7 +120,8 @@ class Recording(Observing):
         was, self._hold = self._hold, hold
         if hold is None:
             steps = [f"{st.action} {st.workload} ({st.reason}: {st.message})" for st in plan.steps
-                     if st.action != "noop"] + [a for a in applied if a.startswith(("drain_ahead", "stop_failed"))]
+                     if st.action != "noop"]
+            steps += [a for a in applied if a.startswith(("drain_ahead", "stop_failed", "relayout_training"))]
             (log.warning if error else log.info)("decision %s: %s; %s", reason, message,
                                                   "; ".join(steps) or "no plan step")
             return

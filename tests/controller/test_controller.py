@@ -9,7 +9,7 @@ from elastic.config import load_config
 from elastic.controller import Controller
 from elastic.metrics import InProcessSource
 from elastic.model import SpecError
-from tests.fakes import Clock
+from tests.fakes import Clock, tick
 
 from .fake_backend import FakeBackend
 
@@ -38,12 +38,7 @@ def env(db_url: str):
     store.dispose()
 
 
-def _tick(ctl, source, clock, load: float, dt: float = 20.0):
-    clock.t += dt
-    source.set("chat", load, clock.t)
-    res = ctl.tick()
-    assert res.error is None, res.error
-    return res
+_tick = tick
 
 
 def test_load_rise_shrinks_training_before_inference_grows_and_fall_reverses(env) -> None:

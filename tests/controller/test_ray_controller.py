@@ -13,7 +13,7 @@ from elastic.config import load_config
 from elastic.controller import Controller
 from elastic.metrics import InProcessSource
 from elastic.model import Layout
-from tests.fakes import Clock
+from tests.fakes import Clock, tick
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -113,12 +113,9 @@ def _gpus_free(expect: float, timeout: float = 10.0) -> float:
     return n
 
 
+
 def _tick(ctl, source, clock, load):
-    clock.t += 30
-    source.set("chat", load, clock.t)
-    res = ctl.tick()
-    assert res.error is None, res.error
-    return res
+    return tick(ctl, source, clock, load, dt=30)
 
 
 def test_shrink_in_place_before_inference_grows_and_the_reverse(ray_local, tmp_path) -> None:

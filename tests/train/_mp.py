@@ -315,3 +315,30 @@ def assert_state_bytes_equal_spec(results: list[dict], layout: str, kw: dict) ->
     key = f"{layout}/{sorted(kw.items())}"
     for res in results:
         assert res["state_bytes"][key] == res["spec_bytes"][key] > 0
+
+
+def check_rescale_curve(runs: list[list[dict]], scenarios: dict[str, Any], scenario: str, steps_per_gen: int,
+                        *, lower_bound: bool) -> None:
+    """What every ``run_rescale_each`` scenario must show: each reshard kept the state bit for bit
+    (seen from every worker); every member's loss at every step is the never-rescaled run's, idle
+    workers have none; every change moved bytes (``lower_bound``: exactly the planner's lower bound)."""
+    import math
+
+    generations, cfg_kw = scenarios[scenario]
+    results = [per_worker[list(scenarios).index(scenario)] for per_worker in runs]
+    ref = reference_losses(make_cfg(**cfg_kw), steps_per_gen * len(generations))
+    tol = FIDELITY_TOL[cfg_kw["dtype"]]
+    for res in results:
+        assert [r["bitwise_equal"] for r in res["reshards"]] == [True] * (len(generations) - 1)
+    for step, want in enumerate(ref):
+        members = {int(w[1:]) for w in generations[step // steps_per_gen][1]}
+        for rank, res in enumerate(results):
+            got = res["losses"][step]
+            if rank in members:
+                assert math.isclose(got, want, rel_tol=tol, abs_tol=0), f"w{rank} step {step}: {got} vs {want}"
+            else:
+                assert got is None
+    for r in results[0]["reshards"]:
+        assert r["bytes_planned"] > 0, r
+        if lower_bound:
+            assert r["bytes_planned"] == r["bytes_lower_bound"], r

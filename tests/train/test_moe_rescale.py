@@ -23,7 +23,14 @@ import math
 
 import pytest
 
-from tests.train._mp import FIDELITY_TOL, make_cfg, reference_losses, run_rescale_each, run_workers
+from tests.train._mp import (
+    FIDELITY_TOL,
+    check_rescale_curve,
+    make_cfg,
+    reference_losses,
+    run_rescale_each,
+    run_workers,
+)
 
 ALL = ["w0", "w1", "w2", "w3"]
 EP = [
@@ -53,25 +60,7 @@ def runs() -> list[list[dict]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_ep_rescales_follow_the_never_rescaled_curve(runs: list[list[dict]], scenario: str) -> None:
-    generations, cfg_kw = SCENARIOS[scenario]
-    results = [per_worker[list(SCENARIOS).index(scenario)] for per_worker in runs]
-    ref = reference_losses(make_cfg(**cfg_kw), STEPS_PER_GEN * len(generations))
-    tol = FIDELITY_TOL[cfg_kw["dtype"]]
-    # 1. each reshard preserved the state bit for bit, as seen from every worker
-    for res in results:
-        assert [r["bitwise_equal"] for r in res["reshards"]] == [True] * (len(generations) - 1)
-    # 2. every member's loss at every step follows the never-rescaled run; idle workers have none
-    for step, want in enumerate(ref):
-        members = {int(w[1:]) for w in generations[step // STEPS_PER_GEN][1]}
-        for rank, res in enumerate(results):
-            got = res["losses"][step]
-            if rank in members:
-                assert math.isclose(got, want, rel_tol=tol, abs_tol=0), f"w{rank} step {step}: {got} vs {want}"
-            else:
-                assert got is None
-    # 3. every change moved bytes, and exactly the planner's lower bound of them
-    for r in results[0]["reshards"]:
-        assert r["bytes_planned"] == r["bytes_lower_bound"] > 0, r
+    check_rescale_curve(runs, SCENARIOS, scenario, STEPS_PER_GEN, lower_bound=True)
 
 
 def test_a_moe_job_rescales_between_ep_layouts_through_its_coordinator(tmp_path) -> None:

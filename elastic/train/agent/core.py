@@ -200,7 +200,7 @@ class WorkerAgent(_Transition, _Comms):
                     last = None
                     self._break(step, f"{type(e).__name__}: {_short(e, 160)}")
                     continue
-                last = _result_json(result)
+                last = _result_json(result, getattr(self.engine, "memory", None))
                 if self._ckpt is not None:
                     last["checkpoint"] = list(self._written)
                     if self._write_error:

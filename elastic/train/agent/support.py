@@ -182,11 +182,18 @@ def _same_memory(x: Any, y: Any) -> bool:
                       and x.dtype == y.dtype and x.device == y.device)
 
 
-def _result_json(r: Any) -> dict[str, Any]:
+def _result_json(r: Any, memory: Any = None) -> dict[str, Any]:
+    """A step's result as the worker reports it with its next step request. ``memory``: the
+    engine's last ``MeasuredMemory`` (the reference trainer's ``TrainEngine.memory``), sent only
+    when it is of this very step (the engine measures a layout's first steps and every
+    ``MEMORY_EVERY``-th): the coordinator keeps each generation's worst rank for the controller."""
     loss = getattr(r, "loss", None)
     loss = float(loss) if loss is not None and math.isfinite(float(loss)) else None
-    return {"step": int(r.step), "loss": loss, "tokens": int(getattr(r, "tokens", 0)),
-            "seconds": float(getattr(r, "seconds", 0.0))}
+    out: dict[str, Any] = {"step": int(r.step), "loss": loss, "tokens": int(getattr(r, "tokens", 0)),
+                           "seconds": float(getattr(r, "seconds", 0.0))}
+    if memory is not None and getattr(memory, "step", None) == out["step"]:
+        out["memory"] = memory.as_json()
+    return out
 
 
 def _short(e: BaseException, limit: int = 400) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from elastic.model import Layout, SpecError
+from elastic.parallel.memory_report import MeasuredMemory
 from elastic.train.checkpoint import CheckpointRef, CheckpointSettings
 from elastic.train.checkpoint import latest as latest_checkpoint
 from elastic.train.rendezvous.liveness import _Liveness
@@ -27,7 +28,16 @@ from elastic.train.rendezvous.messages import (
     StepRecord,
 )
 from elastic.train.rendezvous.routes import _Routes
-from elastic.train.rendezvous.state import Validator, _check_members, _Gen, _keeps_work, _Pending, _Recovery
+from elastic.train.rendezvous.state import (
+    MEMORY_GENERATIONS_KEPT,
+    Validator,
+    _check_members,
+    _Gen,
+    _keeps_work,
+    _Pending,
+    _Recovery,
+    measured_peak,
+)
 from elastic.train.rendezvous.wire import _bound_store, _make_handler, _Server
 from elastic.train.telemetry import TrainingMetrics
 from elastic.train.userjob import is_user_config
@@ -157,6 +167,9 @@ class Coordinator(_Routes, _Liveness):
         self._gen_sizes: dict[int, tuple[str, int]] = {}  # generation -> (layout, world size)
         self._history: list[StepRecord] = []
         self._rescales: dict[int, RescaleRecord] = {}
+        # generation -> the measured memory of its worst rank over its measured steps (the reference
+        # trainer's engines send one with a step they measured): what the controller checks
+        self._memory: dict[int, MeasuredMemory] = {}
         self._decisions: dict[int, tuple[str, str]] = {}
         self._finished: set[str] = set()
         self._failures: list[str] = []
@@ -365,6 +378,8 @@ class Coordinator(_Routes, _Liveness):
             last_rescale=RescaleRecord(**asdict(rec)) if rec else None, reason=self._reason,
             failures=list(self._failures),
             checkpoint_step=self._checkpoint_step if self.checkpoint else None,
+            memory=(m.as_json() if cur is not None and (m := self._memory.get(cur.generation)) is not None
+                    else None),
         )
 
     def history(self) -> list[StepRecord]:
@@ -605,6 +620,7 @@ class Coordinator(_Routes, _Liveness):
         key = (gen, step)
         if key[0] not in self._gen_sizes:
             return
+        self._note_memory_locked(worker, gen, rep.get("memory"))
         reps = self._reports.setdefault(key, {})
         reps[worker] = rep
         layout, size = self._gen_sizes[gen]
@@ -632,6 +648,23 @@ class Coordinator(_Routes, _Liveness):
                       self.job, at, "; ".join(failed))
         self._maybe_complete_locked()
         self._cv.notify_all()
+
+    def _note_memory_locked(self, worker: str, gen: int, doc: Any) -> None:
+        """A rank's measured memory of one step: its generation keeps the worst rank's (largest device
+        peak on a GPU, else most bytes), the one the controller checks against the per-GPU budget.
+        A record that does not parse is logged and left out: a measurement never fails a step."""
+        if not doc:
+            return
+        try:
+            m = MeasuredMemory.from_json(doc, where=f"job {self.job}: worker {worker}'s measured memory")
+        except SpecError as e:
+            log.warning("%s", e)
+            return
+        cur = self._memory.get(gen)
+        if cur is None or measured_peak(m) > measured_peak(cur):
+            self._memory[gen] = m
+        for old in sorted(self._memory)[:-MEMORY_GENERATIONS_KEPT]:  # a long job rescales thousands of times
+            del self._memory[old]
 
     def _resume_from_locked(self, members: Sequence[str]) -> CheckpointRef | None:
         """Where a job's first generation starts: the newest complete checkpoint the coordinator sees,

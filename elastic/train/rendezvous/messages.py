@@ -169,6 +169,9 @@ class JobStatus:
     reason: str = ""  # the last notable event (e.g. why a rescale was abandoned)
     failures: list[str] = field(default_factory=list)  # every failure report, first one = error
     checkpoint_step: int | None = None  # the newest complete checkpoint's step (-1: none yet; None: off)
+    # the current generation's worst rank's measured memory (``MeasuredMemory.as_json()``: bytes by
+    # component, ``device_peak`` on a GPU); None until a step of it was measured, or for a user job
+    memory: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

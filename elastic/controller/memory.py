@@ -1,0 +1,205 @@
+"""Never out of memory: whether a training layout overran the per-GPU memory the planner gave it,
+and the job's throughput table without the layouts dropped for it. Pure.
+
+What it is for: the controller's observe step hands it what a job reports (its worst rank's
+measured memory, ``JobRuntime.memory``, or the error it failed with) and keeps what it returns;
+its decide step plans the job on :func:`without_dropped`'s table and moves a job still on a dropped
+layout with :func:`relayout_target`.
+
+The check (:func:`check_measured`): the measured peak of a rank's step (the GPU allocator's peak,
+else the sum of the measured components) against the per-GPU budget the planner fitted the layout
+in (:func:`budget_bytes`: device memory less the planner's reserve; the reserve is what no tensor
+of the trainer holds, so the measured bytes compare with what is left). Over it: the layout is
+dropped, with the peak, the budget and the planner's prediction per component beside the
+measured bytes. A worker that failed with an out-of-memory error (:func:`check_failure`) drops
+its layout too. A missing measurement changes nothing.
+
+The re-plan (:func:`without_dropped`), with more headroom: at each GPU count whose layout was
+dropped, only layouts the planner predicts to need less memory per GPU than the dropped one (one
+predicted to need more would overrun too); among them the same layout with ZeRO-1 first (the
+optimizer state sharded over the data-parallel ranks: headroom without changing what the step
+computes) when the job's options allow it, else the planner's fastest. A count with none left
+leaves the table, and the co-scheduler gives the job fewer GPUs. Recompute and offload are the planner's own
+choice per layout (it already takes the cheapest that fits); the reference trainer runs neither,
+so no layout is asked of it with more of them.
+
+Must not: read the clock, the store or a backend (``now`` and every input come in as values).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Final, Literal
+
+from elastic.model import HardwareSpec, Layout, ModelSpec, SpecError
+from elastic.parallel.memory_report import MeasuredMemory, StageMemory, stage_memory
+from elastic.parallel.planner import PlanOptions, evaluate, feasible_layouts
+
+Table = Mapping[int, tuple[str, float]]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout the planner offers for a GPU count: its speed and its predicted per-GPU bytes."""
+
+    layout: Layout
+    tokens_per_second: float
+    memory_bytes: int
+
+MEMORY_EXCEEDED: Final = "MemoryExceeded"
+OUT_OF_MEMORY: Final = "OutOfMemory"
+#: what a worker's failure says when it ran out of memory (torch.OutOfMemoryError, the CUDA
+#: allocator's "CUDA out of memory", a host allocation's "DefaultCPUAllocator: can't allocate")
+OOM_MARKERS = ("outofmemoryerror", "out of memory", "can't allocate memory")
+COMPONENTS = ("weights", "gradients", "optimizer", "activations")
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """A layout a job may not run again: why (``MemoryExceeded``, ``OutOfMemory``), what it peaked
+    at against which budget (``peak_bytes`` None: it failed before a measurement), and the message
+    the decision log carries."""
+
+    layout: Layout
+    reason: Literal["MemoryExceeded", "OutOfMemory"]
+    peak_bytes: int | None
+    budget_bytes: int
+    message: str
+    at: float  # when it was dropped (the tick's ``now``)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"layout": str(self.layout), "reason": self.reason, "peakBytes": self.peak_bytes,
+                "budgetBytes": self.budget_bytes, "message": self.message, "at": self.at}
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str = "dropped layout") -> Dropped:
+        """One :meth:`as_json` object, as the job's status holds it; a bad field is named."""
+        if not isinstance(obj, dict):
+            raise SpecError(f"{where}: expected an object with layout, reason, peakBytes, budgetBytes, message, "
+                            f"at; got {type(obj).__name__}")
+        try:
+            layout = Layout.parse(str(obj["layout"]))
+            reason = obj["reason"]
+            if reason not in (MEMORY_EXCEEDED, OUT_OF_MEMORY):
+                raise SpecError(f"reason must be {MEMORY_EXCEEDED} or {OUT_OF_MEMORY}, got {reason!r}")
+            peak = obj.get("peakBytes")
+            return cls(layout, reason, None if peak is None else int(peak), int(obj["budgetBytes"]),
+                       str(obj.get("message", "")), float(obj.get("at", 0.0)))
+        except KeyError as e:
+            raise SpecError(f"{where}: field {e.args[0]!r} is missing") from None
+        except (TypeError, ValueError, SpecError) as e:
+            raise SpecError(f"{where}: {e}") from None
+
+
+def measured_peak(m: MeasuredMemory) -> int:
+    """The bytes a rank's measured step peaked at: the GPU allocator's peak where there is one (it
+    sees everything the step allocated), else the sum of the measured components (CPU)."""
+    return m.device_peak if m.device_peak is not None else m.total
+
+
+def budget_bytes(hardware: HardwareSpec, options: PlanOptions | None = None) -> int:
+    """Per-GPU bytes the planner lets a layout's tensors use: device memory less its reserve (CUDA
+    context, communication buffers, fragmentation: ``reserve_bytes`` + ``reserve_fraction``)."""
+    o = options or PlanOptions()
+    return hardware.memory_bytes - int(o.reserve_bytes + o.reserve_fraction * hardware.memory_bytes)
+
+
+def predicted_stage(model: ModelSpec, m: MeasuredMemory, hardware: HardwareSpec, *,
+                    gpus_per_node: int | None = None) -> StageMemory | None:
+    """The planner's prediction for exactly what ran (its micro-batch and global batch, no recompute,
+    no offload: the reference trainer has neither), on the measured rank's pipeline stage; None
+    when the planner cannot evaluate it (another model, a layout it refuses)."""
+    o = PlanOptions(global_batch=m.global_batch, micro_batches=(m.micro_batch,), recompute=("none",),
+                    offload=(False,), gpus_per_node=gpus_per_node)
+    try:
+        p = evaluate(model, m.layout, hardware, options=o)
+        return stage_memory(model, p, hardware, o)[m.pp_rank]
+    except (SpecError, IndexError):
+        return None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 1024**3:.2f} GiB"
+
+
+def check_measured(m: MeasuredMemory | None, budget: int, now: float,
+                   predicted: StageMemory | None = None) -> Dropped | None:
+    """``m``'s layout, dropped when its step peaked over ``budget``; None when it fit or when there is
+    no measurement (nothing is known: nothing changes)."""
+    if m is None:
+        return None
+    peak = measured_peak(m)
+    if peak <= budget:
+        return None
+    what = "GPU allocator peak" if m.device_peak is not None else "measured tensors"
+    msg = (f"{m.layout}: step {m.step} peaked at {_gib(peak)} ({what}) on rank {m.rank} (stage {m.pp_rank}), over "
+           f"the per-GPU budget of {_gib(budget)} (device memory less the planner's reserve); measured "
+           + ", ".join(f"{c} {_gib(getattr(m, c))}" for c in COMPONENTS))
+    if predicted is not None:
+        msg += ("; the planner predicted " + ", ".join(f"{c} {_gib(getattr(predicted, c))}" for c in COMPONENTS)
+                + f" ({_gib(predicted.total - predicted.reserve)} in all)")
+    return Dropped(m.layout, MEMORY_EXCEEDED, peak, budget, msg, now)
+
+
+def check_failure(layout: Layout | str | None, error: str | None, budget: int, now: float) -> Dropped | None:
+    """``layout`` dropped when a worker running it failed out of memory (``error`` is the job's
+    failure reason, or what it lost a worker to); None for any other failure or none."""
+    if layout is None or not error or not any(k in error.lower() for k in OOM_MARKERS):
+        return None
+    lay = layout if isinstance(layout, Layout) else Layout.parse(layout)
+    return Dropped(lay, OUT_OF_MEMORY, None, budget, f"{lay}: a worker ran out of memory ({error[:300]})", now)
+
+
+def alternatives(model: ModelSpec, hardware: HardwareSpec, gpus: int, *, gpus_per_node: int, global_batch: int,
+                 allowed_tp: Sequence[int] | None = None, allowed_pp: Sequence[int] | None = None, zero: int = 0,
+                 replicate_optimizer: bool = False) -> list[Candidate]:
+    """Every layout of exactly ``gpus`` GPUs the planner finds fits, fastest first, under the job's
+    options (as ``controller.tables.throughput_table`` builds its table: allowed tp/pp, ``zero=1``
+    wherever dp > 1, ``replicate_optimizer``: no ZeRO-1; vpp 1, the reference trainer's schedule)."""
+    out: list[Candidate] = []
+    for p in feasible_layouts(model, gpus, hardware, gpus_per_node=gpus_per_node, global_batch=global_batch,
+                              vpps=(1,)):
+        L = p.layout
+        if L.world_size != gpus or (allowed_tp and L.tp not in allowed_tp) or (allowed_pp and L.pp not in allowed_pp):
+            continue
+        if (zero and L.dp > 1 and not L.zero) or (replicate_optimizer and L.zero):
+            continue
+        out.append(Candidate(L, p.tokens_per_second, p.memory.total))
+    return out
+
+
+def without_dropped(table: Table, dropped: Iterable[Layout],
+                    candidates: Callable[[int], Sequence[Candidate]]) -> dict[int, tuple[str, float]]:
+    """``table`` with each count whose layout was dropped re-planned from ``candidates(count)`` (the
+    planner's layouts of that count, fastest first): of those not dropped and predicted to need less
+    memory than the dropped layout (any, when the planner does not offer the dropped one), the same
+    layout with ZeRO-1, else the fastest; a count with none left is left out."""
+    gone = set(dropped)
+    out: dict[int, tuple[str, float]] = {}
+    for n, (text, tps) in table.items():
+        lay = Layout.parse(text)
+        if lay not in gone:
+            out[n] = (text, tps)
+            continue
+        offered = list(candidates(n))
+        limit = next((c.memory_bytes for c in offered if c.layout == lay), None)
+        roomier = [c for c in offered if c.layout not in gone and (limit is None or c.memory_bytes < limit)]
+        sharded = replace(lay, zero=1)
+        pick = next((c for c in roomier if c.layout == sharded), None) or next(iter(roomier), None)
+        if pick is not None:
+            out[n] = (str(pick.layout), pick.tokens_per_second)
+    return out
+
+
+def relayout_target(running: str | None, gpus: int, dropped: Iterable[Layout], table: Table) -> Layout | None:
+    """Where a job running ``running`` on ``gpus`` GPUs moves in place: the table's layout of the same
+    count when ``running`` was dropped and that count has another layout; None otherwise (it is not
+    dropped, or the count has none left and the co-scheduler gives the job fewer GPUs)."""
+    if running is None or not gpus:
+        return None
+    lay = Layout.parse(running)
+    if lay not in set(dropped) or gpus not in table:
+        return None
+    to = Layout.parse(table[gpus][0])
+    return None if to == lay else to
