@@ -396,6 +396,47 @@ class LastReshard(_CR):
     """When it finished (RFC 3339)."""
 
 
+class MeasuredMemoryStatus(_CR):
+    """The current layout's most loaded rank, as the reference trainer measures it (bytes)."""
+
+    layout: str = ""
+    """The layout measured."""
+    rank: int = 0
+    """The rank that peaked highest."""
+    step: int = 0
+    """The step measured (a layout's first steps and every 100th)."""
+    weights: int = 0
+    """Parameters held."""
+    gradients: int = 0
+    """Gradients held after the step's reduction."""
+    optimizer: int = 0
+    """Optimizer state held."""
+    activations: int = 0
+    """Peak bytes saved for backward during the step."""
+    total: int = 0
+    """The four above together."""
+    device_peak: int | None = None
+    """The GPU allocator's peak over the step (absent on CPU)."""
+
+
+class DroppedLayout(_CR):
+    """A layout the job never runs again: its step went over the per-GPU memory budget, or a worker
+    ran out of memory on it."""
+
+    layout: str = ""
+    """The dropped layout."""
+    reason: str = ""
+    """``MemoryExceeded`` or ``OutOfMemory``."""
+    peak_bytes: int | None = None
+    """The measured peak (absent when it failed before a measurement)."""
+    budget_bytes: int = 0
+    """The per-GPU budget: the GPU's memory less the planner's reserve."""
+    message: str = ""
+    """What the decision log says of it."""
+    at: float = 0.0
+    """When it was dropped (seconds since the epoch)."""
+
+
 class ElasticTrainingJobStatus(_CR):
     phase: str = "Pending"
     """Pending, Running, Rescaling, Paused, Failed or Stopped."""
@@ -415,6 +456,10 @@ class ElasticTrainingJobStatus(_CR):
     """The most recent in-place rescale."""
     workers: list[str] = Field(default_factory=list)
     """Worker pods of the current generation."""
+    memory: MeasuredMemoryStatus | None = None
+    """The current layout's measured memory (reference trainer jobs)."""
+    dropped_layouts: list[DroppedLayout] = Field(default_factory=list)
+    """Layouts dropped for their memory, for the rest of the job's life."""
     observed_generation: int = 0
     """``metadata.generation`` last reconciled."""
     conditions: list[Condition] = Field(default_factory=list)

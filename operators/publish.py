@@ -154,6 +154,18 @@ class Publishing:
             "loss": rt.loss if rt else None,
             "workers": sorted(p.metadata.name for p in pool.backend.worker_pods(m.workload)) if rt else [],
         }
+        if rt is not None and rt.memory:
+            mem = rt.memory
+            extra["memory"] = {"layout": str(mem.get("layout", "")), "rank": int(mem.get("rank", 0)),
+                               "step": int(mem.get("step", 0)),
+                               **{k: int(mem.get(k) or 0) for k in ("weights", "gradients", "optimizer", "activations",
+                                                                    "total")},
+                               **({"devicePeak": int(mem["device_peak"])} if mem.get("device_peak") is not None
+                                  else {})}
+        ctl = pool.controller
+        dropped = ctl.dropped_layouts(m.workload) if ctl is not None else []
+        if dropped:
+            extra["droppedLayouts"] = dropped
         if rt is not None and rt.last_pause_seconds is not None:
             extra["lastReshard"] = {"seconds": rt.last_pause_seconds, "bytes": rt.last_bytes_moved or 0,
                                     "toLayout": rt.layout or ""}

@@ -16,6 +16,7 @@ restarted controller (or the next leader) keeps them; the decide step plans the 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from elastic import store as db
 from elastic.backends.base import JobRuntime
@@ -98,6 +99,10 @@ class Observing(ControllerState):
         db.record_decision(self.db, pool=self.pool, tick_at=_dt(self.clock()), reason=mem.MEMORY_EXCEEDED,
                            message=msg, plan={"steps": [], "notes": [msg], "job": job, "dropped": d.as_json(),
                                               "to": None if to is None else str(to)}, inputs={"memory": rt.memory})
+
+    def dropped_layouts(self, job: str) -> list[dict[str, Any]]:
+        """The layouts ``job`` may not run again (``Dropped.as_json()`` each), for a status to show."""
+        return [d.as_json() for d in self._dropped(job).values()]
 
     def _layout_table(self, job: str) -> Mapping[int, tuple[str, float]]:
         """The job's GPU count -> layout table: its pin if any (unless the pinned layout was dropped for

@@ -111,7 +111,7 @@ class Recording(Observing):
             # the worst rank's measured memory of the current layout, and the layouts dropped for
             # theirs (kept here for the job's life: a restarted controller reads them back)
             "memory": rt.memory if rt else None,
-            "droppedLayouts": [d.as_json() for d in self._dropped(name).values()],
+            "droppedLayouts": self.dropped_layouts(name),
             "reason": jd.reason if jd else None, "message": jd.message if jd else None}, now=_dt(now))
 
     def _log_decision(self, reason: str, message: str, plan: SchedulePlan, replicas: dict[str, ReplicaDecision],

@@ -42,6 +42,9 @@ def test_a_job_below_its_minimum_waits_in_keeper_pods_and_resumes_in_place(tmp_p
         h = c.handle()
         h.wait_step(h.status().step + 2, timeout=60)
         running = h.status().layout
+        # the reference trainer measures a layout's first steps: the worst rank's bytes in the CR status
+        mem = {} if user else wait_for("measured memory in the job's status", lambda: c.status(
+            "elastictrainingjobs", e2e.JOB).get("memory"), 60)
         workers = sorted(p["metadata"]["name"] for p in c.worker_pods())
 
         # 1. load for 3 replicas: the job pauses into keepers, then the Deployment grows
@@ -64,6 +67,9 @@ def test_a_job_below_its_minimum_waits_in_keeper_pods_and_resumes_in_place(tmp_p
         events = [(e["regarding"]["name"], e["action"]) for e in c.events()]
         left = sorted(p["metadata"]["name"] for p in c.worker_pods(live=False))
     # the keepers: the held layout (one copy, no data parallelism), no GPU asked, not pinned to a node
+    if not user:
+        assert mem["layout"] == running and mem["weights"] > 0 and mem["activations"] > 0, mem
+        assert mem["total"] == mem["weights"] + mem["gradients"] + mem["optimizer"] + mem["activations"], mem
     held = Layout.parse(running).held()
     assert paused.phase == "paused" and paused.layout == str(held), (running, paused)
     assert len(keepers) == held.world_size and gpu_pods == [], (keepers, gpu_pods)
