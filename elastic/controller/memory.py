@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Final, Literal
 
 from elastic.model import HardwareSpec, Layout, ModelSpec, SpecError
-from elastic.parallel.memory_report import MeasuredMemory, StageMemory, stage_memory
+from elastic.parallel.memory_report import MeasuredMemory, StageMemory, measured_peak, stage_memory
 from elastic.parallel.planner import PlanOptions, evaluate, feasible_layouts
 
 Table = Mapping[int, tuple[str, float]]
@@ -90,12 +90,6 @@ class Dropped:
             raise SpecError(f"{where}: field {e.args[0]!r} is missing") from None
         except (TypeError, ValueError, SpecError) as e:
             raise SpecError(f"{where}: {e}") from None
-
-
-def measured_peak(m: MeasuredMemory) -> int:
-    """The bytes a rank's measured step peaked at: the GPU allocator's peak where there is one (it
-    sees everything the step allocated), else the sum of the measured components (CPU)."""
-    return m.device_peak if m.device_peak is not None else m.total
 
 
 def budget_bytes(hardware: HardwareSpec, options: PlanOptions | None = None) -> int:

@@ -129,6 +129,12 @@ class MeasuredMemory:
         return m
 
 
+def measured_peak(m: MeasuredMemory) -> int:
+    """The bytes a rank's measured step peaked at: the GPU allocator's peak where there is one (it
+    sees everything the step allocated), else the sum of the measured components (CPU)."""
+    return m.device_peak if m.device_peak is not None else m.total
+
+
 def _bad(where: str, name: str, value: Any, want: str) -> Any:
     raise SpecError(f"{where}: field {name!r} must be {want}, got {value!r}")
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastic.model import Layout, SpecError
-from elastic.parallel.memory_report import MeasuredMemory
+from elastic.parallel.memory_report import measured_peak  # noqa: F401 - the coordinator and tests read it here
 from elastic.train.rendezvous.messages import Directive, RescaleRecord
 
 log = logging.getLogger(__name__)
@@ -66,13 +66,6 @@ Validator = Callable[[Layout, Sequence[str]], None]
 
 MEMORY_GENERATIONS_KEPT = 4
 """Generations whose worst measured memory the coordinator keeps (the status shows the current one's)."""
-
-
-def measured_peak(m: MeasuredMemory) -> int:
-    """The bytes a rank's measured step peaked at: the GPU allocator's peak where there is one (it sees
-    everything the step allocated), else the sum of the measured components (CPU)."""
-    return m.device_peak if m.device_peak is not None else m.total
-
 
 
 def _keeps_work(old: Layout, new: Layout) -> bool:
