@@ -182,6 +182,15 @@ class Cluster:
         return j.handle if j is not None else None
 
 
+def events_through(c: Cluster, first: tuple[str, str], then: tuple[str, str]) -> list[tuple[str, str]] | None:
+    """Every Event as ``(object, action)`` in posting order once ``then`` was posted after ``first``;
+    None before (for ``wait_for``: an operator posts a background grow's Event a cycle after it landed)."""
+    pairs = [(e["regarding"]["name"], e["action"]) for e in c.events()]
+    if first not in pairs:
+        return None
+    return pairs if then in pairs[pairs.index(first) + 1:] else None
+
+
 def json_path(obj: Any, path: str) -> Any:
     """The subset of kubectl's JSONPath that printer columns use: ``.a.b`` and ``.a[?(@.k=="v")].b``."""
     import re
@@ -553,7 +562,9 @@ def run(workdir: Path, *, high_rate: float = 6.0, user: bool = False, nodes: dic
                        for p in c.worker_pods()}
         job_events = [(e["action"], e["reason"]) for e in c.events(JOB)]
         svc_events = [(e["action"], e["reason"]) for e in c.events(SERVICE)]
-        all_events = [(e["regarding"]["name"], e["action"]) for e in c.events()]
+        # a background grow's Event is posted by the operator's next cycle after it landed
+        all_events = wait_for("the grow's Event", lambda: events_through(
+            c, (SERVICE, "scale_inference_down"), (JOB, "grow_training")), 60)
         leavers = sorted(set(first_workers) - set(survivors))
         how_left = leavers_ended_before_deleted(c.emu, leavers)
         worker_signals = [s for s in c.agent.signals if s[0].startswith(f"{JOB}-w")]

@@ -64,7 +64,9 @@ def test_a_job_below_its_minimum_waits_in_keeper_pods_and_resumes_in_place(tmp_p
         h.wait_step(resumed.step + 2, timeout=60)
         history = h.history()
         cfg = h.cfg
-        events = [(e["regarding"]["name"], e["action"]) for e in c.events()]
+        # a background grow's Event is posted by the operator's next cycle after it landed
+        events = wait_for("the resume's grow_training Event", lambda: e2e.events_through(
+            c, (e2e.SERVICE, "scale_inference_down"), (e2e.JOB, "grow_training")), 60)
         left = sorted(p["metadata"]["name"] for p in c.worker_pods(live=False))
     # the keepers: the held layout (one copy, no data parallelism), no GPU asked, not pinned to a node
     if not user:
