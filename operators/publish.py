@@ -154,15 +154,17 @@ class Publishing:
             "loss": rt.loss if rt else None,
             "workers": sorted(p.metadata.name for p in pool.backend.worker_pods(m.workload)) if rt else [],
         }
-        if rt is not None and rt.memory:
-            mem = rt.memory
+        ctl = pool.controller
+        mem = (ctl.memory_status(m.workload, rt) if ctl is not None else None) if rt is not None else None
+        if mem:
             extra["memory"] = {"layout": str(mem.get("layout", "")), "rank": int(mem.get("rank", 0)),
                                "step": int(mem.get("step", 0)),
                                **{k: int(mem.get(k) or 0) for k in ("weights", "gradients", "optimizer", "activations",
                                                                     "total")},
                                **({"devicePeak": int(mem["device_peak"])} if mem.get("device_peak") is not None
-                                  else {})}
-        ctl = pool.controller
+                                  else {}),
+                               **({"predicted": mem["predicted"]} if mem.get("predicted") else {}),
+                               "budgetBytes": int(mem["budgetBytes"])}
         dropped = ctl.dropped_layouts(m.workload) if ctl is not None else []
         if dropped:
             extra["droppedLayouts"] = dropped

@@ -137,6 +137,8 @@ class ControllerState:
     # use); job -> (the table and dropped layouts its re-planned table is for, that table)
     _mem_dropped: dict[str, dict[Any, Any]]
     _mem_tables: dict[str, tuple[Any, dict[int, tuple[str, float]]]]
+    #: (job, model, layout, stage, micro-batch, accumulation) -> the planner's bytes for that choice
+    _predicted_memory: dict[tuple[Any, ...], dict[str, int] | None]
     # what the ticks recorded
     ready: bool
     last_error: str | None

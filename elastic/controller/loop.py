@@ -41,6 +41,7 @@ class Controller(Applying, Recording):
         self._growing: dict[str, tuple[threading.Thread, tuple[GPU, ...], list[str]]] = {}
         self._mem_dropped = {}
         self._mem_tables = {}
+        self._predicted_memory = {}
         self.backend = backend
         self.store = store
         self.sources = dict(sources)

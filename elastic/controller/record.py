@@ -17,10 +17,12 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from elastic import store as db
+from elastic.controller import memory as mem
 from elastic.controller.base import _dt, _recorded_layout, log
 from elastic.controller.observe import Observing
 from elastic.metrics.sample import MetricSample
-from elastic.model import Allocation
+from elastic.model import Allocation, SpecError
+from elastic.parallel.memory_report import MeasuredMemory
 from elastic.policy.types import ReplicaDecision
 from elastic.scheduler.types import SchedulePlan
 
@@ -110,9 +112,35 @@ class Recording(Observing):
             "checkpointStep": rt.checkpoint_step if rt else None,
             # the worst rank's measured memory of the current layout, and the layouts dropped for
             # theirs (kept here for the job's life: a restarted controller reads them back)
-            "memory": rt.memory if rt else None,
+            "memory": self.memory_status(name, rt),
             "droppedLayouts": self.dropped_layouts(name),
             "reason": jd.reason if jd else None, "message": jd.message if jd else None}, now=_dt(now))
+
+    def memory_status(self, job: str, rt: Any) -> dict[str, Any] | None:
+        """A job status's ``memory``: its worst rank's measured step of the current layout
+        (``rt.memory``), the planner's bytes for exactly what that rank ran (``predicted``: per
+        component and ``total``, without the reserve) and the per-GPU budget the layout was fitted in
+        (``budgetBytes``). None without a measurement; no ``predicted`` when the planner cannot
+        evaluate what ran. The prediction is kept per measured choice: the status is written every tick."""
+        if rt is None or not rt.memory:
+            return None
+        out = {**rt.memory, "budgetBytes": mem.budget_bytes(self.hardware)}
+        try:
+            m = MeasuredMemory.from_json(rt.memory, where=f"job {job}: measured memory")
+        except SpecError:
+            return out
+        key = (job, m.model, m.layout, m.pp_rank, m.micro_batch, m.grad_accum)
+        if key not in self._predicted_memory:
+            model = self.cfg.models().get(job)
+            p = None if model is None else mem.predicted_stage(model, m, self.hardware,
+                                                               gpus_per_node=self.cfg.pool.gpus_per_node)
+            self._predicted_memory = {k: v for k, v in self._predicted_memory.items() if k[0] != job}
+            self._predicted_memory[key] = None if p is None else {
+                **{c: getattr(p, c) for c in mem.COMPONENTS}, "total": p.total - p.reserve}
+        predicted = self._predicted_memory[key]
+        if predicted is not None:
+            out["predicted"] = predicted
+        return out
 
     def _log_decision(self, reason: str, message: str, plan: SchedulePlan, replicas: dict[str, ReplicaDecision],
                       applied: list[str], error: str | None, hold: str | None) -> None:

@@ -46,6 +46,7 @@ _TICK_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 _RESHARD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _OUTCOME = {"NotLeader": "standby", "Paused": "paused", "Unavailable": "unavailable"}
 _RUNNING_PHASES = ("Running",)
+MEMORY_COMPONENTS = ("weights", "gradients", "optimizer", "activations")
 
 
 class _Labelled:
@@ -110,6 +111,18 @@ class Exporter:
         self.generation = G("elastic_job_generation", "Layout generation (one more per rescale)", ["job"])
         self.phase = G("elastic_job_phase", "1 for the job's current phase (Running, Rescaling, Recovering, "
                        "Paused: state held off-GPU, Failed, ...), 0 for the others", ["job", "phase"])
+        # never out of memory: the worst rank of the current layout, measured, beside the planner's
+        # prediction for what ran and the per-GPU budget the layout was fitted in
+        self.memory = G("elastic_job_memory_bytes", "Per-GPU bytes of the job's worst rank in a measured step of "
+                        "its current layout, by component (weights, gradients, optimizer, activations; peak: the "
+                        "GPU allocator's peak, else their sum)", ["job", "component"])
+        self.memory_predicted = G("elastic_job_memory_predicted_bytes", "The planner's per-GPU bytes for what the "
+                                  "worst rank ran (its layout, stage and micro-batch), by component (total: their "
+                                  "sum, without the reserve)", ["job", "component"])
+        self.memory_budget = G("elastic_job_memory_budget_bytes", "Per-GPU bytes a layout may use: device memory "
+                               "less the planner's reserve; a step measured above it drops the layout", ["job"])
+        self.dropped_layouts = G("elastic_job_dropped_layouts", "Layouts the job may not run again: a step "
+                                 "overran the per-GPU budget or a worker ran out of memory", ["job"])
         self.recoveries = Counter("elastic_job_recoveries", "Lost workers the job recovered from in place, from "
                                   "its surviving replicas (no restart, no checkpoint)", ["job"], registry=r)
         self._recovery_cursor = 0  # every WorkerLost decision with id <= cursor has been counted
@@ -271,16 +284,38 @@ class Exporter:
             _set_opt(self.generation, (j.name,), st.get("generation"))
             for ph in JOB_PHASES:
                 self.phase.set((j.name, ph), 1 if st.get("phase", "Pending") == ph else 0)
+            self._memory(j.name, st)
             layout = _layout(st.get("layout"))
             if layout is not None:
                 labels = (j.name, str(layout.tp), str(layout.pp), str(layout.dp))
                 self.layout_info.set(labels, 1)
                 layouts.append(labels)
-        for g in (self.world_size, self.step, self.checkpoint_step, self.tokens_per_second, self.generation):
+        for g in (self.world_size, self.step, self.checkpoint_step, self.tokens_per_second, self.generation,
+                  self.memory_budget, self.dropped_layouts):
             g.keep_only(names)
+        self.memory.keep_only([(n, c) for (n,) in names for c in (*MEMORY_COMPONENTS, "peak")])
+        self.memory_predicted.keep_only([(n, c) for (n,) in names for c in (*MEMORY_COMPONENTS, "total")])
         self.phase.keep_only([(n, ph) for (n,) in names for ph in JOB_PHASES])
         self.layout_info.keep_only(layouts)
         return busy
+
+    def _memory(self, job: str, st: dict[str, Any]) -> None:
+        """The memory gauges from the job's status: ``memory`` (the worst rank's measured step, with the
+        planner's ``predicted`` bytes and the ``budgetBytes`` beside it) and ``droppedLayouts``. A job with
+        no measurement of its current layout has no series (missing is not 0)."""
+        raw = st.get("memory")
+        m: dict[str, Any] = raw if isinstance(raw, dict) else {}
+        raw = m.get("predicted")
+        pred: dict[str, Any] = raw if isinstance(raw, dict) else {}
+        for c in MEMORY_COMPONENTS:
+            _set_opt(self.memory, (job, c), m.get(c))
+            _set_opt(self.memory_predicted, (job, c), pred.get(c))
+        peak = m.get("device_peak") if m.get("device_peak") is not None else m.get("total")
+        _set_opt(self.memory, (job, "peak"), peak)
+        _set_opt(self.memory_predicted, (job, "total"), pred.get("total"))
+        _set_opt(self.memory_budget, (job,), m.get("budgetBytes"))
+        dropped = st.get("droppedLayouts")
+        _set_opt(self.dropped_layouts, (job,), len(dropped) if isinstance(dropped, list) else None)
 
     def _lease(self, store: db.Store, pool: str, controller: Any | None) -> None:
         # the controller's clock decides lease expiry (it is injectable; tests and the simulator fake it)

@@ -80,12 +80,32 @@ def test_configmap_is_in_sync_with_the_dashboards() -> None:
     assert {k: json.loads(v) for k, v in cm["data"].items()} == {p.name: _load(p) for p in BOARDS}
 
 
+def _measured(rt) -> dict:
+    """What a trainer reports of its worst rank's step on ``rt``'s layout (1 GiB a component: well
+    under an H100's budget), as the fake backend's ``JobRuntime.memory``."""
+    from elastic.model import Layout
+    from elastic.parallel.memory_report import MeasuredMemory
+
+    layout = Layout.parse(rt.layout)
+    gib = 1024**3
+    return MeasuredMemory(model="gpt-1.3b", layout=layout, rank=0, pp_rank=0, step=rt.step, dtype="bfloat16",
+                          micro_batch=1, grad_accum=64 // layout.dp, weights=gib, gradients=gib, optimizer=gib,
+                          activations=gib, weight_elements=1, gradient_elements=1, optimizer_elements=1,
+                          optimizer_kinds=2).as_json()
+
+
 def _drive(env, stop: threading.Event) -> None:
-    """Ticks on the wall clock with the load swinging, so services scale and jobs reshard."""
+    """Ticks on the wall clock with the load swinging, so services scale and jobs reshard; the
+    pretraining job reports its measured memory."""
+    from dataclasses import replace
+
     loads = [10.0, 40.0, 25.0, 5.0]
     i = 0
     while not stop.is_set():
         env.source.set("chat", loads[i % len(loads)], time.time())
+        rt = env.backend.jobs.get("pretrain")
+        if rt is not None and rt.layout and (rt.memory or {}).get("layout") != rt.layout:
+            env.backend.jobs["pretrain"] = replace(rt, memory=_measured(rt))
         res = env.ctl.tick()
         env.exporter.observe_tick(res, env.ctl)
         i += 1
@@ -117,6 +137,17 @@ def test_every_panel_query_returns_series_from_a_real_prometheus(prometheus, tmp
         assert not empty, "queries without a series:\n" + "\n".join(f"{d} / {t}: {e}" for d, t, e in empty)
         jobs = {s["metric"].get("job") for s in _series(prometheus.url, "elastic_job_world_size")}
         assert jobs == {"pretrain", "big"}, jobs  # the training job's label survived the scrape
+        # memory: what the job measured beside the planner's bytes for it and the budget; nothing for
+        # the job that measured nothing (missing is not 0)
+        measured = {(s["metric"]["job"], s["metric"]["component"]): float(s["value"][1])
+                    for s in _series(prometheus.url, "elastic_job_memory_bytes")}
+        assert measured.get(("pretrain", "weights")) == 1024**3 and measured.get(("pretrain", "peak")) == 4 * 1024**3
+        assert {j for j, _ in measured} == {"pretrain"}, measured
+        predicted = {s["metric"]["component"]: float(s["value"][1])
+                     for s in _series(prometheus.url, 'elastic_job_memory_predicted_bytes{job="pretrain"}')}
+        assert predicted["total"] == sum(predicted[c] for c in ("weights", "gradients", "optimizer", "activations"))
+        budget = _series(prometheus.url, 'elastic_job_memory_budget_bytes{job="pretrain"}')
+        assert float(budget[0]["value"][1]) == 80 * 1024**3 - int(2 * 1024**3 + 0.05 * 80 * 1024**3), budget
         print(f"{len(queries)} panel queries over {len(BOARDS)} dashboards all returned series")
     finally:
         stop.set()
