@@ -560,11 +560,11 @@ def run(workdir: Path, *, high_rate: float = 6.0, user: bool = False, nodes: dic
                              "service": c.printer_columns("inferenceservices", SERVICE)}
         annotations = {p["metadata"]["name"]: p["metadata"]["annotations"].get("elastic.dev/generation")
                        for p in c.worker_pods()}
-        job_events = [(e["action"], e["reason"]) for e in c.events(JOB)]
-        svc_events = [(e["action"], e["reason"]) for e in c.events(SERVICE)]
         # a background grow's Event is posted by the operator's next cycle after it landed
         all_events = wait_for("the grow's Event", lambda: events_through(
             c, (SERVICE, "scale_inference_down"), (JOB, "grow_training")), 60)
+        job_events = [(e["action"], e["reason"]) for e in c.events(JOB)]
+        svc_events = [(e["action"], e["reason"]) for e in c.events(SERVICE)]
         leavers = sorted(set(first_workers) - set(survivors))
         how_left = leavers_ended_before_deleted(c.emu, leavers)
         worker_signals = [s for s in c.agent.signals if s[0].startswith(f"{JOB}-w")]
