@@ -136,11 +136,6 @@ class Layout:
     def all_pp_groups(self) -> list[list[int]]:
         return [self.pp_group(self.rank(t, d, 0)) for d in range(self.dp) for t in range(self.tp)]
 
-    def with_(self, **kw: int) -> Layout:
-        d = {k: getattr(self, k) for k in ("tp", "pp", "dp", "ep", "vpp", "zero")}
-        d.update(kw)
-        return Layout(**d)
-
 
 def padded_layers(layers: int, pp: int, vpp: int = 1) -> int:
     """Layer slots after virtual padding: the next multiple of ``pp*vpp`` at or above ``layers``,

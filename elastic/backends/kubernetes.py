@@ -369,10 +369,6 @@ class KubernetesBackend(_Training):
                                    f"{self.scale_down_wait_seconds:g} s after scaling to {replicas}")
             time.sleep(self.poll_seconds)
 
-    def _terminating_pods(self, t: ServiceTarget, dep: Any) -> list[str]:
-        """The Deployment's pods that are marked for deletion but not gone yet."""
-        return sorted(p.metadata.name for p in self._deployment_pods(t, dep) if p.metadata.deletion_timestamp)
-
     def _deployment_pods(self, t: ServiceTarget, dep: Any) -> list[Any]:
         """The pods the Deployment's selector matches (checked here too: an API server that ignores
         label selectors must not hand us another workload's pods). None without a selector."""

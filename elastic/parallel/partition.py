@@ -43,9 +43,6 @@ class StagePartition:
                 return c % self.pp
         raise ValueError(f"layer {layer} not in partition")
 
-    def layer_to_rank(self) -> dict[int, int]:
-        return {layer: c % self.pp for c, ls in enumerate(self.chunks) for layer in ls}
-
     def stage_layers(self) -> list[int]:
         """Real layers per pipeline rank (all its chunks together)."""
         return [len(self.layers_of_rank(p)) for p in range(self.pp)]

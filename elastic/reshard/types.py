@@ -105,11 +105,6 @@ class ReshardPlan:
     def max_recv_bytes(self) -> int:
         return max(self.recv_bytes.values(), default=0)
 
-    def estimate_seconds(self, bandwidth_bytes_per_s: float) -> float:
-        """Lower-bound time if every worker sends and receives at ``bandwidth`` concurrently."""
-        worst = max(self.max_send_bytes, self.max_recv_bytes)
-        return worst / bandwidth_bytes_per_s if bandwidth_bytes_per_s > 0 else float("inf")
-
     # The executor's interface (shared with ``plan_regions.RegionPlan``): per-worker views, built
     # from one pass over the plan on first use instead of one scan per question.
 
