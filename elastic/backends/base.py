@@ -1,7 +1,9 @@
 """The backend protocol: what the controller needs from a cluster, and nothing more.
 
 A required core (inventory, inference replicas, training jobs) in the spirit of Kueue's
-``GenericJob``. GPUs are named ``GPU(node, index)``; the controller decides which GPUs
+``GenericJob``, and optional capabilities as typed interfaces beside it (``Drains``,
+``Pauses``, ``Checkpoints``, ``Fenced``, ``Adopts``), read once into :class:`Capabilities`
+when the controller starts. GPUs are named ``GPU(node, index)``; the controller decides which GPUs
 each workload holds and the backend makes it so. Every call either does what it says or
 raises: ``BackendUnavailable`` when the cluster cannot be reached (the controller then
 stops acting and reports not ready) and ``BackendError`` when one action failed (the
@@ -10,6 +12,7 @@ controller records it and stops applying the rest of that plan).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -158,26 +161,82 @@ class Backend(Protocol):
         """Start, rescale in place, or stop (``gpus == ()``) a training job. Returns once the
         new layout has run its first step (or the job has released its GPUs)."""
 
-    # Optional: ``drain_ahead(service, gpus, hold_seconds) -> list[str]`` takes the replicas on ``gpus``
-    # out of the load balancer ahead of a scale-down the policy sees coming (``drain_ahead_seconds``);
-    # they keep their GPUs, still count in ``service_gpus`` and in ``metric_targets`` (the metric's
-    # scrape targets, when they differ from ``service_targets``), and go back into the balancer when
-    # not asked again within ``hold_seconds``. Without it a replica drains only once it is removed.
-
-    # Optional: ``pause_job(spec) -> RescaleOutcome`` frees every GPU of a running job and keeps
-    # its state off-GPU (phase ``Paused``, no GPUs, ``layout`` = what the keepers hold); a later
-    # ``set_job_gpus`` with GPUs resumes it at the same step. A backend without it can only
-    # preempt (stop) a job that must go below its minimum; the controller then says so.
-
-    # Optional: ``checkpoint_job(job, wait_seconds) -> CheckpointOutcome`` saves a running job's
-    # state now (a checkpoint at its next step boundary; see ``checkpoint_through``).
-
-    # Optional: a ``fence`` attribute (None until set). The controller sets it to a callable that
-    # raises ``elastic.store.LeaseLost`` once its lease is no longer its own; a backend calls it
-    # right before each irreversible change inside a long action (posting a directive, patching a
-    # Deployment), so a leader stalled mid-action and taken over meanwhile changes nothing more.
-
     def cancel_grow(self, job: str) -> bool:
         """Call off a ``set_job_gpus`` grow of ``job`` running in another thread if its joiners
         have not joined yet (no directive posted); that call then raises GrowCancelled. True
         if called off, False if there is nothing to call off (it then runs to its end)."""
+
+
+# ---- optional capabilities ------------------------------------------------------------------------
+
+
+@runtime_checkable
+class Drains(Protocol):
+    """Takes replicas out of the load balancer ahead of a scale-down the policy sees coming
+    (``drain_ahead_seconds``). Without it a replica drains only once it is removed."""
+
+    def drain_ahead(self, service: str, gpus: Sequence[GPU], hold_seconds: float) -> list[str]:
+        """Take the replicas on ``gpus`` out of the balancer; returns their URLs. They keep their
+        GPUs, still count in ``service_gpus`` and in ``metric_targets`` (the metric's scrape
+        targets, when they differ from ``service_targets``), and go back into the balancer when
+        not asked again within ``hold_seconds``."""
+
+
+@runtime_checkable
+class Pauses(Protocol):
+    """Pauses a job into keepers. Without it a job that must go below its minimum can only be
+    preempted (stopped), and the controller says so."""
+
+    def pause_job(self, spec: TrainingSpec) -> RescaleOutcome:
+        """Free every GPU of a running job and keep its state off-GPU (phase ``Paused``, no GPUs,
+        ``layout`` = what the keepers hold); a later ``set_job_gpus`` with GPUs resumes it at the
+        same step."""
+
+
+@runtime_checkable
+class Checkpoints(Protocol):
+    """Saves a running job's state when asked (the admin API's checkpoint)."""
+
+    def checkpoint_job(self, job: str, wait_seconds: float = 0.0) -> CheckpointOutcome:
+        """A checkpoint at the job's next step boundary (see :func:`checkpoint_through`)."""
+
+
+@runtime_checkable
+class Fenced(Protocol):
+    """Checks the controller's lease inside long actions. The controller sets ``fence`` to a
+    callable that raises ``elastic.store.LeaseLost`` once its lease is no longer its own; the
+    backend calls it right before each irreversible change inside a long action (posting a
+    directive, patching a Deployment), so a leader stalled mid-action and taken over meanwhile
+    changes nothing more."""
+
+    fence: Callable[[], None] | None
+
+
+@runtime_checkable
+class Adopts(Protocol):
+    """Re-attaches at start to workloads a previous controller left running; ``adopted`` says
+    what it found, for the controller's recovery notes."""
+
+    adopted: list[str]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """Which optional capabilities a backend has, read once when the controller starts."""
+
+    drains: bool = False
+    pauses: bool = False
+    checkpoints: bool = False
+    fenced: bool = False
+    adopts: bool = False
+
+    @classmethod
+    def of(cls, backend: Any) -> Capabilities:
+        return cls(drains=isinstance(backend, Drains), pauses=isinstance(backend, Pauses),
+                   checkpoints=isinstance(backend, Checkpoints), fenced=isinstance(backend, Fenced),
+                   adopts=isinstance(backend, Adopts))
+
+    def names(self) -> list[str]:
+        """The capabilities present, by interface name (for a log line)."""
+        return [n for n, on in (("Drains", self.drains), ("Pauses", self.pauses), ("Checkpoints", self.checkpoints),
+                                ("Fenced", self.fenced), ("Adopts", self.adopts)) if on]

@@ -20,10 +20,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 from elastic import store as db
-from elastic.backends.base import BackendError, GrowCancelled, JobRuntime, RescaleOutcome
+from elastic.backends.base import BackendError, Drains, GrowCancelled, JobRuntime, Pauses, RescaleOutcome
 from elastic.controller.base import _dt, _recorded_layout, log, paused_tag
 from elastic.controller.decide import Deciding
 from elastic.controller.lease import Leading
@@ -139,9 +139,9 @@ class Applying(Leading, Deciding):
         drain as usual). A service scaled this tick or one whose ``leaving`` is 0 gets every
         replica back. The backend holds them out for a few ticks unless asked again, so
         a controller that stops ticking cannot strand them."""
-        act = getattr(self.backend, "drain_ahead", None)
-        if act is None:
+        if not self.caps.drains:
             return []
+        act = cast(Drains, self.backend).drain_ahead
         scaled = {st.workload for st in plan.steps if st.action in ("scale_inference_up", "scale_inference_down")}
         hold = max(10.0, 3 * self.cfg.controller.tick_seconds)
         wanted: dict[str, tuple[GPU, ...]] = {}
@@ -206,7 +206,7 @@ class Applying(Leading, Deciding):
         before = self.backend.job_runtime(spec.name)
         to = (paused_tag(Layout.parse(before.layout).held())
               if before is not None and before.layout and before.phase != "Paused" else None)
-        self._reshard_on_record(spec, before, to, now, lambda: self._act(self.backend.pause_job, spec))  # type: ignore[attr-defined]
+        self._reshard_on_record(spec, before, to, now, lambda: self._act(cast(Pauses, self.backend).pause_job, spec))
 
     def _reshard_on_record(self, spec: Any, before: JobRuntime | None, to_layout: str | None, now: float,
                            act: Callable[[], RescaleOutcome]) -> None:

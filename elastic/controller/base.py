@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from elastic.backends.base import Backend, JobRuntime
+from elastic.backends.base import Backend, Capabilities, JobRuntime
 from elastic.config import ControllerConfig
 from elastic.metrics.sample import MetricSource
 from elastic.model import GPU, HardwareSpec, Layout
@@ -99,6 +99,7 @@ class ControllerState:
     cfg: ControllerConfig
     config_source: str | None
     backend: Backend
+    caps: Capabilities  # the backend's optional capabilities, read once at start
     store: Store
     db: FencedStore
     sources: dict[str, MetricSource]
@@ -149,4 +150,4 @@ class ControllerState:
 
     @property
     def _can_pause(self) -> bool:
-        return callable(getattr(self.backend, "pause_job", None))
+        return self.caps.pauses

@@ -10,10 +10,10 @@ a restart or a failover keeps them (an override that ran out is dropped).
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 from elastic import store as db
-from elastic.backends.base import BackendError
+from elastic.backends.base import BackendError, Checkpoints
 from elastic.controller.base import ControllerState, _dt, log
 from elastic.model import Layout, SpecError
 
@@ -120,11 +120,9 @@ class Interventions(ControllerState):
         spec = next((j for j in self.cfg.jobs if j.name == job), None)
         if spec is not None and spec.checkpoint is None:  # the spec says it all, running or not
             raise SpecError(f"job {job} has no checkpoint settings; give it checkpoint.dir to save one")
-        act = getattr(self.backend, "checkpoint_job", None)
-        if act is None:
-            raise BackendError(f"the {getattr(self.backend, 'name', type(self.backend).__name__)} backend cannot save "
-                               "a checkpoint on demand")
-        out = act(job, wait_seconds)
+        if not self.caps.checkpoints:
+            raise BackendError(f"the {self.backend.name} backend cannot save a checkpoint on demand")
+        out = cast(Checkpoints, self.backend).checkpoint_job(job, wait_seconds)
         log.info("checkpoint of %s asked for%s", job, f": step {out.step}" if out.step is not None else "")
         return out
 

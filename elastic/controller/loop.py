@@ -11,9 +11,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import cast
 
 from elastic import store as db
-from elastic.backends.base import Backend, BackendUnavailable
+from elastic.backends.base import Adopts, Backend, BackendUnavailable, Capabilities, Fenced
 from elastic.config import ControllerConfig
 from elastic.controller.apply import Applying
 from elastic.controller.base import Backoff, TickResult, _dt, _recorded_layout, log
@@ -56,8 +57,11 @@ class Controller(Applying, Recording):
         #: (kind, target) -> the intervention on record (who, when) behind paused/overrides/pinned
         self.intervened: dict[tuple[str, str], db.InterventionRecord] = {}
         self._expired_overrides = False  # an override ran out: its row goes in the record step
-        if hasattr(backend, "fence"):  # optional capability: the backend fences inside long actions
-            backend.fence = self._check_lead
+        self.caps = Capabilities.of(backend)  # its optional capabilities, read once
+        log.info("backend %s: optional capabilities %s", getattr(backend, "name", type(backend).__name__),
+                 ", ".join(self.caps.names()) or "none")
+        if self.caps.fenced:  # the backend checks the lease inside long actions
+            cast(Fenced, backend).fence = self._check_lead
         self.clock = clock
         self.hardware = load_hardware(cfg.pool.hardware)
         self.policy_state: dict[str, PolicyState] = {s.name: PolicyState() for s in cfg.services}
@@ -112,7 +116,7 @@ class Controller(Applying, Recording):
         4. allocations re-recorded from the backend, and a ``Recovered`` decision with the notes.
         """
         now = self.clock()
-        notes: list[str] = list(getattr(self.backend, "adopted", None) or [])
+        notes: list[str] = list(cast(Adopts, self.backend).adopted) if self.caps.adopts else []
         for act in db.open_actions(self.db, self.pool):
             rt = self.backend.job_runtime(act.workload) if act.kind.endswith("training") else None
             truth = f"backend reports {_recorded_layout(rt)} on {len(rt.gpus)} GPUs" if rt else "backend reports nothing running"
