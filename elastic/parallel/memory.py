@@ -18,7 +18,9 @@ Accounting (Megatron-LM ``megatron/training/theoretical_memory_usage.py``):
   gate, up and their product), attention scores ``5*heads*s``. GPT (ffn = 4h):
   ``sbh(34 + 5as/h)``; selective recompute drops the scores (``34 sbh/t``, also what
   flash attention stores); full recompute keeps only the layer input ``2sbh/t`` plus one
-  layer's full working set during its backward.
+  layer's full working set during its backward. The reference trainer (``elastic.train``)
+  runs this sequence parallelism and a flash attention kernel, so it holds the selective
+  count (less the dropout masks: it has no dropout) whatever the plan's recompute says.
 * in-flight micro-batches (1F1B): pipeline rank p holds ``min(m, pp - p)`` of them;
   interleaved (vpp chunks): ``min(m*vpp, 2(pp-p-1) + (vpp-1)pp + 1)`` chunk-micro-batches,
   which for p = 0 is Megatron's ``pp * (1 + (pp-1)/(pp*vpp))``.

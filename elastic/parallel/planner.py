@@ -338,9 +338,11 @@ def _divisors(n: int) -> list[int]:
 
 @lru_cache(maxsize=256)
 def tp_choices(model: ModelSpec, gpus_per_node: int) -> tuple[int, ...]:
-    """tp dividing heads (and kv_heads unless MLA) and the node size, so TP groups never span nodes."""
+    """tp dividing heads (and kv_heads unless MLA) and the node size, so TP groups never span nodes,
+    and the sequence length (sequence parallelism splits every sequence over the TP ranks)."""
     return tuple(t for t in _divisors(gpus_per_node)
-                 if model.heads % t == 0 and (model.mla is not None or model.kv_heads % t == 0))
+                 if model.heads % t == 0 and (model.mla is not None or model.kv_heads % t == 0)
+                 and model.seq_len % t == 0)
 
 
 def ep_choices(model: ModelSpec) -> tuple[int, ...]:

@@ -47,7 +47,7 @@ from elastic.reshard.spec import (
 from elastic.train.data import SyntheticData, _mix
 from elastic.train.groups import DEFAULT_TIMEOUT, ParallelGroups, StepGivenUp, StepInterrupted, build_groups
 from elastic.train.memory import MeasuredMemory, MemoryMeter
-from elastic.train.model import GPTStage, check_supported
+from elastic.train.model import GPTStage, check_sequence_split, check_supported
 from elastic.train.optim import AdamHyper, ShardedAdam
 from elastic.train.pipeline import P2PShape, interleaved_one_f_one_b, one_f_one_b
 
@@ -219,6 +219,7 @@ class TrainEngine:
         self.grad_accum = cfg.grad_accum(layout)
         self.micro_batch = cfg.micro_batch_for(layout)
         self.tp_rank, self.dp_rank, self.pp_rank = layout.coords(rank)
+        check_sequence_split(cfg.model, layout.tp)  # before any communicator is built
         self.pieces = self.spec.rank_pieces(rank)
         if state is not None:
             _check_state(state, self.pieces, cfg, rank, layout)
@@ -262,7 +263,7 @@ class TrainEngine:
         self._carry: PartialStep | None = None  # a given-up step's work to finish from (resume_partial)
         self._contribute = False  # ... and whether this rank adds it
         self._step_started = 0.0
-        self.act = P2PShape((self.micro_batch, cfg.model.seq_len, cfg.model.hidden), cfg.dtype, cfg.device)
+        self.act = P2PShape(self.stage.boundary_shape(self.micro_batch), cfg.dtype, cfg.device)
         self.meter = MemoryMeter()
         self.memory: MeasuredMemory | None = None  # the last measured step's memory by component
         self._steps_run = 0

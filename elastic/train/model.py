@@ -18,9 +18,21 @@ rotary position embeddings (RoPE); MLP ``swiglu`` (gate/up/down, RMSNorm) or ``g
 (fc1/fc2, LayerNorm); biases when ``model.has_bias``; optional tied embeddings (the last
 stage then holds its own copy of ``embed.weight`` as the LM head).
 
-Megatron TP: q/k/v, gate/up and fc1 are column-parallel (whole heads per rank), attention
-out, down and fc2 row-parallel, the embedding and head vocab-parallel; norms and
-row-parallel biases are replicated.
+Megatron TP with sequence parallelism (:mod:`elastic.train.tp`): q/k/v, gate/up and fc1 are
+column-parallel (whole heads per rank), attention out, down and fc2 row-parallel, the embedding
+and head vocab-parallel; norms and row-parallel biases are replicated. Whenever tp > 1 the hidden
+states between TP regions are this rank's ``seq_len / tp`` positions: the embedding's output is
+reduce-scattered along the sequence, norms and residual adds run on the shard, each block
+all-gathers the sequence into its column-parallel linears and reduce-scatters it out of its
+row-parallel one, pipeline stages pass the shard on (:meth:`GPTStage.boundary_shape`), and the
+sequence is gathered again into the vocab-parallel head. ``seq_len`` must divide by tp.
+
+Kernels hold what fused production kernels hold between forward and backward (what the
+planner's activation count, :mod:`elastic.parallel.memory`, describes): a norm keeps its input
+and per-token statistics, SwiGLU its two inputs, attention is PyTorch's scaled-dot-product
+attention (a flash kernel on CPU: q, k, v, its output and the log-sum-exp; key/value heads are
+shared by their query heads, never repeated), and a column-parallel linear keeps the
+sequence shard of its input.
 
 Must not: communicate outside TP and the MoE layers' expert-parallel exchange (pipeline and
 data parallelism live in the engine),
@@ -29,7 +41,8 @@ initialise weights (the engine does, from the global tensors), or hold optimizer
 
 from __future__ import annotations
 
-import math
+from functools import lru_cache
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +56,8 @@ from elastic.train.tp import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    copy_to_tp,
+    gather_linears,
+    sp_param,
     vocab_parallel_cross_entropy,
 )
 
@@ -59,34 +73,96 @@ def check_supported(model: ModelSpec) -> None:
                         "trainer; use a model with plain (GQA) attention")
 
 
-class Norm(nn.Module):
-    """RMSNorm (``kind="rms"``) or LayerNorm (``"layer"``), optional bias; computed in fp32."""
+def check_sequence_split(model: ModelSpec, tp: int) -> None:
+    """Sequence parallelism splits every sequence into ``tp`` equal shards."""
+    if model.seq_len % tp:
+        raise SpecError(f"model {model.name}: seq_len={model.seq_len} is not divisible by tp={tp} "
+                        f"({model.seq_len} % {tp} = {model.seq_len % tp}); the reference trainer splits the sequence "
+                        "over the TP ranks (sequence parallelism): choose a tp dividing seq_len, or a seq_len "
+                        "that is a multiple of tp")
 
-    def __init__(self, hidden: int, kind: str, bias: bool, dtype: torch.dtype, device: str) -> None:
+
+class _RMSNorm(torch.autograd.Function):
+    """``x * rsqrt(mean(x^2) + eps) * w (+ b)``, keeping only ``x`` and the per-token ``rsqrt`` for backward
+    (as a fused kernel does); the normalised values are recomputed there. Sums in fp32 for bf16."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        xf = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + NORM_EPS)
+        ctx.save_for_backward(x, rstd, w)
+        ctx.has_bias = b is not None
+        y = (xf * rstd).to(x.dtype) * w
+        return y if b is None else y + b
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        x, rstd, w = ctx.saved_tensors
+        xf = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+        n = xf * rstd
+        lead = tuple(range(dy.dim() - 1))
+        dw = (dy * n.to(dy.dtype)).sum(lead)
+        db = dy.sum(lead) if ctx.has_bias else None
+        dn = (dy * w).to(n.dtype)
+        dx = rstd * (dn - n * (dn * n).mean(-1, keepdim=True))
+        return dx.to(x.dtype), dw, db
+
+
+class Norm(nn.Module):
+    """RMSNorm (``kind="rms"``) or LayerNorm (``"layer"``), optional bias, on this rank's sequence shard
+    (its weight's gradient summed over TP: :func:`elastic.train.tp.sp_param`)."""
+
+    def __init__(self, hidden: int, kind: str, bias: bool, tp: Comm, dtype: torch.dtype, device: str) -> None:
         super().__init__()
         self.kind = kind
+        self.tp = tp
         self.weight = nn.Parameter(torch.empty(hidden, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(hidden, dtype=dtype, device=device)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
-        if self.kind == "layer":
-            xf = xf - xf.mean(-1, keepdim=True)
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + NORM_EPS)
-        y = y.to(x.dtype) * self.weight
-        return y if self.bias is None else y + self.bias
+        w = sp_param(self.weight, self.tp)
+        b = None if self.bias is None else sp_param(self.bias, self.tp)
+        if self.kind == "layer":  # PyTorch's fused kernel: keeps x, the mean and rsqrt of the variance
+            return F.layer_norm(x, (x.shape[-1],), w, b, NORM_EPS)
+        return _RMSNorm.apply(x, w, b)
 
 
-def rope(x: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding (rotate-half form) of ``x`` shaped ``[batch, heads, seq, head_dim]``."""
-    seq, dim = x.shape[-2], x.shape[-1]
+@lru_cache(maxsize=16)
+def _rope_tables(seq: int, half: int, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angles ``[seq, 1, half]``, computed once (a fused RoPE kernel's table)."""
+    inv = 1.0 / ROPE_BASE ** (torch.arange(half, dtype=torch.float64, device=device) / half)
+    ang = torch.arange(seq, dtype=torch.float64, device=device)[:, None, None] * inv
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def _rotate(x: torch.Tensor, sign: float) -> torch.Tensor:
+    """Rotate-half RoPE of ``x`` ``[batch, seq, heads, head_dim]`` by ``sign`` times the angles (-1: the
+    inverse rotation, which is also the transpose: the backward)."""
+    dim = x.shape[-1]
     half = dim // 2
-    inv = 1.0 / ROPE_BASE ** (torch.arange(half, dtype=torch.float64, device=x.device) / half)
-    ang = torch.arange(seq, dtype=torch.float64, device=x.device)[:, None] * inv[None, :]
-    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    cos, sin = _rope_tables(x.shape[1], half, x.dtype, str(x.device))
+    sin = sin if sign > 0 else -sin
     x1, x2 = x[..., :half], x[..., half:2 * half]
     rot = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return rot if 2 * half == dim else torch.cat([rot, x[..., 2 * half:]], dim=-1)
+
+
+class _RoPE(torch.autograd.Function):
+    """RoPE keeping nothing for backward (a rotation's gradient is the inverse rotation of the
+    output's), as a fused kernel does; the cos/sin table is shared, not saved per call."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return _rotate(x, 1.0)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> torch.Tensor:
+        return _rotate(dy, -1.0)
+
+
+def rope(x: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (rotate-half form) of ``x`` shaped ``[batch, seq, heads, head_dim]``."""
+    return _RoPE.apply(x)
 
 
 class Attention(nn.Module):
@@ -103,21 +179,33 @@ class Attention(nn.Module):
         self.o = RowParallelLinear(self.heads * hd, h, b, tp, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bsz, seq, _ = x.shape
-        x = copy_to_tp(x, self.tp)
-        q = self.q(x).view(bsz, seq, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k(x).view(bsz, seq, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v(x).view(bsz, seq, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = rope(q), rope(k)
-        if self.kv_heads != self.heads:
-            # GQA: local query head j reads local kv head j // group (both split on whole heads)
-            group = self.heads // self.kv_heads
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
-        probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1)
-        out = (probs @ v).transpose(1, 2).reshape(bsz, seq, self.heads * self.head_dim)
-        return self.o(out)
+        """``x``: this rank's sequence shard ``[b, s/tp, h]``; returns the same shard of the output."""
+        q, k, v = gather_linears(x, self.tp, [self.q.wb, self.k.wb, self.v.wb])
+        bsz, seq = q.shape[0], q.shape[1]
+        # [b, s, heads, head_dim] in memory, viewed [b, heads, s, head_dim]: the CPU flash kernel then
+        # lays its output out [b, s, heads, head_dim] too, so the out-projection's input is a view of
+        # it and keeps the very tensor attention keeps (no copy)
+        q = rope(q.view(bsz, seq, self.heads, self.head_dim)).transpose(1, 2)
+        k = rope(k.view(bsz, seq, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = v.view(bsz, seq, self.kv_heads, self.head_dim).transpose(1, 2)
+        # GQA: local query head j reads local kv head j // group (both split on whole heads)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        return self.o(out.transpose(1, 2).reshape(bsz, seq, self.heads * self.head_dim))
+
+
+class _SwiGLU(torch.autograd.Function):
+    """``silu(g) * u``, keeping only ``g`` and ``u`` for backward (Megatron's fused ``bias_swiglu``)."""
+
+    @staticmethod
+    def forward(ctx: Any, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(g, u)
+        return F.silu(g) * u
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g, u = ctx.saved_tensors
+        s = torch.sigmoid(g)
+        return dy * u * s * (1 + g * (1 - s)), dy * (g * s)
 
 
 class MLP(nn.Module):
@@ -140,10 +228,12 @@ class MLP(nn.Module):
             self.fc2 = RowParallelLinear(w, h, b, tp, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tp(x, self.tp)
+        """``x``: this rank's sequence shard; returns the same shard of the output."""
         if self.kind == "swiglu":
-            return self.down(F.silu(self.gate(x)) * self.up(x))
-        return self.fc2(F.gelu(self.fc1(x)))
+            g, u = gather_linears(x, self.tp, [self.gate.wb, self.up.wb])
+            return self.down(_SwiGLU.apply(g, u))
+        (a,) = gather_linears(x, self.tp, [self.fc1.wb])
+        return self.fc2(F.gelu(a))
 
 
 class Block(nn.Module):
@@ -152,9 +242,9 @@ class Block(nn.Module):
     def __init__(self, model: ModelSpec, layer: int, tp: Comm, ep: Comm, dtype: torch.dtype, device: str) -> None:
         super().__init__()
         kind = "rms" if model.mlp == "swiglu" else "layer"
-        self.attn_norm = Norm(model.hidden, kind, model.has_bias, dtype, device)
+        self.attn_norm = Norm(model.hidden, kind, model.has_bias, tp, dtype, device)
         self.attn = Attention(model, tp, dtype, device)
-        self.mlp_norm = Norm(model.hidden, kind, model.has_bias, dtype, device)
+        self.mlp_norm = Norm(model.hidden, kind, model.has_bias, tp, dtype, device)
         self.is_moe = model.is_moe_layer(layer)
         if self.is_moe:
             assert model.moe is not None
@@ -178,6 +268,7 @@ class GPTStage(nn.Module):
         super().__init__()
         model, layout = spec.model, spec.layout
         check_supported(model)
+        check_sequence_split(model, layout.tp)
         tp_rank, dp_rank, pp_rank = layout.coords(rank)
         self.model_spec = model
         self.tp = tp
@@ -200,7 +291,7 @@ class GPTStage(nn.Module):
         self.chunk_layers: tuple[tuple[str, ...], ...] = tuple(
             tuple(str(i) for i in part.chunks[c * layout.pp + pp_rank]) for c in range(layout.vpp))
         if self.is_last:
-            self.final_norm = Norm(model.hidden, kind, model.has_bias, dtype, device)
+            self.final_norm = Norm(model.hidden, kind, model.has_bias, tp, dtype, device)
             if not model.tie_embeddings:
                 self.head = nn.Module()
                 self.head.weight = nn.Parameter(torch.empty(rows, model.hidden, dtype=dtype, device=device))
@@ -219,7 +310,15 @@ class GPTStage(nn.Module):
         times the balance coefficient): the gradient the MoE layers give their balance terms."""
         for block in self.layers.values():
             if block.is_moe:
-                block.moe.loss_scale = scale
+                moe = block.moe
+                assert isinstance(moe, MoE)
+                moe.loss_scale = scale
+
+    def boundary_shape(self, micro_batch: int) -> tuple[int, int, int]:
+        """The shape of what passes between pipeline stages: a micro-batch's hidden states, this rank's
+        sequence shard ``[micro_batch, seq_len / tp, hidden]``."""
+        m = self.model_spec
+        return (micro_batch, m.seq_len // self.tp.size, m.hidden)
 
     def takes_tokens(self, chunk: int) -> bool:
         """Whether ``chunk`` is the first virtual stage (it embeds token ids)."""
@@ -231,16 +330,18 @@ class GPTStage(nn.Module):
 
     def forward(self, x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
         """Model chunk ``chunk`` (the rank's only one when vpp = 1). First virtual stage: token
-        ids ``[b, s]``; others: hidden ``[b, s, h]``. Returns hidden (or this rank's vocab slice of
-        the logits on the last virtual stage)."""
+        ids ``[b, s]``; others: hidden ``[b, s/tp, h]`` (this rank's sequence shard). Returns hidden
+        (the shard), or on the last virtual stage this rank's vocab slice of the logits ``[b, s, V/tp]``
+        (the whole sequence)."""
         h = self.embed(x) if self.takes_tokens(chunk) else x
         for i in self.chunk_layers[chunk]:
             h = self.layers[i](h)
         if not self.gives_logits(chunk):
             return h
-        h = copy_to_tp(self.final_norm(h), self.tp)
         head = self.embed.weight if self.model_spec.tie_embeddings else self.head.weight
-        return F.linear(h, head)
+        assert isinstance(head, torch.Tensor)
+        (logits,) = gather_linears(self.final_norm(h), self.tp, [(head, None)])
+        return logits
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean token cross-entropy of this micro-batch (identical on every TP rank)."""

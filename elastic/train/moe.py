@@ -26,11 +26,21 @@ loss.
 Expert parallelism: the ``ep`` ranks of an EP group (consecutive dp ranks, same tp and pp rank)
 hold disjoint experts and run the same schedule. Each rank routes its own tokens, sends each
 (token, choice) to the rank holding the expert (an all-gather of per-expert counts, then one
-all-to-all over the EP group), the owners compute their experts on what they received and
-reduce over TP (the owner's TP ranks received the same tokens: inputs and routing are
-replicated across TP), and a second all-to-all returns the outputs, which the sender weights
-and sums. The backward runs the two all-to-alls in reverse. With ``ep == 1`` no message is sent
-and the arithmetic is the single process's.
+all-to-all over the EP group), the owners compute their experts on what they received, and a
+second all-to-all returns the outputs, which the sender weights and sums. The backward runs the
+two all-to-alls in reverse. With ``ep == 1`` no message is sent and the arithmetic is the single
+process's.
+
+Tensor and sequence parallelism (Megatron's all-to-all dispatcher): at tp > 1 a rank's tokens
+are its sequence shard (:mod:`elastic.train.model`), so each TP rank routes and dispatches its
+own positions over its EP group (the ranks of the same tp index). An expert is TP-split like a
+dense MLP, so the owner's TP ranks first all-gather what each of them received (sizes differ:
+the counts are gathered first), each computes its part of every expert on all of it, and a
+reduce-scatter over TP sums the parts and hands each TP rank back the rows it received (its
+backward an all-gather; both pad to the largest rank's rows, gloo's collectives taking equal
+sizes). The router weight and the down-projection's bias see only this rank's rows, so their
+gradients are summed over TP; the balance loss's per-sequence counts and mean scores are summed
+over the TP ranks' shards. The shared experts are a dense MLP on the shard.
 
 Must not: reduce gradients over DP (the engine reduces expert gradients over the ranks holding
 the same experts), initialise weights, or depend on another rank's batch beyond the exchange.
@@ -41,13 +51,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from elastic.model import ModelSpec
 from elastic.reshard.spec import split_range
 from elastic.train.groups import Comm
-from elastic.train.tp import copy_to_tp, reduce_from_tp
+from elastic.train.tp import reduce_from_tp, sp_param
 
 
 class _AllToAll(torch.autograd.Function):
@@ -91,13 +102,18 @@ def route(scores: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def balance_loss(scores: torch.Tensor, chosen: torch.Tensor, experts: int, top_k: int,
-                 sequences: int) -> torch.Tensor:
+                 sequences: int, tp: Comm | None = None) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance term ``sum_i f_i P_i``, averaged over the ``sequences``
-    (``scores`` ``[sequences * seq, experts]``, ``chosen`` ``[sequences * seq, top_k]``)."""
-    seq = scores.shape[0] // sequences
-    picks = F.one_hot(chosen, experts).sum(1).view(sequences, seq, experts).to(scores.dtype)
-    f = picks.mean(1) * (experts / top_k)  # [sequences, experts]: no gradient (a count)
-    p = (scores / scores.sum(-1, keepdim=True)).view(sequences, seq, experts).mean(1)
+    (``scores`` ``[sequences * seq, experts]``, ``chosen`` ``[sequences * seq, top_k]``). With ``tp``,
+    the rows are this rank's shard of each sequence: the counts and score sums add up over TP (every
+    TP rank then has the same loss, and its backward reaches this rank's scores alone)."""
+    tp = tp if tp is not None else Comm.solo(0)
+    shard = scores.shape[0] // sequences
+    seq = shard * tp.size
+    picks = F.one_hot(chosen, experts).sum(1).view(sequences, shard, experts).sum(1).to(scores.dtype)
+    picks = tp.all_reduce(picks.detach().contiguous())  # a count: no gradient
+    f = picks / seq * (experts / top_k)  # [sequences, experts]
+    p = reduce_from_tp((scores / scores.sum(-1, keepdim=True)).view(sequences, shard, experts).sum(1), tp) / seq
     return (f * p).sum(-1).mean()
 
 
@@ -130,7 +146,8 @@ class Experts(nn.Module):
             self.fc2 = _ExpertWeights(n, h, w, b, dtype, device)
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """``x``: rows grouped by local expert (``counts[e]`` rows for local expert ``e``); the outputs, same order."""
+        """``x``: rows grouped by local expert (``counts[e]`` rows for local expert ``e``); this TP rank's
+        part of their outputs (to be summed over TP), same order, without the down-projection's bias."""
         pieces = []
         for e, rows in enumerate(x.split(counts)):  # every expert runs, an empty one too (same graph everywhere)
             if self.kind == "swiglu":
@@ -138,13 +155,11 @@ class Experts(nn.Module):
                 pieces.append(F.linear(hidden, self.down.weight[e]))
             else:
                 pieces.append(F.linear(F.gelu(_lin(rows, self.fc1, e)), self.fc2.weight[e]))
-        y = reduce_from_tp(torch.cat(pieces), self.tp)
-        out = self.down if self.kind == "swiglu" else self.fc2
-        if out.bias is not None:
-            ids = torch.repeat_interleave(torch.arange(len(counts), device=x.device),
-                                          torch.tensor(counts, device=x.device))
-            y = y + out.bias.index_select(0, ids)
-        return y
+        return torch.cat(pieces)
+
+    def out_bias(self) -> torch.Tensor | None:
+        """The down-projection's bias ``[local experts, hidden]`` (added once, after the TP sum)."""
+        return (self.down if self.kind == "swiglu" else self.fc2).bias
 
 
 def _lin(x: torch.Tensor, proj: _ExpertWeights, e: int) -> torch.Tensor:
@@ -169,22 +184,25 @@ class MoE(nn.Module):
         self.loss_scale = 0.0  # the balance loss's weight in this micro-batch's objective (set by the engine)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: this rank's sequence shard ``[b, s/tp, h]``; returns the same shard of the output."""
         bsz, seq, h = x.shape
         tokens = x.reshape(bsz * seq, h)
-        # 1. routing, on the replicated input (its gradient is whole on every TP rank, not a TP part)
-        scores = torch.sigmoid(F.linear(tokens, self.router.weight))
+        # 1. routing of this rank's tokens (the router's gradient is summed over the TP ranks' shards)
+        router = self.router.weight
+        assert isinstance(router, torch.Tensor)
+        scores = torch.sigmoid(F.linear(tokens, sp_param(router, self.tp)))
         chosen, weights = route(scores, self.top_k)
-        routed = self._dispatch_compute_combine(copy_to_tp(tokens, self.tp), chosen)
+        routed = self._dispatch_compute_combine(tokens, chosen)
         y = (routed.view(bsz * seq, self.top_k, h) * weights.unsqueeze(-1)).sum(1).view(bsz, seq, h)
         if self.shared is not None:
             y = y + self.shared(x)
         if self.loss_scale:
-            aux = balance_loss(scores, chosen, self.experts_total, self.top_k, bsz)
+            aux = balance_loss(scores, chosen, self.experts_total, self.top_k, bsz, self.tp)
             y = _AttachLoss.apply(y, aux, self.loss_scale)
         return y
 
     def _dispatch_compute_combine(self, tokens: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        """Each (token, choice)'s expert output (TP-reduced), rows in ``chosen.flatten()`` order."""
+        """Each (token, choice)'s expert output, rows in ``chosen.flatten()`` order."""
         E, P = self.experts_total, self.ep.size
         per_rank = E // P
         flat = chosen.reshape(-1)
@@ -204,10 +222,82 @@ class MoE(nn.Module):
         # 3. dispatch; received rows are member by member, each member's by local expert
         got_x = _all_to_all(send_x, self.ep, send, recv)
         src_expert = torch.arange(per_rank, device=tokens.device).repeat(P)
-        local_ids = torch.repeat_interleave(src_expert, mine.reshape(-1).to(tokens.device))
+        # 4. the TP ranks of this owner received different rows (their own shards'): gather them all,
+        #    [TP rank, member, local expert] order, since each computes its part of every expert
+        if self.tp.size == 1:
+            tp_mine = mine.view(1, P, per_rank)
+        else:
+            parts = [torch.empty_like(mine) for _ in range(self.tp.size)]
+            tp_mine = torch.stack(self.tp.all_gather(parts, mine.contiguous()))  # [tp rank, member, local expert]
+        sizes = tp_mine.sum((1, 2)).tolist()
+        all_x = _gather_rows(got_x, self.tp, sizes)
+        local_ids = torch.repeat_interleave(src_expert.repeat(self.tp.size), tp_mine.reshape(-1).to(tokens.device))
         by_expert = torch.sort(local_ids, stable=True).indices
-        # 4. the local experts, then back to the received order and to the senders
-        out = self.experts(got_x.index_select(0, by_expert), mine.sum(0).tolist())
-        out = out.index_select(0, torch.argsort(by_expert))
+        # 5. the local experts (this TP rank's part), back to the gathered order, summed over TP
+        #    into the rows this rank received, then the bias (once, after the sum) and back to the senders
+        out = self.experts(all_x.index_select(0, by_expert), tp_mine.sum((0, 1)).tolist())
+        out = _scatter_rows(out.index_select(0, torch.argsort(by_expert)), self.tp, sizes)
+        bias = self.experts.out_bias()
+        if bias is not None:
+            ids = torch.repeat_interleave(src_expert, mine.reshape(-1).to(tokens.device))
+            out = out + sp_param(bias, self.tp).index_select(0, ids)
         back = _all_to_all(out, self.ep, recv, send)
         return back.index_select(0, torch.argsort(order))
+
+
+# --------------------------------------------------------------------------------------------
+# Rows of different counts over TP (gloo's all-gather and reduce-scatter take equal sizes: pad)
+# --------------------------------------------------------------------------------------------
+
+
+def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    return x if x.shape[0] == rows else torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
+
+
+def _all_gather_rows(x: torch.Tensor, tp: Comm, sizes: list[int]) -> torch.Tensor:
+    most = max(sizes)
+    parts = tp.all_gather([x.new_empty((most, *x.shape[1:])) for _ in sizes], _padded(x.contiguous(), most))
+    return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
+
+
+def _reduce_scatter_rows(x: torch.Tensor, tp: Comm, sizes: list[int]) -> torch.Tensor:
+    most = max(sizes)
+    blocks = [_padded(b, most).contiguous() for b in x.split(sizes)]
+    out = x.new_empty((most, *x.shape[1:]))
+    assert tp.backend is not None
+    tp.backend.reduce_scatter([out], [blocks], dist.ReduceScatterOptions()).wait()
+    return out[:sizes[tp.index]]
+
+
+class _GatherRows(torch.autograd.Function):
+    """Every TP rank's rows (``sizes[i]`` from rank i), concatenated; backward: reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: Comm, sizes: list[int]) -> torch.Tensor:
+        ctx.tp, ctx.sizes = tp, sizes
+        return _all_gather_rows(x, tp, sizes)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _reduce_scatter_rows(grad, ctx.tp, ctx.sizes), None, None
+
+
+class _ScatterRows(torch.autograd.Function):
+    """The sum over TP of every rank's rows, this rank's block of them; backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: Comm, sizes: list[int]) -> torch.Tensor:
+        ctx.tp, ctx.sizes = tp, sizes
+        return _reduce_scatter_rows(x, tp, sizes)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_gather_rows(grad.contiguous(), ctx.tp, ctx.sizes), None, None
+
+
+def _gather_rows(x: torch.Tensor, tp: Comm, sizes: list[int]) -> torch.Tensor:
+    return x if tp.size == 1 else _GatherRows.apply(x, tp, sizes)
+
+
+def _scatter_rows(x: torch.Tensor, tp: Comm, sizes: list[int]) -> torch.Tensor:
+    return x if tp.size == 1 else _ScatterRows.apply(x, tp, sizes)

@@ -12,7 +12,9 @@ Activations go forward and their gradients backward over point-to-point messages
 PP communicator; the two directions of a combined step (send this activation, receive
 the next gradient) are posted together and then awaited, as Megatron's batched P2P does,
 so neighbouring stages never wait on each other in a cycle. Every message has a shape
-known up front (``[micro_batch, seq, hidden]``).
+known up front (``act``: a micro-batch's hidden states as a stage passes them on, with
+sequence parallelism this rank's shard ``[micro_batch, seq / tp, hidden]``,
+``GPTStage.boundary_shape``).
 
 Interleaved (``vpp`` model chunks per rank): chunk ``c`` of rank ``r`` is virtual stage
 ``c*P + r``, so a micro-batch visits every rank ``vpp`` times and the fill/drain bubble
