@@ -12,7 +12,9 @@ in (:func:`budget_bytes`: device memory less the planner's reserve; the reserve 
 of the trainer holds, so the measured bytes compare with what is left). Over it: the layout is
 dropped, with the peak, the budget and the planner's prediction per component beside the
 measured bytes. A worker that failed with an out-of-memory error (:func:`check_failure`) drops
-its layout too. A missing measurement changes nothing.
+its layout too, with what it held when it failed where the trainer reports it (the reference
+trainer gives the step up and waits for another layout instead of failing the job). A missing
+measurement changes nothing.
 
 The re-plan (:func:`without_dropped`), with more headroom: at each GPU count whose layout was
 dropped, only layouts the planner predicts to need less memory per GPU than the dropped one (one
@@ -114,7 +116,8 @@ def predicted_stage(model: ModelSpec, m: MeasuredMemory, hardware: HardwareSpec,
 
 
 def _gib(n: float) -> str:
-    return f"{n / 1024**3:.2f} GiB"
+    """Bytes for a message: GiB, or MiB below a tenth of one (a small model's figures stay readable)."""
+    return f"{n / 1024**3:.2f} GiB" if abs(n) >= 0.1 * 1024**3 else f"{n / 1024**2:.2f} MiB"
 
 
 def check_measured(m: MeasuredMemory | None, budget: int, now: float,
@@ -136,13 +139,23 @@ def check_measured(m: MeasuredMemory | None, budget: int, now: float,
     return Dropped(m.layout, MEMORY_EXCEEDED, peak, budget, msg, now)
 
 
-def check_failure(layout: Layout | str | None, error: str | None, budget: int, now: float) -> Dropped | None:
+def check_failure(layout: Layout | str | None, error: str | None, budget: int, now: float,
+                  measured: MeasuredMemory | None = None) -> Dropped | None:
     """``layout`` dropped when a worker running it failed out of memory (``error`` is the job's
-    failure reason, or what it lost a worker to); None for any other failure or none."""
+    failure reason, what it lost a worker to, or why it waits for another layout); None for any
+    other failure or none. ``measured``: what the failing rank held when it did (the reference
+    trainer reports it), named in the message as the peak when it is of ``layout``."""
     if layout is None or not error or not any(k in error.lower() for k in OOM_MARKERS):
         return None
     lay = layout if isinstance(layout, Layout) else Layout.parse(layout)
-    return Dropped(lay, OUT_OF_MEMORY, None, budget, f"{lay}: a worker ran out of memory ({error[:300]})", now)
+    if measured is None or measured.layout != lay:
+        return Dropped(lay, OUT_OF_MEMORY, None, budget, f"{lay}: a worker ran out of memory ({error[:300]})", now)
+    peak = measured_peak(measured)
+    what = "GPU allocator peak" if measured.device_peak is not None else "measured tensors"
+    msg = (f"{lay}: step {measured.step} ran out of memory on rank {measured.rank} (stage {measured.pp_rank}) at "
+           f"{_gib(peak)} ({what}: " + ", ".join(f"{c} {_gib(getattr(measured, c))}" for c in COMPONENTS)
+           + f"; the per-GPU budget the planner fitted it in is {_gib(budget)}) ({error[:300]})")
+    return Dropped(lay, OUT_OF_MEMORY, peak, budget, msg, now)
 
 
 def alternatives(model: ModelSpec, hardware: HardwareSpec, gpus: int, *, gpus_per_node: int, global_batch: int,

@@ -71,20 +71,23 @@ class Observing(ControllerState):
         if rt is None:
             return
         budget = mem.budget_bytes(self.hardware)
-        found = [mem.check_failure(rt.layout, rt.error, budget, self.clock()) if rt.phase == "Failed" else None,
-                 mem.check_failure(rt.recovered_from, rt.recovery, budget, self.clock())]
+        m: MeasuredMemory | None = None
         if rt.memory:
             try:
                 m = MeasuredMemory.from_json(rt.memory, where=f"job {job}: measured memory")
             except SpecError as e:
                 log.warning("%s; not checked", e)
-            else:
-                over = mem.check_measured(m, budget, self.clock())
-                if over is not None and over.layout not in self._dropped(job):
-                    # the planner's prediction beside what was measured, in the decision's message
-                    predicted = mem.predicted_stage(self.cfg.models()[job], m, self.hardware,
-                                                    gpus_per_node=self.cfg.pool.gpus_per_node)
-                    found.append(mem.check_measured(m, budget, self.clock(), predicted))
+        # a failed job, or one whose step ran out of memory and that waits (recovering) for another layout
+        found = [mem.check_failure(rt.layout, rt.error, budget, self.clock(), m)
+                 if rt.phase in ("Failed", "Recovering") else None,
+                 mem.check_failure(rt.recovered_from, rt.recovery, budget, self.clock())]
+        over = mem.check_measured(m, budget, self.clock())
+        if over is not None and over.layout not in self._dropped(job):
+            # the planner's prediction beside what was measured, in the decision's message
+            assert m is not None
+            predicted = mem.predicted_stage(self.cfg.models()[job], m, self.hardware,
+                                            gpus_per_node=self.cfg.pool.gpus_per_node)
+            found.append(mem.check_measured(m, budget, self.clock(), predicted))
         for d in found:
             if d is not None and d.layout not in self._dropped(job):
                 self._drop(job, rt, d)
@@ -137,8 +140,9 @@ class Observing(ControllerState):
 
     def _relayout_target(self, job: str, rt: JobRuntime | None) -> Layout | None:
         """Where ``job`` moves in place, on the GPUs it holds, off a layout dropped for its memory; None:
-        it stays (not dropped, not running, or no other layout of that count: it gets fewer GPUs)."""
-        if rt is None or rt.phase != "Running":
+        it stays (not dropped, not running, or no other layout of that count: it gets fewer GPUs). A job
+        whose step ran out of memory waits (recovering) for exactly this move."""
+        if rt is None or not (rt.phase == "Running" or (rt.phase == "Recovering" and _out_of_memory(rt))):
             return None
         return mem.relayout_target(rt.layout, len(rt.gpus), self._dropped(job), self._layout_table(job))
 
@@ -232,3 +236,8 @@ class Observing(ControllerState):
         if s is not None and now - s.observed_at > self.cfg.controller.metrics_max_age_seconds:
             return MetricSample(s.value, s.observed_at, s.source, stale=True)
         return s
+
+
+def _out_of_memory(rt: JobRuntime) -> bool:
+    """``rt`` waits for another layout because a step ran out of memory (its error says so)."""
+    return bool(rt.error) and any(k in str(rt.error).lower() for k in mem.OOM_MARKERS)

@@ -24,9 +24,11 @@ those); create or destroy the members' process group (it only builds subgroups o
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -85,12 +87,22 @@ class TrainConfig:
     # Weight of a mixture-of-experts model's sequence-wise balance loss (DeepSeek-V3's
     # complementary loss, see elastic.train.moe) in the objective; 0 turns it off.
     moe_balance: float = 0.01
+    # A test and rehearsal aid: the bytes one rank may hold (weights, gradients, optimizer state and
+    # the activations autograd saves), standing in for a device's capacity on CPU. A step that would
+    # hold more raises torch.OutOfMemoryError where it goes over, as the CUDA allocator does (see
+    # elastic.train.memory); every step is then measured. None: no limit (on a GPU the allocator's own).
+    memory_limit_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.micro_batch < 1:
             raise SpecError(f"global_batch={self.global_batch}, micro_batch={self.micro_batch}: both must be >= 1")
         if self.micro_batch_cap is not None and self.micro_batch_cap < 1:
             raise SpecError(f"micro_batch_cap={self.micro_batch_cap}: must be >= 1 (or None for a fixed micro_batch)")
+        if self.memory_limit_bytes is not None and (isinstance(self.memory_limit_bytes, bool)
+                                                    or not isinstance(self.memory_limit_bytes, int)
+                                                    or self.memory_limit_bytes < 1):
+            raise SpecError(f"memory_limit_bytes={self.memory_limit_bytes!r}: the bytes one rank may hold must be an "
+                            "integer >= 1 (or None for no limit)")
         if not self.moe_balance >= 0:
             raise SpecError(f"moe_balance={self.moe_balance}: the balance loss weight must be >= 0 (0 turns it off)")
         if self.dtype not in _DTYPES:
@@ -266,6 +278,8 @@ class TrainEngine:
         self.act = P2PShape(self.stage.boundary_shape(self.micro_batch), cfg.dtype, cfg.device)
         self.meter = MemoryMeter()
         self.memory: MeasuredMemory | None = None  # the last measured step's memory by component
+        # the last step that ran out of memory: what it held when it did (its gradients counted whole)
+        self.oom_memory: MeasuredMemory | None = None
         self._steps_run = 0
 
     # ---- state ------------------------------------------------------------------------------
@@ -304,12 +318,53 @@ class TrainEngine:
         step`` may apply the step later (:meth:`apply_ready`) and all end on the same state.
         """
         self._steps_run += 1
-        if self._steps_run > MEMORY_FIRST_STEPS and step % MEMORY_EVERY:
-            return self._train_step(step)
-        with self.meter.track(self.params.values(), self.cfg.device):
-            result = self._train_step(step)
+        limit = self.cfg.memory_limit_bytes
+        if limit is None and self._steps_run > MEMORY_FIRST_STEPS and step % MEMORY_EVERY:
+            return self._oom_guarded(step, self._train_step)
+        # with a limit: what the rank holds besides activations, its gradients as large as its weights
+        base = 0 if limit is None else self._held_bytes()
+
+        def measured(s: int) -> StepResult:
+            with self.meter.track(self.params.values(), self.cfg.device, limit=limit, base=base):
+                return self._train_step(s)
+
+        result = self._oom_guarded(step, measured)
         self.memory = self.meter.measure(self, step)
         return result
+
+    def _held_bytes(self) -> int:
+        """Bytes this rank holds through a step besides activations: weights, optimizer state and
+        gradients of every parameter (as the measurement after a step counts them)."""
+        weights = sum(p.numel() * p.element_size() for p in self.params.values())
+        opt = sum(t.numel() * t.element_size() for (_, kind), t in self.state().items() if kind != "param")
+        return 2 * weights + opt
+
+    def _oom_guarded(self, step: int, run: Callable[[int], StepResult]) -> StepResult:
+        """``run(step)``; a step that runs out of memory (``torch.OutOfMemoryError``: the GPU allocator,
+        or ``memory_limit_bytes`` on CPU) is given up with the state intact: before the commit nothing
+        was applied; its gradients are dropped (the rest it allocated is freed with the error's
+        traceback), what it held when it failed is kept in ``oom_memory``, and the error is raised on
+        (the agent reports it; the job moves to another layout and redoes the step). Past the commit
+        (``ready_step``) its reduced gradients stay, as after a broken collective (``recovery_state``)."""
+        try:
+            return run(step)
+        except torch.OutOfMemoryError:
+            self.oom_memory = self._failed_measurement(step)
+            if self.ready_step != step:  # before the commit (past it, the reduced gradients may yet be applied)
+                for p in self.params.values():
+                    p.grad = None
+            raise  # the step's other tensors go with the traceback, once the caller has handled it
+
+    def _failed_measurement(self, step: int) -> MeasuredMemory | None:
+        """What the rank held when ``step`` ran out of memory: gradients counted whole (the limit does),
+        activations up to and with the save that was refused; on a GPU the allocator's peak."""
+        try:
+            m = self.meter.measure(self, step)
+        except Exception:  # noqa: BLE001 - a measurement never hides the error it is about
+            return None
+        acts = self.meter.refused if self.meter.refused is not None else m.activations
+        return dataclasses.replace(m, gradients=m.weights, gradient_elements=m.weight_elements,
+                                   activations=max(acts, m.activations))
 
     def _train_step(self, step: int) -> StepResult:
         t0 = self._step_started = time.perf_counter()

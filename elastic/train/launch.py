@@ -284,9 +284,11 @@ class JobHandle(ABC):
         self.validate(lay, list(workers))
         self._settle()
         st = self.coordinator.status()
-        if st.phase not in ("running", "paused"):
+        # a job held after a step ran out of memory (recovering, ``out_of_memory``) waits for exactly this
+        if st.phase not in ("running", "paused") and not (st.phase == "recovering" and st.out_of_memory):
             raise SpecError(f"job {self.job} is {st.phase}" + (f" ({st.error})" if st.error else "")
-                            + "; only a running or paused job can be rescaled")
+                            + "; only a running or paused job (or one held after a step ran out of memory) "
+                            "can be rescaled")
         if st.phase == "paused" and set(workers) & set(st.workers):
             raise SpecError(f"job {self.job} is paused: its keepers {', '.join(st.workers)} hold no GPU and "
                             "cannot train; resume it on new workers")

@@ -26,6 +26,15 @@ How each component is measured:
 * on a GPU also ``torch.cuda.max_memory_allocated`` over the step (``device_peak``), which
   sees everything the caching allocator handed out, fragmentation not included.
 
+A per-rank limit (``TrainConfig.memory_limit_bytes``, a test and rehearsal aid that stands in for
+a device's capacity on CPU): :meth:`MemoryMeter.track` is given the bytes the rank holds
+throughout the step (weights, optimizer state, and gradients as large as the weights) and the
+limit; a tensor autograd saves that would take them over it raises ``torch.OutOfMemoryError``
+where it is saved, as the CUDA allocator raises at the allocation that does not fit. A step
+therefore fails exactly when its measured peak (:func:`~elastic.parallel.memory_report.measured_peak`,
+the components' sum) would exceed the limit. ``refused`` keeps the activation bytes the step had
+reached with the one refused, for the failure's report.
+
 Must not: change what the step computes (the hooks hand every saved tensor back as it was),
 or hold a reference to the engine between calls (a meter must not keep a resharded-away
 engine's tensors alive).
@@ -99,6 +108,9 @@ class MemoryMeter:
         self._skip: frozenset[int] = frozenset()
         self.current = 0
         self.peak = 0
+        self._limit: int | None = None  # bytes the rank may hold in all (None: no limit)
+        self._base = 0  # bytes held throughout the step besides the activations
+        self.refused: int | None = None  # activation bytes with the save the limit refused (None: none)
 
     def _add(self, key: int, nbytes: int) -> None:
         with self._lock:
@@ -125,6 +137,12 @@ class MemoryMeter:
         key, nbytes = storage.data_ptr(), storage.nbytes()
         if nbytes == 0 or key in self._skip:
             return t
+        if self._limit is not None and key not in self._live and self._base + self.current + nbytes > self._limit:
+            self.refused = self.current + nbytes
+            raise torch.OutOfMemoryError(
+                f"out of memory: saving {nbytes} bytes for backward would hold {self._base + self.current + nbytes} "
+                f"bytes on this rank (weights, gradients and optimizer state {self._base}, activations "
+                f"{self.current + nbytes}), over its limit of {self._limit} bytes (TrainConfig.memory_limit_bytes)")
         # detached: the saved object must not hold the tensor's autograd history (a cycle
         # through its grad_fn would keep the whole graph alive)
         return _Saved(self, key, nbytes, t.detach())
@@ -134,9 +152,13 @@ class MemoryMeter:
         return packed.tensor if isinstance(packed, _Saved) else packed
 
     @contextmanager
-    def track(self, params: Iterable[torch.Tensor], device: str = "cpu") -> Iterator[None]:
-        """Count the activations saved inside the block (one step); ``params`` are not activations."""
+    def track(self, params: Iterable[torch.Tensor], device: str = "cpu", *, limit: int | None = None,
+              base: int = 0) -> Iterator[None]:
+        """Count the activations saved inside the block (one step); ``params`` are not activations.
+        ``limit``: refuse (``torch.OutOfMemoryError``) a save that takes ``base`` (what the rank holds
+        besides activations) plus the activations over it."""
         self._skip = frozenset(p.untyped_storage().data_ptr() for p in params)
+        self._limit, self._base, self.refused = limit, base, None
         with self._lock:
             self.peak = self.current  # anything still alive from an abandoned step counts from the start
         if device.startswith("cuda"):

@@ -91,6 +91,18 @@ def test_a_worker_out_of_memory_drops_its_layout(error, dropped) -> None:
     assert mem.check_failure(None, error, BUDGET, 1.0) is None  # no layout known: nothing to drop
 
 
+def test_an_out_of_memory_failure_names_what_the_rank_held_when_it_failed() -> None:
+    error = "OutOfMemory: OutOfMemoryError: out of memory: saving 45056 bytes for backward would hold 4397584 bytes"
+    small = replace(measured("tp1.pp2.dp1", each=1024**2), activations=3 * 1024**2)  # 6 MiB in all, on CPU
+    d = mem.check_failure("tp1.pp2.dp1", error, BUDGET, 2.0, small)
+    assert d is not None and (d.reason, d.peak_bytes) == ("OutOfMemory", 6 * 1024**2)
+    assert d.message.startswith("tp1.pp2.dp1: step 3 ran out of memory on rank 0 (stage 0) at 6.00 MiB")
+    assert "activations 3.00 MiB" in d.message and "74.00 GiB" in d.message and "45056 bytes" in d.message
+    # a measurement of another layout (an older one) is not this failure's: no peak is claimed
+    other = mem.check_failure("tp2.pp1.dp1", error, BUDGET, 2.0, small)
+    assert other is not None and other.peak_bytes is None and "a worker ran out of memory" in other.message
+
+
 def C(layout: str, tps: float, gib: float) -> mem.Candidate:
     return mem.Candidate(Layout.parse(layout), tps, int(gib * GiB))
 

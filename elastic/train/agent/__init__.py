@@ -65,7 +65,14 @@ agent first applies if it holds it ready. A survivor still computing its micro-b
 of the loss from its heartbeat (a long poll the coordinator answers with ``interrupt`` when the
 recovery starts) and gives the step up at its next micro-batch (``StepInterrupted``: before the
 commit nothing changed) instead of computing on to a collective with the dead peer; the step is
-redone on the recovered layout. Any other error is posted as the job's failure reason. A
+redone on the recovered layout. A step that runs out of memory (``torch.OutOfMemoryError``:
+the CUDA allocator, or ``TrainConfig.memory_limit_bytes`` on CPU) is not a failure either: the
+engine gives it up with its state intact (nothing applied, gradients dropped), the agent reports
+it to the coordinator (``broken`` with ``out_of_memory``: layout, rank, step, what the rank held)
+*before* it shuts its communicators down, so peers blocked on it break second and the
+coordinator knows the cause; every member then waits, held, for the directive onto a layout that
+fits (the controller's), which arrives as a ``switch`` like a recovery's and redoes the failed
+step. Any other error is posted as the job's failure reason. A
 coordinator unreachable for ``coordinator_timeout_s`` or a job the coordinator marked failed
 makes the agent exit on its own (``watchdog``).
 

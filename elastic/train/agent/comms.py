@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from elastic.model import Layout
 from elastic.train.agent.options import FAILED_JOB_GRACE_S
-from elastic.train.agent.support import ROLL_CALL_ASK_S, _engine_backends, _hard_exit, _shutdown
+from elastic.train.agent.support import ROLL_CALL_ASK_S, _engine_backends, _hard_exit, _short, _shutdown
 from elastic.train.rendezvous import Directive, RendezvousClient, RendezvousError
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,27 @@ class _Comms:
         self._carry = None  # a given-up step's work is not used by a recovery (a survivor may lack it)
         self.client.call("broken", generation=self.generation, step=step, applied=self._applied, error=error,
                          **info)
+
+    def _out_of_memory(self, step: int, e: BaseException) -> None:
+        """Our step ran out of memory (the engine gave it up, its state intact): tell the coordinator
+        first, with the layout and what the rank held, then shut the communicators down so peers
+        blocked on us break now (their reports come second: the coordinator already knows the
+        cause). Every rank then holds the state of the last step it applied, and waits, like after
+        a broken step, for the directive that moves the job to a layout that fits."""
+        error = f"{type(e).__name__}: {_short(e, 300)}"
+        log.warning("worker %s: step %d ran out of memory on %s rank %d (%s); waiting for another layout",
+                    self.worker, step, self.layout, self.rank, error)
+        info: dict[str, Any] = {"ready": None, "dirty": False, "local_apply": True}
+        if self.engine is not None and hasattr(self.engine, "recovery_state"):
+            info.update(self.engine.recovery_state())  # type: ignore[union-attr]
+        m = getattr(self.engine, "oom_memory", None)
+        oom = {"layout": str(self.layout), "rank": self.rank, "step": step, "error": error,
+               "memory": m.as_json() if m is not None else None}
+        self._carry = None
+        self.client.call("broken", generation=self.generation, step=step, applied=self._applied, error=error,
+                         out_of_memory=oom, **info)
+        self._drop_communicators()
+        self._broken = True
 
     def _drop_communicators(self) -> None:
         """Shut every communicator of this worker down and destroy it now, not after the next step

@@ -11,6 +11,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 from elastic.model import Layout, SpecError
 from elastic.train import checkpoint
 from elastic.train.agent.comms import _Comms
@@ -193,6 +195,13 @@ class WorkerAgent(_Transition, _Comms):
                     self._carry = getattr(e, "carry", None)
                     last, self._gave_up = None, {"step": step, "seconds": round(e.seconds, 4), "micro": e.micro,
                                                  "kept": self._carry is not None}
+                    continue
+                except torch.OutOfMemoryError as e:
+                    # the step is given up with the state intact; the job moves to another layout
+                    if not (self.opts.recover and hasattr(self.engine, "recovery_state")):
+                        raise
+                    last = None
+                    self._out_of_memory(step, e)
                     continue
                 except Exception as e:
                     if not (self.opts.recover and _is_comm_error(e) and hasattr(self.engine, "recovery_state")):

@@ -59,6 +59,13 @@ see identically:
    number; the rolled-back rescale is recorded as failed with the reason. A loss after the
    commit (new groups being built, first step) is recovered from the new generation, whose
    state is whole by then; the rescale itself is recorded as done.
+   A step that ran out of memory (the failing worker's ``broken`` carries ``out_of_memory``,
+   sent before its peers break on it) puts the job in ``recovering`` too, on any layout: nobody
+   is lost, and retrying the layout would fail again, so once every member reported the job is
+   *held* (status ``out_of_memory``, error ``OutOfMemory: ...``) until a directive onto another
+   layout arrives (the controller's); that directive moves every member's kept state and redoes
+   the failed step. Members whose states are not at one step (one broke inside its optimizer
+   update) fail the job instead. A pause is refused while held.
    Otherwise (or when recovery fails) the job turns ``failed`` with a reason and every later
    request from a worker is answered ``stop``.
 5. **Where a start begins.** With ``checkpoint`` settings the workers write sharded

@@ -244,6 +244,9 @@ class Coordinator(_Routes, _Liveness):
             self.validator(lay, members)
         with self._cv:
             self._check_can_post(generation)
+            if self._recovery is not None:  # held after a step ran out of memory (_check_can_post)
+                return self._oom_directive_locked(generation, lay, members, remap=remap, hold=hold,
+                                                  join_timeout_s=join_timeout_s)
             cur = self._current
             if hold and (cur is None or cur.hold):
                 raise SpecError(f"job {self.job}: " + ("a job that has not started has no state to hold; start it"
@@ -286,6 +289,41 @@ class Coordinator(_Routes, _Liveness):
             self._phase = "rescaling" if cur else "starting"
             self._cv.notify_all()
             return d
+
+    def _oom_directive_locked(self, generation: int, lay: Layout, members: list[str], *, remap: bool, hold: bool,
+                              join_timeout_s: float | None) -> Directive:
+        """The directive that moves a job held after a step ran out of memory onto ``lay``: like a
+        recovery's, from every member's kept state (each stands broken, its communicators shut), at
+        the step that failed (the one after the last every member applied), which the new layout
+        redoes on the same samples. Refused when the members' states are not at one step."""
+        rec, cur = self._recovery, self._current
+        assert rec is not None and rec.oom is not None and cur is not None
+        if hold:
+            raise SpecError(f"job {self.job}: a step ran out of memory; move it to a layout that fits (or stop it) "
+                            "rather than pausing it")
+        r, inconsistent = self._oom_step_locked(rec)
+        if inconsistent:  # defensive: such a job has failed when the last member reported
+            raise SpecError(f"job {self.job}: {inconsistent}")
+        self._check_before_max_steps(generation, r + 1)
+        d = Directive(
+            job=self.job, generation=generation, layout=str(lay), workers=tuple(members), remap=remap,
+            old_layout=cur.layout, old_ranks=dict(cur.ranks), switch_step=r + 1,
+            store_host=self.advertise_host, store_port=self.store_port,
+            join_timeout_s=join_timeout_s if join_timeout_s is not None else self.join_timeout_s,
+            commit_step=r, give_up_checks=self.shrink_gives_up_step,
+        )
+        record = RescaleRecord(generation, cur.layout, d.layout, list(members), list(d.joiners), list(d.leavers),
+                               r + 1, reason=f"out of memory on {cur.layout}: {rec.reason}")
+        self._post_seq += 1
+        self._pending = _Pending(d, record, self._clock(), seq=self._post_seq)
+        self._rescales[generation] = record
+        self._decisions.pop(generation, None)
+        self._rolled_back.pop(generation, None)
+        rec.posted = True
+        self._reason = f"out of memory on {cur.layout}: moving to {lay} at step {r + 1} (the step that failed)"
+        log.warning("job %s: %s", self.job, self._reason)
+        self._cv.notify_all()
+        return d
 
     def _switch_step_locked(self, shrink: bool = False) -> int:
         """The earliest step boundary every member of the current generation can still stop at.
@@ -334,7 +372,10 @@ class Coordinator(_Routes, _Liveness):
                 f"job {self.job}: generation {self._pending.directive.generation} is still in flight; "
                 "wait for it (wait_generation) before posting another"
             )
-        if self._recovery is not None:
+        if self._recovery is not None and not self._recovery.holding:
+            if self._recovery.oom is not None:
+                raise SpecError(f"job {self.job}: a step ran out of memory and not every worker has reported "
+                                f"back yet ({self._recovery.reason}); post the directive once they have")
             raise SpecError(f"job {self.job} is recovering from a lost worker ({self._recovery.reason}); "
                             "post the rescale once it runs again")
         expected = (self._current.generation if self._current else 0) + 1
@@ -348,7 +389,9 @@ class Coordinator(_Routes, _Liveness):
         the job's ``max_steps`` coming before the earliest switch step."""
         with self._cv:
             self._check_can_post(generation)
-            if self._current is not None:
+            if self._recovery is not None:  # held after a step ran out of memory: it switches at that step
+                self._check_before_max_steps(generation, self._oom_step_locked(self._recovery)[0] + 1)
+            elif self._current is not None:
                 self._check_before_max_steps(generation, self._switch_step_locked())
 
     def _check_before_max_steps(self, generation: int, switch: int) -> None:
@@ -370,17 +413,27 @@ class Coordinator(_Routes, _Liveness):
         cur, last = self._current, (self._history[-1] if self._history else None)
         workers = sorted(cur.ranks, key=cur.ranks.__getitem__) if cur else []
         rec = self._rescales[max(self._rescales)] if self._rescales else None
+        rec_oom = self._oom_held_locked()
         return JobStatus(
             job=self.job, phase=self._phase, generation=cur.generation if cur else 0,
             layout=cur.layout if cur else None, workers=workers, step=last.step if last else -1,
             loss=last.loss if last else None, tokens_per_second=last.tokens_per_second if last else None,
-            step_seconds=last.seconds if last else None, error=self._error,
+            step_seconds=last.seconds if last else None,
+            # held after a step ran out of memory: the job has not failed, and its error says why it waits
+            error=self._error or (f"OutOfMemory: {rec_oom['error']}" if rec_oom else None),
             last_rescale=RescaleRecord(**asdict(rec)) if rec else None, reason=self._reason,
             failures=list(self._failures),
             checkpoint_step=self._checkpoint_step if self.checkpoint else None,
             memory=(m.as_json() if cur is not None and (m := self._memory.get(cur.generation)) is not None
                     else None),
+            out_of_memory=dict(rec_oom) if rec_oom else None,
         )
+
+    def _oom_held_locked(self) -> dict[str, Any] | None:
+        """The out-of-memory report the job is held on, once every member reported back and until its
+        directive is posted (a directive is accepted exactly then), or None."""
+        rec = self._recovery
+        return rec.oom if rec is not None and rec.oom is not None and rec.holding and not rec.posted else None
 
     def history(self) -> list[StepRecord]:
         with self._cv:
@@ -573,8 +626,9 @@ class Coordinator(_Routes, _Liveness):
         if self._recovery is not None:
             if rec.pause_seconds is None:
                 rec.pause_seconds = self._clock() - self._recovery.started_at
+            if self._recovery.oom is None:  # out of memory: no worker was lost, nothing recovered
+                self.metrics.record_recovery()
             self._recovery = None
-            self.metrics.record_recovery()
         if d.hold and p.stopped_at is not None and rec.pause_seconds is None:  # held: nothing will step
             rec.pause_seconds = self._clock() - p.stopped_at
         self._close_record_locked(p)

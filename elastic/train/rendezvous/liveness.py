@@ -43,6 +43,13 @@ class _Liveness:
         cur = self._current
         if self._phase in ("failed", "stopping", "stopped") or cur is None or gen != cur.generation:
             return {"action": "stop", "reason": self._error or self._reason or f"generation {gen} is over"}
+        oom = b.get("out_of_memory")
+        if oom and self._recovery is None and self._phase in ("running", "rescaling", "starting", "recovering"):
+            # the worker whose step ran out of memory reports before it breaks its peers' collectives:
+            # nobody is lost, every member keeps its state, and the job waits for another layout
+            self._note_memory_locked(w, gen, oom.get("memory"))
+            self._start_recovery_locked(f"worker {w}'s step {b.get('step')} ran out of memory on {cur.layout}: "
+                                        f"{error}", oom=dict(oom, worker=w))
         if self._recovery is None:
             if not self._can_recover_locked():
                 self._fail_locked(f"worker {w} at step {b.get('step')}: {error}")
@@ -116,22 +123,25 @@ class _Liveness:
                 rec.reports.pop(w, None)
         self._cv.notify_all()
 
-    def _start_recovery_locked(self, reason: str) -> None:
+    def _start_recovery_locked(self, reason: str, *, oom: dict[str, Any] | None = None) -> None:
         cur = self._current
         assert cur is not None
         p = self._pending
         if p is not None and p.decision is None:  # a rescale not yet begun: call it off first
-            self._abandon_locked(f"a worker was lost before the switch ({reason})")
-        elif p is not None and p.decision == "go" and p.record.ok is None and self._committed(p):
-            # committed, its first step not done: the rescale itself is over (the state is on the
-            # new generation, from which we recover); record it as done with what is known
+            self._abandon_locked(f"a worker was lost before the switch ({reason})" if oom is None
+                                 else f"a step ran out of memory before the switch ({reason})")
+        elif p is not None and p.decision == "go" and p.record.ok is None and (self._committed(p) or oom):
+            # committed (or, out of memory, every member runs the new generation: its step failed),
+            # its first step not done: the rescale itself is over (the state is on the new
+            # generation, from which we recover); record it as done with what is known
             rec = self._close_record_locked(p)
             if rec.pause_seconds is None and p.stopped_at is not None:
                 rec.pause_seconds = self._clock() - p.stopped_at
-            rec.reason = f"done; a worker was lost before its first step finished ({reason})"
+            rec.reason = (f"done; a worker was lost before its first step finished ({reason})" if oom is None
+                          else f"done; its first step ran out of memory ({reason})")
             self._pending = None
         self._phase = "recovering"
-        self._recovery = _Recovery(cur.generation, self._clock(), reason)
+        self._recovery = _Recovery(cur.generation, self._clock(), reason, oom=oom)
         self._reason = f"recovering: {reason}"
         log.warning("job %s: %s", self.job, self._reason)
         self._cv.notify_all()
@@ -243,6 +253,20 @@ class _Liveness:
         why = "lost " + ", ".join(sorted(rec.lost)) + " (" + "; ".join(rec.lost[w] for w in sorted(rec.lost)) + ")"
         if rec.rollback:
             why = f"{rec.reason}; " + (why if rec.lost else "every old member alive")
+        if rec.oom is not None and not rec.lost:
+            # out of memory, nobody lost: retrying the layout would fail again; every member holds its
+            # state and waits for a directive onto a layout that fits (directive(), from the controller)
+            _, inconsistent = self._oom_step_locked(rec)
+            if inconsistent:
+                self._fail_locked(f"{rec.reason}; {inconsistent}")
+                return
+            if not rec.holding:
+                rec.holding = True
+                self._reason = (f"out of memory: {rec.reason}; every worker holds its state, waiting for a "
+                                "directive onto a layout that fits")
+                log.warning("job %s: %s", self.job, self._reason)
+                self._cv.notify_all()
+            return
         if not rec.lost and not rec.rollback:  # every worker is alive: a bug or a network fault, which a retry would repeat
             self._fail_locked(f"{rec.reason}; every worker reported back alive, so no worker was lost: failing "
                               "rather than retrying the step")
@@ -304,6 +328,22 @@ class _Liveness:
                         f"({len(members)} of {len(survivors)} survivors, {per} per replica)")
         log.warning("job %s: %s", self.job, self._reason)
         self._cv.notify_all()
+
+    @staticmethod
+    def _oom_step_locked(rec: _Recovery) -> tuple[int, str]:
+        """The step every member of a job held after a step ran out of memory can stand at (the last
+        one any applied: the others hold its reduced gradients, ready to apply alone), and why there
+        is none ("" when there is): a member broke inside an optimizer update, or is a step behind
+        without the gradients to catch up."""
+        r = max(int(x["applied"]) for x in rec.reports.values())
+        for w, x in sorted(rec.reports.items()):
+            applied, ready = int(x["applied"]), x.get("ready")
+            if x.get("dirty"):
+                return r, f"worker {w} ran out of memory inside an optimizer update (state at two steps); cannot go on"
+            if applied != r and not (applied == r - 1 and ready == r and x.get("local_apply")):
+                return r, (f"worker {w} holds step {applied} (ready {ready}) while others applied {r}; no consistent "
+                           "state to go on from")
+        return r, ""
 
     def _recovery_members(self, old: Layout, survivors: list[str]) -> tuple[list[str], Layout | None, list[str]]:
         """The most replicas the survivors fill whose layout the validator accepts; intact replicas first."""

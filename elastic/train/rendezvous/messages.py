@@ -172,6 +172,9 @@ class JobStatus:
     # the current generation's worst rank's measured memory (``MeasuredMemory.as_json()``: bytes by
     # component, ``device_peak`` on a GPU); None until a step of it was measured, or for a user job
     memory: dict[str, Any] | None = None
+    # a step ran out of memory and the job waits (phase recovering) for a directive onto a layout that
+    # fits: the failing worker's report (layout, rank, step, error, the memory it held); None otherwise
+    out_of_memory: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

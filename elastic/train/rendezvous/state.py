@@ -60,6 +60,10 @@ class _Recovery:
     # after a rolled-back rescale: every old member may be alive (the lost one was a joiner), and
     # recovering onto them all is going back, not retrying what broke
     rollback: bool = False
+    # a member's step ran out of memory (its report: layout, rank, step, error, memory): nobody was
+    # lost, every member holds its state; the job waits for a directive onto a layout that fits
+    oom: dict[str, Any] | None = None
+    holding: bool = False  # every member reported: the job waits for that directive (logged once)
 
 
 Validator = Callable[[Layout, Sequence[str]], None]
