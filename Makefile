@@ -56,7 +56,7 @@ lint: venv
 # but take tens of seconds each (seed sweeps of the simulator, the optimal-remap property cases,
 # the largest planner and reshard-plan cases); `make test` runs them.
 FAST_TESTS = tests/parallel tests/scheduler tests/sim tests/inference/test_policy_behaviour.py \
-	tests/inference/test_policy_forecast.py tests/inference/test_policy_stages.py tests/reshard/test_plan.py \
+	tests/inference/test_policy_forecast.py tests/inference/test_policy_stages.py tests/inference/test_policy_backlog.py tests/reshard/test_plan.py \
 	tests/reshard/test_plan_props.py tests/reshard/test_plan_regions.py tests/reshard/test_regions.py \
 	tests/test_model.py tests/test_model_params.py tests/test_spec.py tests/test_hostile_specs.py \
 	tests/test_contracts.py

@@ -7,7 +7,8 @@ the HPA controller applies them, which is what users of ``behavior`` expect:
 1. bounds first when the current count is outside [min, max] (HPA: no metrics needed);
 2. fail-safe: a missing metric holds the current count (recorded as a recommendation, so
    a scale-down after the gap still waits out its stabilisation window);
-3. the metric's averaging window (``windowSeconds``), raw ratio, then tolerance;
+3. the metric's averaging window (``windowSeconds``), plus the rate that serves a rate
+   metric's backlog (``_backlog``), raw ratio, then tolerance;
    scale-to-zero activation (KEDA ``activationThreshold``);
 4. forecast: ``max(reactive, forecast)`` - scale up ``startup_seconds`` ahead, never less;
 5. stabilisation windows over the recommendations;
@@ -64,13 +65,14 @@ def decide(ctx: PolicyContext) -> tuple[ReplicaDecision, PolicyState]:
 
     # 3. Reactive answer on the (window-averaged) reading: raw ratio, tolerance, activation.
     metric, state, note = _average(spec, state, now, ctx.metric)
-    reactive, reason, msg = _reactive(spec, cur, metric, up, down)
-    msg = note + msg
     load = _load(spec, cur, metric)
-    state = _observe(state, spec, now, load)
+    state = _observe(state, spec, now, load)  # the arrival rate only: the season learns load, not queues
+    drain, drain_note, state = _backlog(spec, state, now, ctx.backlog)
+    reactive, reason, msg = _reactive(spec, cur, metric + drain, up, down)
+    msg = note + drain_note + msg
 
     # 4. Forecast: only ever adds replicas, only when the service is active.
-    predicted = _forecast_replicas(spec, state, cur, now, up, down, load) if reactive > 0 else None
+    predicted = _forecast_replicas(spec, state, cur, now, up, down, load, drain) if reactive > 0 else None
     desired = reactive
     if predicted is not None and predicted > reactive:
         desired = predicted
@@ -175,6 +177,38 @@ def _average(spec: InferenceSpec, state: PolicyState, now: float, metric: float)
     return mean, state, f"mean of {len(readings)} readings over {window:g}s {mean:.4g} > latest {metric:g}; "
 
 
+BACKLOG_MIN_DRAIN_SECONDS = 15.0  # the HPA's sync period: a service whose replicas start at once
+
+
+def _backlog(spec: InferenceSpec, state: PolicyState, now: float, backlog: float | None
+             ) -> tuple[float, str, PolicyState]:
+    """The rate that serves the waiting requests on top of the arrival rate (a rate metric in
+    total requests/s only: ``AverageValue``): the backlog the replicas ordered now will find
+    when they serve, one start-up horizon from now, served over one more horizon.
+
+    That backlog is today's plus its growth over the horizon: a growing backlog means the
+    ready replicas fall short by its growth rate until the ordered ones arrive. Asking for a
+    backlog to be gone sooner than a horizon orders replicas that arrive after it has drained
+    and then idle (a tick's worth of queue read as extra load for one tick is a spike); a
+    shrinking backlog is being served by the replicas already there. 600 requests waiting,
+    300 s horizon, 2 more each second -> +2 + 2 = +4 requests/s."""
+    m = spec.metric
+    if backlog is None or m is None or m.type != "AverageValue" or not math.isfinite(backlog) or backlog < 0:
+        return 0.0, "", state
+    prev, state = state.waiting, replace(state, waiting=(now, backlog))
+    growth = 0.0
+    if prev is not None and now > prev[0]:
+        growth = max(0.0, (backlog - prev[1]) / (now - prev[0]))
+    if backlog <= 0:
+        return 0.0, "", state
+    over = max(spec.startup_seconds, BACKLOG_MIN_DRAIN_SECONDS)
+    rate = backlog / over + growth
+    note = f"backlog {backlog:.4g} waiting"
+    if growth:
+        note += f", growing {growth:.4g}/s"
+    return rate, f"{note}, served over {over:g}s: +{rate:.4g}; ", state
+
+
 def _reactive(spec: InferenceSpec, cur: int, metric: float, up: Rules, down: Rules) -> tuple[int, Reason, str]:
     m = spec.metric
     assert m is not None
@@ -231,7 +265,9 @@ def _observe(state: PolicyState, spec: InferenceSpec, now: float, load: float) -
 
 
 def _forecast_replicas(spec: InferenceSpec, state: PolicyState, cur: int, now: float, up: Rules, down: Rules,
-                       load_now: float) -> int | None:
+                       load_now: float, drain: float = 0.0) -> int | None:
+    """Replicas for the arrival rate a horizon ahead, plus ``drain``: the backlog's share, which
+    the replicas ordered now must serve too (the forecast itself learns arrivals only)."""
     horizon = spec.startup_seconds
     if spec.forecast == "off":
         return None
@@ -253,6 +289,7 @@ def _forecast_replicas(spec: InferenceSpec, state: PolicyState, cur: int, now: f
             load = max(load or 0.0, max(recent))
     if load is None:
         return None
+    load += drain
     m = spec.metric
     assert m is not None
     # The forecast is a load; convert with the AverageValue rule and the same tolerance band.

@@ -73,6 +73,7 @@ class PolicyState:
     * ``holt``: Holt-Winters state, for the seasonal forecast.
     * ``readings``: (t, metric) recent readings, for the metric's averaging window.
     * ``day``: (t, load) of the last hour, to find how early or late today runs against the season.
+    * ``waiting``: (t, requests waiting) at the last reading of a backlog, to see it grow.
     """
 
     recommendations: tuple[tuple[float, int], ...] = ()
@@ -81,6 +82,7 @@ class PolicyState:
     holt: HoltWintersState | None = None
     readings: tuple[tuple[float, float], ...] = ()
     day: tuple[tuple[float, float], ...] = ()  # (t, load) of the last hour: today's phase against the season
+    waiting: tuple[float, float] | None = None  # (t, backlog) of the last backlog read: how fast it grows
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,11 @@ class PolicyContext:
     ``current_replicas`` is the count the backend has been asked for (the HPA's
     ``.spec.replicas``), including replicas still starting. ``metric`` is the aggregated
     reading (None = missing); ``stale`` marks a reading that may be incomplete or old.
+    ``backlog`` is the requests waiting in the replicas' queues (vLLM's
+    ``num_requests_waiting``, summed; None = not read), for a metric that is a rate of
+    requests (``request-rate``): a rate says how fast requests arrive, not how many already
+    wait. A gauge of requests in flight (``vllm-requests``) counts the waiting ones already;
+    give no backlog with it.
     """
 
     spec: InferenceSpec
@@ -98,16 +105,21 @@ class PolicyContext:
     now: float
     state: PolicyState = field(default_factory=PolicyState)
     stale: bool = False
+    backlog: float | None = None
 
     @classmethod
     def from_sample(cls, spec: InferenceSpec, current_replicas: int, sample: Any, now: float,
-                    state: PolicyState | None = None) -> PolicyContext:
-        """Build from an ``elastic.metrics.MetricSample`` (duck-typed: keeps this module pure)."""
+                    state: PolicyState | None = None, backlog: Any = None) -> PolicyContext:
+        """Build from an ``elastic.metrics.MetricSample`` (duck-typed: keeps this module pure);
+        ``backlog``: a sample of the requests waiting (``vllm-waiting``), beside a rate metric."""
         value = None if sample is None else float(sample.value)
         if value is not None and not (math.isfinite(value) and value >= 0):
             value = None  # not a load (a source that let it through): missing, so the service holds
         stale = bool(sample is not None and sample.stale)
-        return cls(spec, current_replicas, value, now, state or PolicyState(), stale)
+        waiting = None if backlog is None else float(backlog.value)
+        if waiting is not None and not (math.isfinite(waiting) and waiting >= 0):
+            waiting = None  # not a count of requests: as if not read
+        return cls(spec, current_replicas, value, now, state or PolicyState(), stale, waiting)
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,9 @@ class _Ctx:
         self.drained: set = set()
         self.evicted: set[str] = set()
         self.unplaced: dict[str, int] = {}
+        # job -> (its target before inference evicted it from a node, the first such node): what
+        # it may take back on free GPUs elsewhere once inference is placed
+        self.moving: dict[str, tuple[JobTarget, str]] = {}
         self._inf_nodes: set[str] | None = None
 
     # ---- 1 ------------------------------------------------------------------------------------
@@ -227,18 +230,32 @@ class _Ctx:
                     break
                 self._evict_job_from(j, node)
             return True
-        # multi-node replica: clear a node holding only training and free GPUs
+        # A replica of whole nodes needs that many empty nodes at once. Clear the nodes that hold
+        # only training (and free GPUs) whose training costs least; the jobs move what they gave
+        # up onto free GPUs elsewhere (``grow_training``), so this is a move, not a loss. Nothing
+        # is cleared unless enough nodes come free for the whole replica: clearing one node of two
+        # would cost training and place nothing.
+        nodes = -(-g // b.max_cap)
+        empty = sum(1 for _ in b.empty_nodes())
         cands = [n for n, js in train_on.items()
                  if b.nfree(n) + sum(b.on(j.name, n) for j in js) == b.cap[n]]
-        if not cands:
+        if not cands or empty + len(cands) < nodes:
             return False
-        node = max(cands, key=lambda n: (b.nfree(n), n))
-        for j in list(train_on[node]):
-            self._evict_job_from(j, node)
+
+        def cost(n: str) -> tuple[float, int, str]:
+            # tokens/s the node's training GPUs carry (each job's tokens/s per GPU), then GPUs
+            lost = sum(b.on(j.name, n) * j.tps(b.count(j.name)) / max(b.count(j.name), 1) for j in train_on[n])
+            return (lost, b.cap[n] - b.nfree(n), n)
+
+        for node in sorted(cands, key=cost)[:nodes - empty]:
+            for j in sorted(train_on[node], key=lambda j: (j.priority, j.name)):
+                if b.on(j.name, node):
+                    self._evict_job_from(j, node)
         return True
 
     def _evict_job_from(self, j: JobState, node: str) -> None:
         b = self.board
+        self.moving.setdefault(j.name, (self.targets[j.name], node))
         b.release(j.name, node, b.on(j.name, node))
         left = b.count(j.name)
         fits = [k for k in j.feasible_counts() if k <= left]
@@ -260,6 +277,9 @@ class _Ctx:
     # ---- 6 ------------------------------------------------------------------------------------
     def grow_training(self) -> None:
         b = self.board
+        for j in sorted(self.jobs, key=lambda j: (-j.priority, j.name)):  # 6a. evicted jobs move
+            if j.name in self.moving:
+                self._move_back(j)
         for j in sorted(self.jobs, key=lambda j: (-j.priority, j.name)):
             t = self.targets[j.name]
             have = b.count(j.name)
@@ -274,6 +294,24 @@ class _Ctx:
             elif got < t.gpus:
                 self.targets[j.name] = JobTarget(got, t.reason, t.message.replace(f"-> {t.gpus}", f"-> {got}")
                                                  + f" (wanted {t.gpus}; free GPUs are fragmented)", status="running")
+
+    def _move_back(self, j: JobState) -> None:
+        """A job evicted from a node for inference takes back, on GPUs still free once every
+        replica is placed, up to the count it would have held: it moves off the node instead
+        of shrinking by it (one rescale now rather than a shrink and a grow a tick later)."""
+        b = self.board
+        was, node = self.moving[j.name]
+        have = b.count(j.name)
+        options = [k for k in j.feasible_counts() if have < k <= was.gpus]
+        got = next((k for k in reversed(options) if self._grow_job(j, k)), None)
+        if got is None:
+            return
+        before = self.before[j.name]
+        self.targets[j.name] = JobTarget(
+            got, Reason.INFERENCE_DEMAND,
+            f"moves off node {node} to inference ({before} -> {got} GPUs)"
+            + (f", losing {j.tps(before) - j.tps(got):.0f} tokens/s" if got < before else ""),
+            forced=True)
 
     def _grow_job(self, j: JobState, n: int) -> bool:
         b, name = self.board, j.name

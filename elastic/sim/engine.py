@@ -4,7 +4,9 @@ One tick (``tick_seconds``) reads as numbered steps:
 
 1. observe: each service's request rate at the tick (trace or generator);
 2. decide replicas: the policy under test (``cosched``: ``elastic.policy.replicas.decide``
-   with the service's forecast, fed ``history_days`` of past load before t=0; ``static``: peak; ``daynight``: a clock schedule; ``oracle``:
+   with the service's forecast, fed ``history_days`` of past load before t=0, then at each
+   tick what a request-rate source reads: the arrival rate, and the requests waiting in the
+   queue as its backlog; ``static``: peak; ``daynight``: a clock schedule; ``oracle``:
    the true future rate over the start-up horizon);
 3. decide the split: ``elastic.scheduler.decide`` (the same pure function the controller runs),
    with each service's seasonal outlook and each job's modelled rescale pause, so a grow is
@@ -198,9 +200,10 @@ class _Sim:
             horizon = s.spec.startup_seconds + self.dt
             a, b = int(now // self.fine_step), int((now + horizon) // self.fine_step) + 1
             return self._replicas_for(s, float(np.max(self.fine[s.cfg.name][a:b + 1])))
-        # cosched: the production replica policy, fed the observed rate plus queued work
-        metric = rps + s.queue / max(self.dt, 1.0)
-        ctx = PolicyContext(s.spec, len(s.ready_at), metric, now, s.policy_state)
+        # cosched: the production replica policy, fed what a request-rate source reads: the arrival
+        # rate, and the requests waiting in the replicas' queues beside it (not folded into the
+        # rate: a backlog over one tick read as extra requests/s is a spike the policy would chase)
+        ctx = PolicyContext(s.spec, len(s.ready_at), rps, now, s.policy_state, backlog=s.queue)
         dec, s.policy_state = policy_decide(ctx)
         s.outlook = dec.outlook
         # drain ahead: the replicas named as leaving stop taking new requests now; the latest

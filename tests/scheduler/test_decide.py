@@ -257,3 +257,49 @@ def test_at_the_pool_limit_serving_replicas_are_not_moved_between_equal_services
     # a higher-priority service still takes what it needs
     plan = decide(snap(pool(4), [svc("a", 3, gpus=8, priority=200), svc("b", 3, gpus=8)], [], prev))
     assert (plan.gpus_of("a"), plan.gpus_of("b")) == (24, 8)
+
+
+# ---- clearing nodes for a replica (eviction moves training, never shrinks it for nothing) ------------
+
+@pytest.mark.parametrize(("jobs", "prev", "big_on", "keep"), [
+    # training holds a slice of every node: the two nodes with the fewest training GPUs come free,
+    # and the job moves those GPUs onto the other two nodes (16 before, 16 after)
+    ([job("t").tab(table(2, 32, tp=2)).bounds(2)],
+     holding(t=[("n0", 2), ("n1", 2), ("n2", 6), ("n3", 6)]), {"n0": 8, "n1": 8}, {"t": 16}),
+    # the node whose training carries fewest tokens/s comes free, not the one with most free GPUs:
+    # "dear" makes 1000 tokens/s per GPU on n1, "cheap" 10 per GPU on n0
+    ([job("cheap").tab(table(2, 16, per_gpu=10, tp=2)).bounds(2),
+      job("dear").tab(table(2, 16, per_gpu=1000, tp=2)).bounds(2)],
+     holding(cheap=[("n0", 4), ("n3", 4)], dear=[("n1", 2), ("n2", 2)]), {"n0": 8, "n3": 8}, {"cheap": 8}),
+], ids=["fewest-training-gpus", "fewest-tokens"])
+def test_a_whole_node_replica_clears_the_cheapest_nodes_and_training_moves(jobs, prev, big_on, keep) -> None:
+    nodes = pool(4)
+    plan = decide(snap(nodes, [svc("big", 1, gpus=16)], jobs, prev))
+    assert per_node(plan, "big") == big_on
+    assert {j: plan.gpus_of(j) for j in keep} == keep, "training moved off the nodes instead of shrinking"
+    plan.allocation.check_disjoint()
+    moved = [s for s in plan.steps if s.workload in keep and s.action != "noop"]
+    assert all("moves off node" in s.message or "gives back" in s.message for s in moved), moved
+    assert ("scale_inference_up", "big") in actions(plan)
+
+
+def test_no_training_is_evicted_for_a_whole_node_replica_that_cannot_place_anyway() -> None:
+    # small replicas sit on three nodes; only n3 holds training alone: clearing it gives one
+    # empty node of the two the replica needs, so training keeps its GPUs
+    prev = holding(s=[("n0", 4), ("n1", 4), ("n2", 4)], t=[("n3", 4)])
+    plan = decide(snap(pool(4), [svc("s", 12), svc("big", 1, gpus=16)], [job("t").tab(table(4, 16, tp=4)).bounds(4)],
+                       prev))
+    assert plan.gpus_of("t") == 4 and plan.gpus_of("big") == 0
+    assert plan.services["big"].reason == Reason.POOL_EXHAUSTED
+    assert not [s for s in plan.steps if s.workload == "t" and s.action != "noop"]
+
+
+def test_a_job_evicted_from_a_node_for_a_replica_moves_onto_the_free_slices() -> None:
+    # 2 + 2 GPUs free: no room for a 4-GPU replica until training leaves one node; it takes the
+    # 2 + 4 GPUs still free afterwards instead of shrinking by its whole slice
+    prev = holding(t=[("n0", 6), ("n1", 6)])
+    plan = decide(snap(pool(2), [svc("s", 1, gpus=4)], [job("t").tab(table(2, 16, tp=2)).bounds(2)], prev))
+    assert plan.gpus_of("s") == 4 and plan.gpus_of("t") == 12 and plan.idle_gpus == 0
+    assert actions(plan) == [("shrink_training", "t"), ("scale_inference_up", "s")]
+    assert "moves off node" in plan.jobs["t"].message
+    plan.allocation.check_disjoint()

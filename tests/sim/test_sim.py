@@ -108,6 +108,30 @@ def test_drain_ahead_gives_training_the_freed_gpus_sooner_and_keeps_the_slo(smal
     assert ahead.slo_attainment >= 0.999
 
 
+def test_the_policy_reads_the_arrival_rate_and_the_backlog_beside_it(small: Path, monkeypatch) -> None:
+    # what a request-rate source gives: the rate of arrivals, and the requests waiting apart
+    # from it (a backlog folded into the rate as queue / tick is a spike the policy would chase)
+    import elastic.sim.engine as engine
+
+    seen: list[tuple[float, float, float]] = []
+    real = engine.policy_decide
+
+    def spy(ctx):
+        seen.append((ctx.now, ctx.metric, ctx.backlog))
+        return real(ctx)
+
+    monkeypatch.setattr(engine, "policy_decide", spy)
+    sc, base = load_scenario(small)
+    slow = _with_service(sc, startup_seconds=900.0)  # the ramp outruns the start-ups: requests wait
+    simulate(slow, base, "cosched", keep_timeline=False)
+    ts, rs = read_trace(small.parent / "load.csv")
+    assert len(seen) == 14400 // 60
+    for now, metric, _ in seen:
+        assert metric == pytest.approx(float(np.interp(now + 30.0, ts, rs))), now
+    waiting = [b for _, _, b in seen if b > 0]
+    assert waiting, "the scenario should queue requests on its morning ramp"
+
+
 def test_same_seed_same_json(small: Path, tmp_path: Path) -> None:
     ds, base = load_scenario("deepseek-day")
     a = simulate(ds, base, "cosched", days=0.1, keep_timeline=False).as_json()
