@@ -22,12 +22,13 @@ from elastic.scheduler.types import JobState, Knobs, ServiceDemand, Snapshot
 class Deciding(Observing):
     """Turns an observation into the policy's context and the co-scheduler's snapshot."""
 
-    def _decide_replicas(self, now: float, previous: Allocation, samples: dict[str, MetricSample | None]
-                         ) -> dict[str, ReplicaDecision]:
+    def _decide_replicas(self, now: float, previous: Allocation, samples: dict[str, MetricSample | None],
+                         backlogs: Mapping[str, MetricSample | None] | None = None) -> dict[str, ReplicaDecision]:
         out: dict[str, ReplicaDecision] = {}
         for s in self.cfg.services:
             current = len(previous.gpus_of(s.name)) // s.gpus_per_replica
-            ctx = PolicyContext.from_sample(s, current, samples[s.name], now, self.policy_state[s.name])
+            ctx = PolicyContext.from_sample(s, current, samples[s.name], now, self.policy_state[s.name],
+                                            backlog=(backlogs or {}).get(s.name))
             decision, self.policy_state[s.name] = policy_decide(ctx)
             pin = self.overrides.get(s.name)
             if pin is not None and now < pin[1]:

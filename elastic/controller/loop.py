@@ -281,8 +281,9 @@ class Controller(Applying, Recording):
                   and (rt := self.backend.job_runtime(j.name)) is not None and rt.phase == "Failed"}
         previous, runtimes = self._observe_jobs(set(failed))
         samples = {s.name: self._sample(s.name, now) for s in self.cfg.services}
+        backlogs = {s.name: self._backlog(s.name, now) for s in self.cfg.services if samples[s.name] is not None}
         # 2. decide
-        replica_decisions = self._decide_replicas(now, previous, samples)
+        replica_decisions = self._decide_replicas(now, previous, samples, backlogs)
         plan = schedule(self._snapshot(now, nodes, previous, replica_decisions, runtimes))
         # 3. apply: 3a. reclaim failed jobs, 3b. the plan's ordered steps, 3c. relayouts off dropped layouts
         applied, error = self._reap_failed(now, failed)

@@ -22,7 +22,7 @@ from elastic import store as db
 from elastic.backends.base import JobRuntime
 from elastic.controller import memory as mem
 from elastic.controller.base import Backoff, ControllerState, _call_within, _dt, log
-from elastic.metrics.sample import MetricSample
+from elastic.metrics.sample import BacklogSource, MetricSample
 from elastic.model import GPU, Allocation, Layout, SpecError
 from elastic.parallel.memory_report import MeasuredMemory
 
@@ -213,6 +213,31 @@ class Observing(ControllerState):
             return True
         del self._growing[job]
         return False
+
+    def _backlog(self, service: str, now: float) -> MetricSample | None:
+        """The requests waiting beside a rate metric, from the service's source when it reads them
+        (``BacklogSource``: a ``request-rate`` preset's ``vllm-waiting``); None otherwise, when the
+        read fails or is stale. It only ever adds replicas to the rate's answer, so a missing one
+        is the rate alone."""
+        src = self.sources.get(service)
+        if not isinstance(src, BacklogSource):
+            return None
+        key = f"{service} backlog"
+        try:
+            hung = self._hanging.get(key)
+            if hung is not None and hung.is_alive():
+                raise TimeoutError("its previous read has not answered yet")
+            s = _call_within(lambda: src.backlog(service, now), self.cfg.controller.metrics_timeout(),
+                             f"backlog read for {service}", TimeoutError, hanging=self._hanging, key=key)
+        except Exception as e:  # noqa: BLE001 - a failing read is no backlog, never a reason to fail the tick
+            if self._source_errors.get(key) != str(e):
+                log.warning("backlog read for %s failed: %s", service, e)
+            self._source_errors[key] = str(e)
+            return None
+        self._source_errors.pop(key, None)
+        if s is None or s.stale or now - s.observed_at > self.cfg.controller.metrics_max_age_seconds:
+            return None
+        return s
 
     def _sample(self, service: str, now: float) -> MetricSample | None:
         src = self.sources.get(service)

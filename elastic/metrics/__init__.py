@@ -14,12 +14,12 @@ from collections.abc import Callable, Mapping, Sequence
 from elastic.metrics.inprocess import InProcessSource
 from elastic.metrics.presets import PRESETS, Preset, check_metric, get_preset
 from elastic.metrics.prometheus import DEFAULT_SELECTOR, PrometheusQuery
-from elastic.metrics.sample import MetricQueryError, MetricSample, MetricSource
+from elastic.metrics.sample import BacklogSource, MetricQueryError, MetricSample, MetricSource
 from elastic.metrics.scrape import Scrape, histogram_quantile, parse_metrics
 from elastic.model import MetricTarget
 
 __all__ = [
-    "DEFAULT_SELECTOR", "PRESETS", "InProcessSource", "MetricQueryError", "MetricSample", "MetricSource",
+    "DEFAULT_SELECTOR", "PRESETS", "BacklogSource", "InProcessSource", "MetricQueryError", "MetricSample", "MetricSource",
     "Preset", "PrometheusQuery", "Scrape", "build_source", "check_metric", "get_preset", "histogram_quantile",
     "parse_metrics",
 ]

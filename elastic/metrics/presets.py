@@ -31,6 +31,9 @@ class Preset:
     agg: Literal["sum", "avg"]
     description: str
     quantile: float = 0.0
+    # a rate of requests says how fast they come, not how many wait: the gauge preset of the
+    # requests queued beside it, read as the policy's backlog (``PolicyContext.backlog``)
+    backlog: str | None = None
 
     @property
     def is_total(self) -> bool:
@@ -61,7 +64,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            "running + queued requests (SGLang)"),
     _gauge("sglang-token-usage", "avg", ("sglang:token_usage",), "KV token usage, fraction 0..1, average per replica"),
     Preset("request-rate", "sum(rate(vllm:request_success_total{$sel}[1m]))", "rate",
-           ("vllm:request_success_total",), "sum", "finished requests per second (vLLM counter)"),
+           ("vllm:request_success_total",), "sum", "finished requests per second (vLLM counter); the "
+           "requests waiting beside it (vllm-waiting) are the policy's backlog", backlog="vllm-waiting"),
 ]}
 
 

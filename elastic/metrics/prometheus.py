@@ -40,6 +40,8 @@ class PrometheusQuery:
             raise MetricQueryError(f"metric.prometheus: '{base_url}' is not an http(s) URL")
         self.base_url = base_url.rstrip("/")
         self.template = get_preset(preset).promql if preset else str(query)
+        companion = get_preset(preset).backlog if preset else None
+        self.backlog_template = get_preset(companion).promql if companion else None
         self.field = "metric.preset" if preset else "metric.query"
         self.selector = selector
         self.retries, self.backoff, self.max_age = retries, backoff, max_age
@@ -55,7 +57,16 @@ class PrometheusQuery:
         return render(self.template, self.selector, service)
 
     def sample(self, service: str, now: float) -> MetricSample | None:
-        q = self.promql(service)
+        return self._instant(self.promql(service), now)
+
+    def backlog(self, service: str, now: float) -> MetricSample | None:
+        """The requests waiting beside a rate preset (its ``backlog`` gauge), one more instant
+        query; None without one, or when it has no reading (missing, never 0)."""
+        if self.backlog_template is None:
+            return None
+        return self._instant(render(self.backlog_template, self.selector, service), now)
+
+    def _instant(self, q: str, now: float) -> MetricSample | None:
         result = self.query(q)
         if result is None:
             return None

@@ -52,3 +52,13 @@ def invalid_reading(value: float, observed_at: float, now: float) -> str | None:
 @runtime_checkable
 class MetricSource(Protocol):
     def sample(self, service: str, now: float) -> MetricSample | None: ...
+
+
+@runtime_checkable
+class BacklogSource(Protocol):
+    """A source of a rate metric that also reads the requests waiting beside it (the preset's
+    ``backlog``): the replica policy serves that backlog on top of the rate. None when it has
+    no reading, or when its metric is not a rate with one (a gauge of requests in flight counts
+    the waiting ones already)."""
+
+    def backlog(self, service: str, now: float) -> MetricSample | None: ...

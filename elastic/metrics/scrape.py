@@ -86,6 +86,21 @@ class Scrape:
         t = self._targets(service) if callable(self._targets) else self._targets.get(service, ())
         return [u.rstrip("/") for u in t]
 
+    def backlog(self, service: str, now: float) -> MetricSample | None:
+        """The requests waiting beside a rate preset (its ``backlog`` gauge, summed over replicas),
+        from the scrape ``sample`` made at ``now`` (no second request); None without such a
+        preset, before that scrape, or when no replica scraped then exposes the gauge."""
+        if self.preset.backlog is None:
+            return None
+        names = get_preset(self.preset.backlog).samples
+        urls = self.targets(service)
+        scraped = [prev[1] for u in urls if (prev := self._prev.get(u)) is not None and prev[0] == now]
+        found = [v for got in scraped for name in names for _, v in got.get(name, [])]
+        if not found:
+            return None
+        source = f"scrape {len(scraped)}/{len(urls)} replicas of '{service}': {self.preset.backlog}"
+        return MetricSample(sum(found), now, source, stale=len(scraped) < len(urls))
+
     def sample(self, service: str, now: float) -> MetricSample | None:
         urls = self.targets(service)
         if not urls:

@@ -56,6 +56,18 @@ def test_prometheus_query_reads_what_replicas_expose(prometheus, replicas, backg
                            for p, q in queries.items()), 20, "Prometheus to report the same counts")
     s = queries["vllm-waiting"].sample("chat", time.time())
     assert s is not None and s.value == 6 and not s.stale and "vllm:num_requests_waiting" in s.source
+    # a rate's backlog: the requests waiting beside it, read from the same scrape or one more query
+    rate = Scrape({"chat": [a.url, b.url]}, "request-rate")
+    t = time.time()
+    assert rate.backlog("chat", t) is None  # nothing scraped at t yet
+    rate.sample("chat", t)  # a rate needs two scrapes; the gauge beside it needs this one
+    waiting = rate.backlog("chat", t)
+    assert waiting is not None and waiting.value == 6 and "vllm-waiting" in waiting.source, waiting
+    assert Scrape({"chat": [a.url]}, "vllm-requests").backlog("chat", t) is None  # counts the waiting already
+    via = PrometheusQuery(prometheus.url, preset="request-rate")
+    wait_until(lambda: (w := via.backlog("chat", time.time())) is not None and w.value == 6, 20,
+               "Prometheus to report the backlog beside the rate")
+    assert PrometheusQuery(prometheus.url, preset="vllm-running").backlog("chat", time.time()) is None
     kv = PrometheusQuery(prometheus.url, preset="vllm-kv-cache").sample("chat", time.time())
     assert kv is not None and 0 < kv.value < 1
 
