@@ -35,7 +35,13 @@ from dataclasses import dataclass, replace
 from typing import Any, Final, Literal
 
 from elastic.model import HardwareSpec, Layout, ModelSpec, SpecError
-from elastic.parallel.memory_report import MeasuredMemory, StageMemory, measured_peak, stage_memory
+from elastic.parallel.memory_report import (
+    TRAINER_RECOMPUTE,
+    MeasuredMemory,
+    StageMemory,
+    measured_peak,
+    stage_memory,
+)
 from elastic.parallel.planner import PlanOptions, evaluate, feasible_layouts
 
 Table = Mapping[int, tuple[str, float]]
@@ -103,10 +109,10 @@ def budget_bytes(hardware: HardwareSpec, options: PlanOptions | None = None) -> 
 
 def predicted_stage(model: ModelSpec, m: MeasuredMemory, hardware: HardwareSpec, *,
                     gpus_per_node: int | None = None) -> StageMemory | None:
-    """The planner's prediction for exactly what ran (its micro-batch and global batch, no recompute,
-    no offload: the reference trainer has neither), on the measured rank's pipeline stage; None
+    """The planner's prediction for exactly what ran (its micro-batch and global batch, the count of
+    what the reference trainer holds: ``TRAINER_RECOMPUTE``, no offload), on the measured rank's pipeline stage; None
     when the planner cannot evaluate it (another model, a layout it refuses)."""
-    o = PlanOptions(global_batch=m.global_batch, micro_batches=(m.micro_batch,), recompute=("none",),
+    o = PlanOptions(global_batch=m.global_batch, micro_batches=(m.micro_batch,), recompute=(TRAINER_RECOMPUTE,),
                     offload=(False,), gpus_per_node=gpus_per_node)
     try:
         p = evaluate(model, m.layout, hardware, options=o)

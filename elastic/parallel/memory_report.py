@@ -27,6 +27,7 @@ from elastic.parallel.memory import (
     GRAD_BYTES,
     OPTIMIZER_BYTES,
     WEIGHT_BYTES,
+    Recompute,
     StageProfile,
     activation_terms,
     chunks_in_flight,
@@ -37,6 +38,11 @@ from elastic.parallel.planner import PlannedLayout, PlanOptions, evaluate
 
 SCHEMA = "elastic.memory-report/1"
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "reserve")
+#: The planner's recompute choice whose count matches what the reference trainer holds. The trainer
+#: recomputes nothing, but its attention is a flash kernel that keeps no scores, which is what the
+#: planner's "selective" count leaves out (its "none" keeps them, as unfused attention does).
+TRAINER_RECOMPUTE: Recompute = "selective"
+
 NEXT_BEST = 3  # layouts reported after the chosen one, in the planner's order
 
 
@@ -255,7 +261,7 @@ class MemoryReport:
 
 def _same_choice(p: PlannedLayout, m: MeasuredMemory) -> bool:
     return (p.layout == m.layout and p.micro_batch == m.micro_batch and p.grad_accum == m.grad_accum
-            and p.recompute == "none" and not p.offload)
+            and p.recompute == TRAINER_RECOMPUTE and not p.offload)
 
 
 def _worst_measured(measured: Sequence[MeasuredMemory]) -> dict[Layout, MeasuredMemory]:
@@ -275,7 +281,7 @@ def memory_report(model: ModelSpec, gpus: int, hardware: HardwareSpec, plans: Se
     ranked them; the first ``1 + NEXT_BEST`` are kept) and of every measured layout.
 
     A measured layout is predicted for exactly what ran (its micro-batch and global batch,
-    no recompute, no offload: the reference trainer has neither); when a reported plan made
+    :data:`TRAINER_RECOMPUTE`, no offload); when a reported plan made
     that same choice the measurement goes next to it, otherwise it gets an entry of its own.
     """
     o = options or PlanOptions()
@@ -291,7 +297,7 @@ def memory_report(model: ModelSpec, gpus: int, hardware: HardwareSpec, plans: Se
         if k is not None:
             entries[k] = LayoutMemory(entries[k].plan, entries[k].place, entries[k].stages, m)
             continue
-        mo = replace(o, global_batch=m.global_batch, micro_batches=(m.micro_batch,), recompute=("none",),
+        mo = replace(o, global_batch=m.global_batch, micro_batches=(m.micro_batch,), recompute=(TRAINER_RECOMPUTE,),
                      offload=(False,))
         p = evaluate(model, lay, hardware, n_gpus=max(gpus, lay.world_size), options=mo)
         entries.append(LayoutMemory(p, 0, stage_memory(model, p, hardware, mo), m))

@@ -139,14 +139,26 @@ def test_every_panel_query_returns_series_from_a_real_prometheus(prometheus, tmp
         assert jobs == {"pretrain", "big"}, jobs  # the training job's label survived the scrape
         # memory: what the job measured beside the planner's bytes for it and the budget; nothing for
         # the job that measured nothing (missing is not 0)
-        measured = {(s["metric"]["job"], s["metric"]["component"]): float(s["value"][1])
-                    for s in _series(prometheus.url, "elastic_job_memory_bytes")}
+        # (the series go while the job holds no GPU as the load swings: read them while it runs)
+        def memory_now() -> tuple[dict, dict, list] | None:
+            measured = {(s["metric"]["job"], s["metric"]["component"]): float(s["value"][1])
+                        for s in _series(prometheus.url, "elastic_job_memory_bytes")}
+            predicted = {s["metric"]["component"]: float(s["value"][1])
+                         for s in _series(prometheus.url, 'elastic_job_memory_predicted_bytes{job="pretrain"}')}
+            budget = _series(prometheus.url, 'elastic_job_memory_budget_bytes{job="pretrain"}')
+            whole = ("pretrain", "peak") in measured and len(predicted) == 5 and budget
+            return (measured, predicted, budget) if whole else None
+
+        deadline, got = time.monotonic() + 60, None
+        while got is None and time.monotonic() < deadline:
+            got = memory_now()
+            if got is None:
+                time.sleep(1.0)
+        assert got is not None, "no whole reading of the pretraining job's memory series in 60 s"
+        measured, predicted, budget = got
         assert measured.get(("pretrain", "weights")) == 1024**3 and measured.get(("pretrain", "peak")) == 4 * 1024**3
         assert {j for j, _ in measured} == {"pretrain"}, measured
-        predicted = {s["metric"]["component"]: float(s["value"][1])
-                     for s in _series(prometheus.url, 'elastic_job_memory_predicted_bytes{job="pretrain"}')}
         assert predicted["total"] == sum(predicted[c] for c in ("weights", "gradients", "optimizer", "activations"))
-        budget = _series(prometheus.url, 'elastic_job_memory_budget_bytes{job="pretrain"}')
         assert float(budget[0]["value"][1]) == 80 * 1024**3 - int(2 * 1024**3 + 0.05 * 80 * 1024**3), budget
         print(f"{len(queries)} panel queries over {len(BOARDS)} dashboards all returned series")
     finally:

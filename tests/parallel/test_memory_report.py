@@ -16,6 +16,7 @@ from elastic.parallel.memory_report import (
     COMPONENTS,
     NEXT_BEST,
     SCHEMA,
+    TRAINER_RECOMPUTE,
     MeasuredMemory,
     memory_report,
     stage_memory,
@@ -91,7 +92,9 @@ def test_report_has_the_chosen_and_the_next_best_in_the_planners_order() -> None
 
 def test_measured_goes_next_to_the_same_choice_or_gets_its_own_entry() -> None:
     o = PlanOptions(global_batch=8)
-    mine = evaluate(TINY, Layout(1, 1, 1), CPU, micro_batch=2, recompute="none", offload=False, options=o)
+    # the reference trainer's choice: no offload, and its flash attention keeps what the planner's
+    # selective count does
+    mine = evaluate(TINY, Layout(1, 1, 1), CPU, micro_batch=2, recompute=TRAINER_RECOMPUTE, offload=False, options=o)
     # the same choice among the reported plans: the measurement sits next to it
     rep = memory_report(TINY, 1, CPU, [mine], options=o, measured=[_measured(), _measured(rank=0, activations=1)])
     assert len(rep.layouts) == 1 and rep.layouts[0].measured == _measured()  # the rank that held the most
