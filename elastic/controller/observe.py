@@ -15,7 +15,7 @@ restarted controller (or the next leader) keeps them; the decide step plans the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from elastic import store as db
@@ -222,19 +222,7 @@ class Observing(ControllerState):
         src = self.sources.get(service)
         if not isinstance(src, BacklogSource):
             return None
-        key = f"{service} backlog"
-        try:
-            hung = self._hanging.get(key)
-            if hung is not None and hung.is_alive():
-                raise TimeoutError("its previous read has not answered yet")
-            s = _call_within(lambda: src.backlog(service, now), self.cfg.controller.metrics_timeout(),
-                             f"backlog read for {service}", TimeoutError, hanging=self._hanging, key=key)
-        except Exception as e:  # noqa: BLE001 - a failing read is no backlog, never a reason to fail the tick
-            if self._source_errors.get(key) != str(e):
-                log.warning("backlog read for %s failed: %s", service, e)
-            self._source_errors[key] = str(e)
-            return None
-        self._source_errors.pop(key, None)
+        s = self._read_within(f"{service} backlog", f"backlog read for {service}", lambda: src.backlog(service, now))
         if s is None or s.stale or now - s.observed_at > self.cfg.controller.metrics_max_age_seconds:
             return None
         return s
@@ -243,25 +231,30 @@ class Observing(ControllerState):
         src = self.sources.get(service)
         if src is None:
             return None
-        try:
-            hung = self._hanging.get(service)
-            if hung is not None and hung.is_alive():
-                raise TimeoutError("its previous read has not answered yet")
-            # a source that never answers (a Prometheus accepting connections and nothing more) must
-            # not hold the tick; its thread goes on and the next read waits for it to end
-            s = _call_within(lambda: src.sample(service, now), self.cfg.controller.metrics_timeout(),
-                             f"metric read for {service}", TimeoutError, hanging=self._hanging, key=service)
-        except Exception as e:  # noqa: BLE001 - a failing source is missing data, never zero
-            if self._source_errors.get(service) != str(e):  # once per failure, not every tick
-                log.warning("metric source for %s failed: %s", service, e)
-            self._source_errors[service] = str(e)
-            return None
-        if self._source_errors.pop(service, None) is not None:
-            log.info("metric source for %s answers again", service)
+        s = self._read_within(service, f"metric source for {service}", lambda: src.sample(service, now))
         if s is not None and now - s.observed_at > self.cfg.controller.metrics_max_age_seconds:
             return MetricSample(s.value, s.observed_at, s.source, stale=True)
         return s
 
+    def _read_within(self, key: str, what: str, read: Callable[[], MetricSample | None]) -> MetricSample | None:
+        """``read()`` within the metrics timeout; None when it fails or does not answer in time (a
+        failing source is missing data, never zero), logged once per failure, not every tick. A
+        source that never answers (a Prometheus accepting connections and nothing more) must not
+        hold the tick: its thread goes on, and the next read of ``key`` waits for it to end."""
+        try:
+            hung = self._hanging.get(key)
+            if hung is not None and hung.is_alive():
+                raise TimeoutError("its previous read has not answered yet")
+            s = _call_within(read, self.cfg.controller.metrics_timeout(), what, TimeoutError,
+                             hanging=self._hanging, key=key)
+        except Exception as e:  # noqa: BLE001 - a failing read is missing data
+            if self._source_errors.get(key) != str(e):
+                log.warning("%s failed: %s", what, e)
+            self._source_errors[key] = str(e)
+            return None
+        if self._source_errors.pop(key, None) is not None:
+            log.info("%s answers again", what)
+        return s
 
 def _out_of_memory(rt: JobRuntime) -> bool:
     """``rt`` waits for another layout because a step ran out of memory (its error says so)."""

@@ -17,8 +17,6 @@ job's status.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -28,6 +26,7 @@ from elastic.controller import Controller
 from elastic.model import Layout, load_model
 from elastic.parallel.memory_report import MeasuredMemory, measured_peak
 from tests.fakes import Clock
+from tests.train._mp import wait_out_of_memory_hold
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(420)]
 
@@ -71,18 +70,6 @@ def ray_local():
     ray.shutdown()
 
 
-def _wait_held(handle, timeout: float):
-    """The job's status once the coordinator holds it after the step that ran out of memory."""
-    deadline = time.monotonic() + timeout
-    while True:
-        st = handle.status()
-        if st.out_of_memory is not None:
-            return st
-        assert st.phase not in ("failed", "stopped", "finished"), f"job ended instead: {st.phase} ({st.error})"
-        assert time.monotonic() < deadline, f"no out-of-memory hold within {timeout} s: {st.phase}, {st.reason}"
-        time.sleep(0.05)
-
-
 def test_a_layout_that_runs_out_of_memory_is_dropped_and_the_job_moves_in_place_on_the_same_curve(
         ray_local, tmp_path) -> None:
     from elastic.backends.ray import RayBackend
@@ -108,7 +95,7 @@ def test_a_layout_that_runs_out_of_memory_is_dropped_and_the_job_moves_in_place_
         assert ctl._layout_table(JOB)[2][0] == "tp1.pp2.dp1"
         tick()
         handle = backend.jobs[JOB].handle
-        st = _wait_held(handle, 120)
+        st = wait_out_of_memory_hold(handle, 120)
         assert (st.phase, st.layout, st.step) == ("recovering", "tp1.pp2.dp1", -1)
         assert (st.out_of_memory["rank"], st.out_of_memory["step"]) == (0, 0)
         peak = measured_peak(MeasuredMemory.from_json(st.out_of_memory["memory"], "out_of_memory.memory"))

@@ -342,3 +342,16 @@ def check_rescale_curve(runs: list[list[dict]], scenarios: dict[str, Any], scena
         assert r["bytes_planned"] > 0, r
         if lower_bound:
             assert r["bytes_planned"] == r["bytes_lower_bound"], r
+
+
+def wait_out_of_memory_hold(handle: Any, timeout: float) -> Any:
+    """The job's status (``handle.status()``) once its coordinator holds it after a step that ran out of
+    memory (every member reported back); fails when the job ends instead or the wait runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = handle.status()
+        if st.out_of_memory is not None:
+            return st
+        assert st.phase not in ("failed", "stopped", "finished"), f"job ended instead: {st.phase} ({st.error})"
+        assert time.monotonic() < deadline, f"no out-of-memory hold within {timeout} s: {st.phase}, {st.reason}"
+        time.sleep(0.05)

@@ -17,7 +17,6 @@ at one step.
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ import torch
 from elastic.model import Layout, SpecError, load_model
 from elastic.parallel.memory_report import MeasuredMemory, measured_peak
 from elastic.train.engine import TrainConfig, TrainEngine
+from tests.train._mp import wait_out_of_memory_hold
 
 CFG = TrainConfig(model=load_model("tiny"), global_batch=8, micro_batch=1, seed=3, lr=3e-3, dtype=torch.float64)
 
@@ -85,18 +85,6 @@ def test_a_bad_limit_is_refused_naming_the_field(bad) -> None:
 STEPS = 5
 
 
-def _wait_held(h, timeout: float) -> dict:
-    """The job's out-of-memory report once every member reported back (the coordinator says so)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        st = h.status()
-        if st.out_of_memory is not None:
-            return st
-        assert st.phase not in ("failed", "stopped", "finished"), f"job ended instead: {st.phase} ({st.error})"
-        assert time.monotonic() < deadline, f"no out-of-memory hold within {timeout} s: {st.phase}, {st.reason}"
-        time.sleep(0.05)
-
-
 # measured peaks per rank (float64, this batch): tp1.pp2.dp1 stage 0 4.59 MB, stage 1 4.13 MB;
 # tp2.pp1.dp1 4.11 MB; tp1.pp1.dp2 8.17 MB, with ZeRO-1 6.43 MB. Each limit lies halfway (the
 # activations measured vary by a few percent between processes: the margins are 5% and more).
@@ -121,7 +109,7 @@ def test_a_step_out_of_memory_holds_the_job_and_a_layout_that_fits_continues_the
     h = ProcessJobHandle(f"oom-{scenario}", cfg, options=opts, log_dir=str(tmp_path))
     try:
         h.start(first, ["w0", "w1"], timeout=180)  # returns: its first step ran out of memory
-        st = _wait_held(h, 120)
+        st = wait_out_of_memory_hold(h, 120)
         assert (st.phase, st.layout, st.generation, st.step) == ("recovering", first, 1, -1)
         oom = st.out_of_memory
         assert (oom["layout"], oom["step"]) == (first, 0) and oom["worker"] in failing
