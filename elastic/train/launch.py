@@ -202,6 +202,9 @@ class JobHandle(ABC):
         self._spawned: set[str] = set()
         self._gone: set[str] = set()
         self._lock = threading.Lock()
+        # the watcher and a rescale's wait may both see a worker end: one reaps it, and its exit is
+        # on record only once it is reaped (a caller that sees it gone may hand its resources on)
+        self._reap_lock = threading.Lock()
         self._watching = threading.Event()
         self._watcher: threading.Thread | None = None
         self._stopping = False
@@ -503,11 +506,14 @@ class JobHandle(ABC):
             time.sleep(0.05)
 
     def _observe_exit(self, worker: str) -> str | None:
-        """``_exit_reason``; the first time a worker is seen gone, remember why and reap what is left of it."""
+        """``_exit_reason``; the first time a worker is seen gone, reap what is left of it and then
+        remember why (another thread that sees it gone meanwhile waits for the reap)."""
         reason = self._exit_reason(worker)
         if reason is not None and worker not in self.exit_reasons:
-            self.exit_reasons[worker] = reason
-            self._reap(worker)
+            with self._reap_lock:
+                if worker not in self.exit_reasons:
+                    self._reap(worker)
+                    self.exit_reasons[worker] = reason
         return reason
 
     def _live(self) -> list[str]:

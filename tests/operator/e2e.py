@@ -558,11 +558,13 @@ def run(workdir: Path, *, high_rate: float = 6.0, user: bool = False, nodes: dic
         history = h.history()
         detail["printed"] = {"job": c.printer_columns("elastictrainingjobs", JOB),
                              "service": c.printer_columns("inferenceservices", SERVICE)}
-        annotations = {p["metadata"]["name"]: p["metadata"]["annotations"].get("elastic.dev/generation")
-                       for p in c.worker_pods()}
         # a background grow's Event is posted by the operator's next cycle after it landed
         all_events = wait_for("the grow's Event", lambda: events_through(
             c, (SERVICE, "scale_inference_down"), (JOB, "grow_training")), 60)
+        # only then: the grow stamps its generation on the pods after the job's status already
+        # counts its GPUs, and its thread (whose end the Event waits for) ends after the stamps
+        annotations = {p["metadata"]["name"]: p["metadata"]["annotations"].get("elastic.dev/generation")
+                       for p in c.worker_pods()}
         job_events = [(e["action"], e["reason"]) for e in c.events(JOB)]
         svc_events = [(e["action"], e["reason"]) for e in c.events(SERVICE)]
         leavers = sorted(set(first_workers) - set(survivors))

@@ -93,7 +93,8 @@ def test_bad_input_on_the_live_path_says_why_and_leaves_the_rest_of_the_pool_alo
                                                   if c.condition("inferenceservices", "big", "Ready").get(
                                                       "reason") == "ReplicasNotReady" else None), 60)
         assert "Unschedulable" in cond["message"] and "Insufficient nvidia.com/gpu" in cond["message"], cond
-        assert [w for w in _warnings(c, "stuck") if w[0] == "ReplicasNotReady"]
+        # the Warning is posted right after the condition, in a call of its own: wait for it too
+        wait_for("stuck Warning", lambda: [w for w in _warnings(c, "stuck") if w[0] == "ReplicasNotReady"], 10)
 
         # 4. the crash job's start attempts (2 pods each) are spaced by its back-off, not every 0.5 s cycle
         wait_for("a second attempt", lambda: sum(n.startswith("crash-w") for n, _ in c.agent.start_times) >= 4, 60)

@@ -67,7 +67,11 @@ def test_a_job_below_its_minimum_waits_in_keeper_pods_and_resumes_in_place(tmp_p
         # a background grow's Event is posted by the operator's next cycle after it landed
         events = wait_for("the resume's grow_training Event", lambda: e2e.events_through(
             c, (e2e.SERVICE, "scale_inference_down"), (e2e.JOB, "grow_training")), 60)
-        left = sorted(p["metadata"]["name"] for p in c.worker_pods(live=False))
+        # a keeper's pod is deleted once it ended, by whichever launcher thread saw it end first: the
+        # resume (and so its Event) may finish while the launcher's watcher still deletes it
+        left = wait_for("the keeper pods deleted once they handed the state over", lambda: (
+            names := sorted(p["metadata"]["name"] for p in c.worker_pods(live=False))) and not any(
+                "-k" in n for n in names) and names, 60)
     # the keepers: the held layout (one copy, no data parallelism), no GPU asked, not pinned to a node
     if not user:
         assert mem["layout"] == running and mem["weights"] > 0 and mem["activations"] > 0, mem
