@@ -378,16 +378,38 @@ def test_a_replica_drained_ahead_leaves_the_balancer_keeps_its_gpu_and_then_leav
         backend.shutdown()
 
 
-def test_a_scale_down_with_handoff_frees_the_gpu_at_once_and_the_balancer_resumes_every_request(ray_local) -> None:
+def test_a_scale_down_with_handoff_frees_the_gpu_at_once_and_the_balancer_resumes_every_request(
+        ray_local, monkeypatch) -> None:
     """``handoff: true``: the leaving replica gives its running requests back, the balancer (the load
     generator, following the backend's targets) resumes each on a replica that stays, and the
     scale-down returns without waiting for them; every request ends complete, with all its tokens."""
+    import threading
+
+    import elastic.backends.ray as ray_backend
     from elastic.metrics.scrape import scrape_sum
     from elastic.model import GPU
     from elastic.serve.loadgen import LoadGenerator
     from elastic.serve.profiles import ConstantProfile
     from elastic.serve.server import ReplicaConfig
     from tests.inference.conftest import BackgroundLoad
+
+    hand_off = ray_backend.hand_off
+    handed: list[dict[str, int | None]] = []  # what each hand-off call's replicas answered: url -> requests
+
+    def recorded_hand_off(urls, timeout=2.0):
+        handed.append(out := hand_off(urls, timeout))
+        return out
+
+    monkeypatch.setattr(ray_backend, "hand_off", recorded_hand_off)
+    scaling, scaled = threading.Event(), threading.Event()
+    held: list[bool] = []  # per pick of a target during the scale-down: released by its return (not the bound)
+
+    def targets() -> list[str]:
+        # a request handed off during the scale-down resumes (and so ends) only once it returned: a
+        # scale-down that waited for its requests would find them waiting for it
+        if scaling.is_set() and not scaled.is_set():
+            held.append(scaled.wait(60))
+        return backend.service_targets("chat")
 
     data = {**CONFIG, "services": [{**CONFIG["services"][0], "handoff": True}]}
     spec = load_config(data=data).services[0]
@@ -398,17 +420,27 @@ def test_a_scale_down_with_handoff_frees_the_gpu_at_once_and_the_balancer_resume
     try:
         backend.set_service_gpus(spec, gpus)
         leaving = backend.replicas["chat"][1]
+        urls = backend.service_targets("chat")
         # four requests of ~6 s (120 tokens at 20 tokens/s), two on each replica
-        load = BackgroundLoad(LoadGenerator(lambda: backend.service_targets("chat"), ConstantProfile(40.0),
-                                            duration=0.5, max_requests=4, max_tokens=120, seed=2))
+        load = BackgroundLoad(LoadGenerator(targets, ConstantProfile(40.0), duration=0.5, max_requests=4,
+                                            max_tokens=120, seed=2))
+
+        def running() -> float:
+            return sum(scrape_sum(u, ("vllm:num_requests_running",)) or 0 for u in urls)
+
         deadline = time.monotonic() + 10
-        while (scrape_sum(leaving.url, ("vllm:num_requests_running",)) or 0) < 1 and time.monotonic() < deadline:
+        while running() < 4 and time.monotonic() < deadline:
             time.sleep(0.05)
-        time.sleep(0.3)
-        t0 = time.monotonic()
-        backend.set_service_gpus(spec, gpus[:1])
-        took = time.monotonic() - t0
-        assert took < 2.5, took  # not the ~5 s its requests had left
+        assert running() == 4 and scrape_sum(leaving.url, ("vllm:num_requests_running",)), "all four running"
+        scaling.set()
+        try:
+            backend.set_service_gpus(spec, gpus[:1])
+        finally:
+            scaled.set()
+        # the leaving replica handed its requests off (it says how many), and the scale-down returned
+        # while every one of them still waited to resume
+        assert [list(h) for h in handed] == [[leaving.url]] and (handed[0][leaving.url] or 0) >= 1, handed
+        assert all(held), held
         assert backend.service_gpus("chat") == gpus[:1] and backend.draining_targets("chat") == []
         # every request ends (~6 s in all, hand-off included); finish() drops what is still in flight
         deadline = time.monotonic() + 60
@@ -417,8 +449,10 @@ def test_a_scale_down_with_handoff_frees_the_gpu_at_once_and_the_balancer_resume
         report = load.finish()
         assert len(report.results) == 4
         assert all(x.complete and x.tokens == 120 for x in report.results), report.results
-        assert sum(x.handoffs for x in report.results) >= 1  # at least the leaving replica's request moved
+        # every request the leaving replica handed off moved once, and none ended there
+        assert sum(x.handoffs for x in report.results) == handed[0][leaving.url], (handed, report.results)
         assert all(x.target == backend.service_targets("chat")[0] for x in report.results if x.handoffs)
+        assert all(x.target != leaving.url for x in report.results), report.results
     finally:
         backend.shutdown()
 

@@ -82,6 +82,31 @@ def job_cr(**extra: Any) -> dict[str, Any]:
     return {"apiVersion": f"{G}/{V}", "kind": "ElasticTrainingJob", "metadata": {"name": JOB}, "spec": spec}
 
 
+# A worker container (template ``command``; ``args``: a folder) that exits at once with code 3, first
+# writing ``<folder>/<attempt>.<pod>`` with its start time (``time.monotonic()``, one clock for every
+# process here). ``<attempt>`` is a digest of the job's secret: every start of a job runs a coordinator
+# of its own with a secret of its own, while pod names and the generation annotation repeat from one
+# start to the next.
+RECORDED_CRASH = ["python", "-c", "import hashlib, os, sys, time\n"
+                  "attempt = hashlib.sha256(os.environ['ELASTIC_JOB_SECRET'].encode()).hexdigest()[:12]\n"
+                  "path = os.path.join(sys.argv[1], attempt + '.' + os.environ['ELASTIC_WORKER_ID'])\n"
+                  "with open(path + '.tmp', 'w') as f:\n"
+                  "    f.write(repr(time.monotonic()))\n"
+                  "os.replace(path + '.tmp', path)\n"
+                  "sys.exit(3)"]
+
+
+def start_attempts(folder: Path) -> list[float]:
+    """When each start of a :data:`RECORDED_CRASH` job began (its first pod's start), in order."""
+    first: dict[str, float] = {}
+    for f in folder.iterdir():
+        if f.name.endswith(".tmp"):  # still being written
+            continue
+        attempt = f.name.split(".", 1)[0]
+        first[attempt] = min(first.get(attempt, float("inf")), float(f.read_text()))
+    return sorted(first.values())
+
+
 def replica_deployment(port: int, replicas: int = 1) -> dict[str, Any]:
     """The reference replica (vLLM's metric names) as a user's Deployment: one GPU per pod."""
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": DEPLOYMENT},

@@ -130,7 +130,9 @@ def test_a_first_start_failing_in_the_background_still_backs_off_with_its_warnin
         c.apply(_sleepers())
         c.apply(e2e.pool_cr())
         c.apply(_service())
-        c.apply(_job("crash", command=["python", "-c", "import sys; sys.exit(3)"]))
+        starts = tmp_path / "crash-starts"  # each crash pod records its start and its start attempt
+        starts.mkdir()
+        c.apply(_job("crash", command=e2e.RECORDED_CRASH, args=[str(starts)]))
 
         def start_failed() -> dict[str, Any] | None:
             cond = c.condition("elastictrainingjobs", "crash", "Ready")
@@ -149,10 +151,8 @@ def test_a_first_start_failing_in_the_background_still_backs_off_with_its_warnin
             n for r, n in _pool_events(c, "Warning") if r == "ApplyFailed"], 10)
         assert f"grow_training {NS}/crash: " in applied[0] and "exit code 3" in applied[0], applied
         # the next attempt only once the back-off (5 s) is over, not on the next cycle
-        wait_for("a second attempt", lambda: sum(n.startswith("crash-w") for n, _ in c.agent.start_times) >= 4, 60)
-        starts = [t for n, t in c.agent.start_times if n.startswith("crash-w")]
-        attempts = starts[:1] + [t for prev, t in zip(starts, starts[1:], strict=False) if t - prev > 1.0]
-        assert len(attempts) >= 2 and attempts[1] - attempts[0] >= 4.0, attempts
+        attempts = wait_for("a second attempt", lambda: (a := e2e.start_attempts(starts)) and len(a) >= 2 and a, 60)
+        assert attempts[1] - attempts[0] >= 4.0, attempts
         # the second failure doubles the back-off
         wait_for("the back-off doubled to 10 s", lambda: (cond := start_failed())
                  and "back-off of 10 s" in cond["message"], 60)

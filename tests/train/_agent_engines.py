@@ -1,7 +1,8 @@
 """Engine factories for the agent tests, loaded by worker processes through ``ELASTIC_ENGINE_FACTORY``.
 
 :func:`slow_steps`: the real engine, each step padded to a fixed wall time, so a test knows
-roughly where the job is (rescales near ``max_steps``).
+roughly where the job is (rescales near ``max_steps``); with ``ELASTIC_TEST_FIRST_STEP_RELEASE=<file>``
+the first step of an engine built from a state (a later generation's) also waits for that file.
 
 A fault at our own boundary (the :class:`elastic.train.agent.Engine` protocol), not a mock of
 the trainer: :func:`mislaid_state_on_one_worker` builds the real ``TrainEngine`` and trains
@@ -44,17 +45,29 @@ def mislaid_state_on_one_worker(config: dict[str, Any], layout: Layout, rank: in
     return engine
 
 
-class _Slow:
-    """Every step takes at least ``ELASTIC_TEST_STEP_SECONDS``: a job whose progress a test can outpace."""
+def _wait_for_file(path: str, seconds: float = 120.0) -> None:
+    """Until ``path`` exists (bounded: a test that failed before writing it must not hang a worker)."""
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
-    def __init__(self, engine: Any, seconds: float) -> None:
-        self._engine, self._seconds = engine, seconds
+
+class _Slow:
+    """Every step takes at least ``ELASTIC_TEST_STEP_SECONDS``: a job whose progress a test can outpace.
+    With ``release``, the first step also waits until that file exists: a test reads the job while
+    that step is certainly in progress, then lets it end."""
+
+    def __init__(self, engine: Any, seconds: float, release: str | None = None) -> None:
+        self._engine, self._seconds, self._release = engine, seconds, release
 
     def state(self) -> State:
         return self._engine.state()
 
     def train_step(self, step: int) -> Any:
         t0 = time.monotonic()
+        if self._release is not None:
+            _wait_for_file(self._release)
+            self._release = None
         out = self._engine.train_step(step)
         time.sleep(max(0.0, self._seconds - (time.monotonic() - t0)))
         return out
@@ -65,7 +78,9 @@ class _Slow:
 
 def slow_steps(config: dict[str, Any], layout: Layout, rank: int, state: State | None) -> Any:
     engine = default_engine_factory(config, layout, rank, state, timeout_s=60)
-    return _Slow(engine, float(os.environ.get("ELASTIC_TEST_STEP_SECONDS", "0.3")))
+    # built from a state: a later generation (a survivor or a joiner of a rescale), whose first step is held
+    release = os.environ.get("ELASTIC_TEST_FIRST_STEP_RELEASE") if state is not None else None
+    return _Slow(engine, float(os.environ.get("ELASTIC_TEST_STEP_SECONDS", "0.3")), release)
 
 
 def slow_micro_batches(config: dict[str, Any], layout: Layout, rank: int, state: State | None) -> Any:
@@ -92,11 +107,17 @@ def _held(engine: Any, state: State | None) -> Any:
     second micro-batch's give-up check until the agent has asked for the step to be given up
     (bounded): a rescale posted while that step is in progress is then caught at micro-batch 1
     whatever the machine's load, not only when it lands before the last check. With
-    ``ELASTIC_TEST_HOLD_MARK=<dir>`` each worker says it is holding (``<dir>/<worker>.held``): a
-    test that posts after every mark is there knows micro-batch 0's work is done and kept."""
+    ``ELASTIC_TEST_HOLD_RELEASE=<file>`` the wait is for that file instead, which the test writes once
+    it has posted a rescale that asks for no give-up (two pipeline stages): the step then ends nowhere
+    before the rescale is posted. With ``ELASTIC_TEST_HOLD_MARK=<dir>`` each worker says it is holding
+    (``<dir>/<worker>.held``): a test that posts after every mark is there knows micro-batch 0's work
+    is done and kept. With pipeline stages only the first stage's members get there before the
+    release: a later stage receives its second micro-batch's input outside ``_forward_step``, from
+    a first stage that holds."""
     # built from no state: the first generation. A joiner or a rescaled member finishing the
     # given-up step must not wait for a request that will not come
     hold = int(os.environ.get("ELASTIC_TEST_HOLD_STEP", "-1")) if state is None else -1
+    release = os.environ.get("ELASTIC_TEST_HOLD_RELEASE")
     forward = engine._forward_step  # type: ignore[attr-defined]
 
     def held(step: int, micro: int, x: Any, losses: list[Any]) -> Any:
@@ -105,9 +126,12 @@ def _held(engine: Any, state: State | None) -> Any:
             if mark := os.environ.get("ELASTIC_TEST_HOLD_MARK"):  # the test posts once every member is here
                 with open(os.path.join(mark, f"{os.environ.get('ELASTIC_WORKER_ID', os.getpid())}.held"), "w"):
                     pass
-            deadline = time.monotonic() + 120
-            while getattr(engine, "_give_up_step", None) != step and time.monotonic() < deadline:
-                time.sleep(0.01)
+            if release:
+                _wait_for_file(release)
+            else:
+                deadline = time.monotonic() + 120
+                while getattr(engine, "_give_up_step", None) != step and time.monotonic() < deadline:
+                    time.sleep(0.01)
         return forward(step, micro, x, losses)  # its give-up check comes first
 
     engine._forward_step = held  # type: ignore[attr-defined]

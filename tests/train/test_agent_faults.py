@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 from prometheus_client import CollectorRegistry
 
-from elastic.model import HardwareSpec, SpecError, load_model
+from elastic.model import HardwareSpec, Layout, SpecError, load_model
 from elastic.train.engine import TrainConfig
 from elastic.train.launch import LaunchOptions, ProcessJobHandle
 from elastic.train.rendezvous import RescaleFailed
@@ -171,10 +171,13 @@ def test_rescale_near_max_steps_completes_or_is_refused_and_never_hangs(tmp_path
 
 def test_a_shrink_that_need_not_wait_its_first_step_returns_with_its_leavers_gone_and_the_next_rescale_waits(
         tmp_path, monkeypatch) -> None:
-    """``wait_first_step=False`` (what the backends ask for): every step takes 3 s; the shrink returns
-    once the new layout has begun its first step and the leaver exited, before that step ends; the
-    next rescale waits for it, and the step counter and loss curve go on as if nothing happened."""
+    """``wait_first_step=False`` (what the backends ask for): every step takes 3 s, and the new
+    layout's first step waits for the test's word; the shrink returns once the new layout has begun
+    its first step and the leaver exited, before that step ends; the next rescale waits for it, and
+    the step counter and loss curve go on as if nothing happened."""
+    release = tmp_path / "first-step-release"
     monkeypatch.setenv("ELASTIC_TEST_STEP_SECONDS", "3.0")
+    monkeypatch.setenv("ELASTIC_TEST_FIRST_STEP_RELEASE", str(release))
     opts = replace(OPTS, engine_factory="tests.train._agent_engines:slow_steps")
     h = ProcessJobHandle("early", CFG, options=opts, log_dir=str(tmp_path))
     try:
@@ -183,12 +186,14 @@ def test_a_shrink_that_need_not_wait_its_first_step_returns_with_its_leavers_gon
         shrink = h.rescale("tp1.pp1.dp1", ["w0"], timeout=120, wait_first_step=False)
         assert shrink.record.ok is None and shrink.pause_seconds is not None and shrink.record.leavers == ["w1"]
         assert h.procs["w1"].poll() == 0  # the leaver is gone: its GPU is free
-        assert h.status().step < shrink.switch_step  # the new layout's first step is still running
+        assert h.status().step < shrink.switch_step  # the new layout's first step is still running (held)
+        release.touch()  # that step may end now
         grow = h.rescale("tp1.pp1.dp2", ["w0", "w2"], timeout=120)  # waits for that step, then goes
         assert grow.record.ok and grow.switch_step > shrink.switch_step
         assert h.coordinator.rescale_record(shrink.generation).ok is True
         h.wait_step(grow.switch_step, timeout=120)
     finally:
+        release.touch()  # a failed assertion leaves no step held
         final = h.stop()
     assert final.error is None
     hist = h.history()
@@ -211,27 +216,40 @@ def test_a_shrink_that_need_not_wait_its_first_step_returns_with_its_leavers_gon
 def test_a_shrink_gives_up_the_step_in_progress_and_the_new_layout_finishes_it_on_the_same_loss_curve(
         tmp_path, monkeypatch, layout, workers, after, kept, gives_up, keeps_work) -> None:
     """``shrink_gives_up_step`` (the launch default): a step is 4 micro-batches of >= 0.6 s; a shrink
-    posted while a step is in progress (one stage: the step waits at its second micro-batch for the
-    request) switches at that step (given up, not finished) on one pipeline stage, after it with two. A DP shrink keeps the work of the micro-batches done (the new layout
-    computes only the rest; the pause counts from the boundary); a TP change redoes the step whole
-    (the pause counts from the step's begin). Either way the step counter and loss curve are those
-    of a job never rescaled."""
+    posted while a step is in progress (step 2 waits at its second micro-batch: for the request with
+    one stage, until the shrink is posted with two) switches at that step (given up, not finished)
+    on one pipeline stage, after it with two. A DP shrink keeps the work of the micro-batches done
+    (the new layout computes only the rest; the pause counts from the boundary); a TP change redoes
+    the step whole (the pause counts from the step's begin). Either way the step counter and loss
+    curve are those of a job never rescaled."""
     assert OPTS.shrink_gives_up_step
-    if gives_up:  # step 2 waits at its second micro-batch for the request: the shrink lands inside it
-        monkeypatch.setenv("ELASTIC_TEST_HOLD_STEP", "2")
-        monkeypatch.setenv("ELASTIC_TEST_HOLD_MARK", str(tmp_path))
-    h = padded_job(tmp_path, monkeypatch, "giveup", "held_micro_batches" if gives_up else "slow_micro_batches", 0.6)
+    # step 2 waits at its second micro-batch: the shrink lands inside it
+    monkeypatch.setenv("ELASTIC_TEST_HOLD_STEP", "2")
+    monkeypatch.setenv("ELASTIC_TEST_HOLD_MARK", str(tmp_path))
+    release = tmp_path / "posted"
+    if not gives_up:  # no give-up request comes: the step waits for the test's word that the shrink is posted
+        monkeypatch.setenv("ELASTIC_TEST_HOLD_RELEASE", str(release))
+    h = padded_job(tmp_path, monkeypatch, "giveup", "held_micro_batches", 0.6)
     try:
         h.start(layout, workers, timeout=180)
-        h.wait_step(1, timeout=120)  # step 1 done: step 2 is being computed (>= 2.4 s)
+        h.wait_step(1, timeout=120)  # step 1 done: step 2 is being computed, and ends only once released
         in_progress = h.status().step + 1
-        if gives_up:  # every member holds at micro-batch 1: micro-batch 0's work is there to keep
-            deadline = time.monotonic() + 120
-            while len(list(tmp_path.glob("*.held"))) < len(workers) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert len(list(tmp_path.glob("*.held"))) == len(workers)
-        else:
-            time.sleep(0.9)  # inside step 2: with two stages it is finished, then the switch
+        # every member of the first stage holds at micro-batch 1 (with one stage, every member:
+        # micro-batch 0's work is there to keep); a later stage waits for the first one's output
+        holders = len(workers) // Layout.parse(layout).pp
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("*.held"))) < holders and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(list(tmp_path.glob("*.held"))) == holders
+        if not gives_up:  # step 2 may end once the shrink is posted: no member has begun step 3 by then
+            post = h.coordinator.directive
+
+            def post_then_release(*args, **kwargs):
+                d = post(*args, **kwargs)
+                release.touch()
+                return d
+
+            h.coordinator.directive = post_then_release
         shrink = h.rescale(after, kept, timeout=120, wait_first_step=False)
         rec = shrink.record
         if gives_up:
@@ -242,10 +260,12 @@ def test_a_shrink_gives_up_the_step_in_progress_and_the_new_layout_finishes_it_o
             else:
                 assert rec.kept_micro_batches == 0 and shrink.pause_seconds >= rec.gave_up_seconds, rec
         else:
-            assert (shrink.switch_step, rec.gave_up_step, rec.gave_up_seconds) == (in_progress + 1, None, 0.0), rec
+            want = (in_progress + 1, None, 0.0)
+            assert (shrink.switch_step, rec.gave_up_step, rec.gave_up_seconds) == want == (3, None, 0.0), rec
         assert all(h.procs[w].poll() == 0 for w in workers if w not in kept)  # the leavers are gone
         h.wait_step(shrink.switch_step + 2, timeout=120)
     finally:
+        release.touch()  # a failed assertion leaves no step held
         final = h.stop()
     assert final.error is None
     assert_one_switch_on_the_reference_curve(h, shrink.switch_step)
