@@ -302,6 +302,24 @@ class ElasticTrainingJobSpec(_CR):
     """Sequences per optimizer step; invariant across rescales (``dp * microBatch * gradAccum``)."""
     micro_batch: int = Field(default=1, ge=1)
     """Sequences per micro-batch."""
+    micro_batch_cap: int | None = Field(default=None, ge=1)
+    """The reference trainer picks each layout's micro-batch: the largest size up to this cap that splits its
+    replica's share of the global batch evenly; the planner sizes memory for that micro-batch. Omit:
+    ``microBatch`` at every layout. Not with an entrypoint."""
+    precision: Literal["bf16-mixed", "fp32", "fp64"] | None = None
+    """What the job trains in, which the planner sizes its memory for (``bf16-mixed``: bf16 weights and
+    activations, fp32 gradients, master copy and Adam moments); the reference trainer runs it. Omit: the
+    planner counts ``bf16-mixed``."""
+    recompute: Literal["none", "selective", "full"] | None = None
+    """The activation recompute the job's trainer runs, which the planner sizes activations for. Omit: the
+    planner picks per layout."""
+    offload: bool | None = None
+    """Whether the job's trainer keeps its optimizer state in host memory. Omit: the planner offloads only a
+    layout that fits no other way."""
+    memory_limit_bytes: int | None = Field(default=None, ge=1)
+    """Bytes each of the job's GPUs may hold in its tensors (weights, gradients, optimizer state, activations),
+    below what the device leaves: the planner offers only layouts that fit under it and a layout whose
+    measured step goes over is dropped. Omit: the device's memory less the planner's reserve."""
     zero: int = Field(default=0, ge=0, le=1)
     """1 = ZeRO-1 (optimizer state sharded across data-parallel ranks)."""
     replicate_optimizer: bool = Field(default=False, alias="replicateOptimizer")
@@ -622,6 +640,9 @@ def to_training_spec(workload: str, spec: ElasticTrainingJobSpec, model_dir: str
     try:
         return TrainingSpec(name=workload, model=model_ref, min_gpus=spec.min_gpus, max_gpus=spec.max_gpus,
                             priority=spec.priority, global_batch=spec.global_batch, micro_batch=spec.micro_batch,
+                            micro_batch_cap=spec.micro_batch_cap, precision=spec.precision,
+                            recompute=spec.recompute, offload=spec.offload,
+                            memory_limit_bytes=spec.memory_limit_bytes,
                             allowed_tp=spec.allowed_tp, allowed_pp=spec.allowed_pp, zero=spec.zero,
                             replicate_optimizer=spec.replicate_optimizer, **below,
                             checkpoint=CheckpointSpec(dir=spec.checkpoint.dir, every_steps=spec.checkpoint.every_steps,

@@ -155,6 +155,35 @@ class TrainingSpec(_Spec):
                     "it starts again from step 0)")
     global_batch: int = Field(default=16, gt=0)
     micro_batch: int = Field(default=1, gt=0)
+    micro_batch_cap: int | None = Field(
+        default=None, gt=0,
+        description="the reference trainer picks each layout's micro-batch: the largest size up to this cap that "
+                    "splits its replica's share of the global batch evenly (fewer, larger micro-batches at small "
+                    "dp); the planner sizes memory for that same micro-batch. None: micro_batch at every layout. "
+                    "Not with an entrypoint (its micro_batch is already a cap)")
+    precision: Literal["bf16-mixed", "fp32", "fp64"] | None = Field(
+        default=None,
+        description="what the job trains in, which the planner sizes its memory for: 'bf16-mixed' (bf16 weights "
+                    "and activations, fp32 gradients, master copy and Adam moments), 'fp32' or 'fp64'; the "
+                    "reference trainer runs it. None: the planner counts bf16-mixed and the reference trainer "
+                    "runs fp32 (a CPU's)")
+    memory_limit_bytes: int | None = Field(
+        default=None, gt=0,
+        description="the bytes each of the job's GPUs may hold in its tensors (weights, gradients, optimizer state, "
+                    "activations), below what the device leaves: the planner offers only layouts that fit under "
+                    "it, a layout whose measured step goes over is dropped, and the reference trainer refuses a "
+                    "step that would (out of memory, the step given up). None: the device's memory less the "
+                    "planner's reserve")
+    recompute: Literal["none", "selective", "full"] | None = Field(
+        default=None,
+        description="the activation recompute the job's trainer runs, which the planner sizes activations for: "
+                    "'none' (every activation kept, attention scores included), 'selective' (attention's scores "
+                    "recomputed, or never stored by a flash-attention kernel: what the reference trainer holds), "
+                    "'full' (only each layer's input kept). None: the planner picks per layout")
+    offload: bool | None = Field(
+        default=None,
+        description="whether the job's trainer keeps its optimizer state in host memory; the planner counts it "
+                    "there. None: the planner offloads only a layout that fits no other way")
     allowed_tp: list[int] | None = None
     allowed_pp: list[int] | None = None
 
@@ -230,6 +259,10 @@ class TrainingSpec(_Spec):
             dims = check_mesh_dims(self.mesh_dims if self.mesh_dims is not None else DEFAULT_MESH_DIMS)
         except SpecError as e:
             raise err("mesh_dims", str(e)) from None
+        if self.micro_batch_cap is not None:
+            raise err("micro_batch_cap", f"micro_batch_cap={self.micro_batch_cap}: a job with an entrypoint takes "
+                                         "micro_batch as the most samples a rank computes at once; remove "
+                                         "micro_batch_cap and set micro_batch")
         if self.checkpoint is not None:
             raise err("checkpoint", "checkpoint: a job with an entrypoint keeps its own checkpoints (elastic "
                                     "saves none of its state); remove checkpoint")
@@ -249,6 +282,14 @@ class TrainingSpec(_Spec):
         for name, value in held.items():  # derived, not set: a dump with exclude_unset stays as written
             object.__setattr__(self, name, value)
         return self
+
+    def planner_options(self) -> dict[str, Any]:
+        """What the planner sizes this job by, as ``controller.tables.throughput_table``'s keywords
+        (the same names ``controller.memory.alternatives`` takes)."""
+        return {"global_batch": self.global_batch, "allowed_tp": self.allowed_tp, "allowed_pp": self.allowed_pp,
+                "zero": self.zero, "replicate_optimizer": self.no_zero1,
+                "precision": self.precision or "bf16-mixed", "micro_batch_cap": self.micro_batch_cap,
+                "memory_limit_bytes": self.memory_limit_bytes, "recompute": self.recompute, "offload": self.offload}
 
     @property
     def no_zero1(self) -> bool:

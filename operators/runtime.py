@@ -516,8 +516,7 @@ class OperatorRuntime(Publishing):
             if tkey not in self._throughput:
                 self._throughput[tkey] = throughput_table(
                     load_model(j.model), hw, min(j.max_gpus, pool_spec.total_gpus),
-                    gpus_per_node=pool_spec.gpus_per_node, global_batch=j.global_batch, allowed_tp=j.allowed_tp,
-                    allowed_pp=j.allowed_pp, zero=j.zero, replicate_optimizer=j.no_zero1)
+                    gpus_per_node=pool_spec.gpus_per_node, **j.planner_options())
             throughput[j.name] = self._throughput[tkey]
         sources = {s.name: self.source_factory(s, pool.backend) for s in cfg.services}
         # a start or grow waits for pods to start (up to wait_seconds): in the background, not in the

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from elastic.model import GPU, InferenceSpec, Layout, TrainingSpec
+from elastic.model import GPU, InferenceSpec, Layout, TrainingSpec, load_model
 from elastic.phases import RUNTIME_PHASES
 
 
@@ -240,3 +240,18 @@ class Capabilities:
         """The capabilities present, by interface name (for a log line)."""
         return [n for n, on in (("Drains", self.drains), ("Pauses", self.pauses), ("Checkpoints", self.checkpoints),
                                 ("Fenced", self.fenced), ("Adopts", self.adopts)) if on]
+
+
+def default_trainer_config(spec: TrainingSpec) -> Any:
+    """A job spec's trainer config: the user's code (``UserJobConfig``) for a spec with an
+    ``entrypoint``, else the reference trainer's: its micro-batches, precision (fp32 when it names
+    none) and memory limit."""
+    if spec.entrypoint is not None:
+        from elastic.train.userjob import from_spec
+
+        return from_spec(spec)
+    from elastic.train.engine import TrainConfig, precision_dtype
+
+    return TrainConfig(model=load_model(spec.model), global_batch=spec.global_batch, micro_batch=spec.micro_batch,
+                       micro_batch_cap=spec.micro_batch_cap, dtype=precision_dtype(spec.precision),
+                       memory_limit_bytes=spec.memory_limit_bytes)

@@ -19,6 +19,7 @@ from elastic.backends.base import (
     RescaleOutcome,
     checkpoint_through,
     coordinator_runtime,
+    default_trainer_config,
     still_held,
 )
 from elastic.backends.kubernetes_names import (
@@ -37,7 +38,7 @@ from elastic.backends.kubernetes_names import (
     _Job,
     parse_gpu,
 )
-from elastic.model import GPU, Layout, TrainingSpec, load_model
+from elastic.model import GPU, Layout, TrainingSpec
 from elastic.train.launch import JobHandle, job_options
 from elastic.train.rendezvous import SECRET_ENV, RescaleCancelled
 
@@ -280,17 +281,9 @@ class _Training:
                 log.warning("%s: %s", job, e)
 
     def _new_handle(self, spec: TrainingSpec) -> KubernetesJobHandle:
-        if spec.entrypoint is not None:  # the user's code: its config whatever tunes the reference trainer
-            from elastic.train.userjob import from_spec
-
-            cfg = from_spec(spec)
-        elif self.trainer_config:
-            cfg = self.trainer_config(spec)
-        else:
-            from elastic.train.engine import TrainConfig
-
-            cfg = TrainConfig(model=load_model(spec.model), global_batch=spec.global_batch,
-                              micro_batch=spec.micro_batch)
+        # the user's code: its config whatever tunes the reference trainer
+        cfg = (self.trainer_config(spec) if self.trainer_config and spec.entrypoint is None
+               else default_trainer_config(spec))
         # the coordinator runs in this process, without the workers' volume: it starts a job at the
         # newest checkpoint its workers report when they register
         opts = job_options(self.launch_options, spec, coordinator_sees=False)

@@ -11,7 +11,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from elastic.model import GPU, InferenceSpec, TrainingSpec, load_model
+from elastic.backends.base import default_trainer_config
+from elastic.model import GPU, InferenceSpec, TrainingSpec
 from elastic.train.launch import JobHandle, coordinator_settings, gpu_workers
 from elastic.train.ray_handle import TrainingJobHandle
 
@@ -165,18 +166,6 @@ class EmbeddedJobHandle(TrainingJobHandle):
             for actor, _ in self.spares:
                 ray.kill(actor, no_restart=True)
             self.spares.clear()
-
-
-def default_trainer_config(spec: TrainingSpec) -> Any:
-    """A job spec's trainer config: the user's code (``UserJobConfig``) for a spec with an
-    ``entrypoint``, else the reference trainer's (fp32 on CPU)."""
-    if spec.entrypoint is not None:
-        from elastic.train.userjob import from_spec
-
-        return from_spec(spec)
-    from elastic.train.engine import TrainConfig
-
-    return TrainConfig(model=load_model(spec.model), global_batch=spec.global_batch, micro_batch=spec.micro_batch)
 
 
 def trainer_config_for(reference: Callable[[TrainingSpec], Any] | None) -> Callable[[TrainingSpec], Any]:

@@ -399,8 +399,7 @@ def planned_layout(job: dict[str, Any], pool: dict[str, Any], gpus: int) -> str:
     except SpecError as e:
         raise SpecError(f"--gpus needs the job's model here to plan ({e}); pass --layout instead") from None
     table = throughput_table(model, load_hardware(ps.hardware), gpus, gpus_per_node=ps.gpus_per_node,
-                             global_batch=spec.global_batch, allowed_tp=spec.allowed_tp, allowed_pp=spec.allowed_pp,
-                             zero=spec.zero, replicate_optimizer=spec.no_zero1)
+                             **spec.planner_options())
     if gpus not in table:
         fits = ", ".join(str(n) for n in sorted(table) if n >= spec.min_gpus) or "none"
         raise SpecError(f"--gpus {gpus}: no layout of {spec.model} (global_batch {spec.global_batch}) uses exactly "

@@ -18,7 +18,9 @@ def register(app: typer.Typer) -> None:
         timeline_csv: str = typer.Option("", help="also write the per-second samples (load, replicas, "
                                          "training GPUs, busy shares) as CSV here"),
         kill_worker_at: str = typer.Option("", help="chaos: kill one training worker at this time of day "
-                                           "(HH:MM, e.g. 13:00); the job recovers in place from its replica"),
+                                           "(HH:MM, e.g. 13:00); the job recovers in place from its replica (the reference trainer "
+                                           "then keeps a whole optimizer state per replica and no memory limit: "
+                                           "data-parallel layouts only)"),
         job: str = typer.Option("", "--job", help="train a user's own loop (elastic.torch.Manager) instead of "
                                 "the reference trainer: 'llama' (the example Llama, examples.llama.job:main or "
                                 "examples/llama/job.py), or any 'package.module:function' or script .py, which "

@@ -38,6 +38,17 @@ def register(app: typer.Typer) -> None:
         gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", help="default: the hardware's (8)"),
         global_batch: int = typer.Option(DEFAULT_GLOBAL_BATCH, "--global-batch", help="sequences per step"),
         seq_len: int | None = typer.Option(None, "--seq-len", help="default: the model's"),
+        precision: str = typer.Option("bf16-mixed", "--precision",
+                                      help="what the job trains in: bf16-mixed, fp32 or fp64"),
+        micro_batch_cap: int | None = typer.Option(
+            None, "--micro-batch-cap", help="size the micro-batch the reference trainer picks under this cap "
+                                            "(default: the planner chooses one)"),
+        recompute: str | None = typer.Option(
+            None, "--recompute", help="the activation recompute the trainer runs: none, selective or full "
+                                      "(default: the planner picks per layout)"),
+        memory_limit_bytes: int | None = typer.Option(
+            None, "--memory-limit-bytes", help="bytes of tensors each GPU may hold, below the device's memory "
+                                               "less the reserve"),
         layout: str | None = typer.Option(None, "--layout", help="evaluate exactly this layout, e.g. tp8.pp2.dp4"),
         top: int | None = typer.Option(None, "--top", help="layouts to show (default 5; --json: all that fit)"),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
@@ -59,7 +70,10 @@ def register(app: typer.Typer) -> None:
             raise SpecError(f"--gpus={gpus}: need at least 1 GPU")
         if gpus_per_node is not None and gpus_per_node < 1:
             raise SpecError(f"--gpus-per-node={gpus_per_node}: must be >= 1")
-        opts = PlanOptions(global_batch=global_batch, seq_len=seq_len, gpus_per_node=gpus_per_node)
+        opts = PlanOptions(global_batch=global_batch, seq_len=seq_len, gpus_per_node=gpus_per_node,
+                           precision=precision, micro_batch_cap=micro_batch_cap,  # type: ignore[arg-type]
+                           memory_limit_bytes=memory_limit_bytes,
+                           **({} if recompute is None else {"recompute": (recompute,)}))  # type: ignore[arg-type]
         records = _plan_report.read_measured(measured) if measured is not None else []
         if report is not None:
             _plan_report.report_paths(report)  # a bad PATH fails before any planning

@@ -89,9 +89,7 @@ class Controller(Applying, Recording):
             if j.name not in self._throughput:
                 self._throughput[j.name] = throughput_table(
                     cfg.models()[j.name], self.hardware, min(j.max_gpus, cfg.pool.total_gpus),
-                    gpus_per_node=cfg.pool.gpus_per_node, global_batch=j.global_batch,
-                    allowed_tp=j.allowed_tp, allowed_pp=j.allowed_pp, zero=j.zero,
-                    replicate_optimizer=j.no_zero1)
+                    gpus_per_node=cfg.pool.gpus_per_node, **j.planner_options())
         check_feasible(cfg, self._throughput)
         self._register()
         self._load_interventions()

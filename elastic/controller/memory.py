@@ -34,11 +34,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final, Literal
 
+from elastic.controller.tables import trainer_choices
 from elastic.model import HardwareSpec, Layout, ModelSpec, SpecError
+from elastic.parallel.memory import Precision
 from elastic.parallel.memory_report import (
-    TRAINER_RECOMPUTE,
     MeasuredMemory,
     StageMemory,
+    measured_options,
     measured_peak,
     stage_memory,
 )
@@ -100,20 +102,24 @@ class Dropped:
             raise SpecError(f"{where}: {e}") from None
 
 
-def budget_bytes(hardware: HardwareSpec, options: PlanOptions | None = None) -> int:
+def budget_bytes(hardware: HardwareSpec, options: PlanOptions | None = None, *,
+                 memory_limit_bytes: int | None = None) -> int:
     """Per-GPU bytes the planner lets a layout's tensors use: device memory less its reserve (CUDA
-    context, communication buffers, fragmentation: ``reserve_bytes`` + ``reserve_fraction``)."""
+    context, communication buffers, fragmentation: ``reserve_bytes`` + ``reserve_fraction``), at most
+    the job's ``memory_limit_bytes``."""
     o = options or PlanOptions()
-    return hardware.memory_bytes - int(o.reserve_bytes + o.reserve_fraction * hardware.memory_bytes)
+    if memory_limit_bytes is not None:
+        o = replace(o, memory_limit_bytes=memory_limit_bytes)
+    return o.budget(hardware)
 
 
 def predicted_stage(model: ModelSpec, m: MeasuredMemory, hardware: HardwareSpec, *,
                     gpus_per_node: int | None = None) -> StageMemory | None:
-    """The planner's prediction for exactly what ran (its micro-batch and global batch, the count of
-    what the reference trainer holds: ``TRAINER_RECOMPUTE``, no offload), on the measured rank's pipeline stage; None
-    when the planner cannot evaluate it (another model, a layout it refuses)."""
-    o = PlanOptions(global_batch=m.global_batch, micro_batches=(m.micro_batch,), recompute=(TRAINER_RECOMPUTE,),
-                    offload=(False,), gpus_per_node=gpus_per_node)
+    """The planner's prediction for exactly what ran (``memory_report.measured_options``: its
+    micro-batch, global batch and precision, the count of what the reference trainer holds, no
+    offload), on the measured rank's pipeline stage; None when the planner cannot evaluate it
+    (another model, a layout it refuses)."""
+    o = measured_options(PlanOptions(gpus_per_node=gpus_per_node), m)
     try:
         p = evaluate(model, m.layout, hardware, options=o)
         return stage_memory(model, p, hardware, o)[m.pp_rank]
@@ -166,13 +172,17 @@ def check_failure(layout: Layout | str | None, error: str | None, budget: int, n
 
 def alternatives(model: ModelSpec, hardware: HardwareSpec, gpus: int, *, gpus_per_node: int, global_batch: int,
                  allowed_tp: Sequence[int] | None = None, allowed_pp: Sequence[int] | None = None, zero: int = 0,
-                 replicate_optimizer: bool = False) -> list[Candidate]:
+                 replicate_optimizer: bool = False, precision: Precision = "bf16-mixed",
+                 micro_batch_cap: int | None = None, memory_limit_bytes: int | None = None,
+                 recompute: str | None = None, offload: bool | None = None) -> list[Candidate]:
     """Every layout of exactly ``gpus`` GPUs the planner finds fits, fastest first, under the job's
     options (as ``controller.tables.throughput_table`` builds its table: allowed tp/pp, ``zero=1``
-    wherever dp > 1, ``replicate_optimizer``: no ZeRO-1; vpp 1, the reference trainer's schedule)."""
+    wherever dp > 1, ``replicate_optimizer``: no ZeRO-1, its precision, micro-batch cap, recompute,
+    offload and memory limit; vpp 1, the reference trainer's schedule)."""
     out: list[Candidate] = []
     for p in feasible_layouts(model, gpus, hardware, gpus_per_node=gpus_per_node, global_batch=global_batch,
-                              vpps=(1,)):
+                              vpps=(1,), precision=precision, micro_batch_cap=micro_batch_cap,
+                              memory_limit_bytes=memory_limit_bytes, **trainer_choices(recompute, offload)):
         L = p.layout
         if L.world_size != gpus or (allowed_tp and L.tp not in allowed_tp) or (allowed_pp and L.pp not in allowed_pp):
             continue

@@ -45,6 +45,11 @@ class Observing(ControllerState):
         return self._observed_allocation(exclude=failed), runtimes
 
     # ---- never out of memory --------------------------------------------------------------------
+    def _budget(self, job: str) -> int:
+        """Per-GPU bytes ``job``'s tensors may use: the pool's device less the reserve, at most the job's limit."""
+        spec = next((j for j in self.cfg.jobs if j.name == job), None)
+        return mem.budget_bytes(self.hardware, memory_limit_bytes=None if spec is None else spec.memory_limit_bytes)
+
     def _dropped(self, job: str) -> dict[Layout, mem.Dropped]:
         """The layouts ``job`` may not run again, as its status in the store keeps them."""
         if job not in self._mem_dropped:
@@ -70,7 +75,7 @@ class Observing(ControllerState):
         record as a ``MemoryExceeded`` decision. A user job reports no measurement: nothing happens."""
         if rt is None:
             return
-        budget = mem.budget_bytes(self.hardware)
+        budget = self._budget(job)
         m: MeasuredMemory | None = None
         if rt.memory:
             try:
@@ -131,8 +136,7 @@ class Observing(ControllerState):
 
         def candidates(n: int) -> list[mem.Candidate]:
             return mem.alternatives(model, self.hardware, n, gpus_per_node=self.cfg.pool.gpus_per_node,
-                                    global_batch=spec.global_batch, allowed_tp=spec.allowed_tp,
-                                    allowed_pp=spec.allowed_pp, zero=spec.zero, replicate_optimizer=spec.no_zero1)
+                                    **spec.planner_options())
 
         out = mem.without_dropped(table, dropped, candidates)
         self._mem_tables[job] = (key, out)

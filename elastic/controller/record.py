@@ -124,7 +124,7 @@ class Recording(Observing):
         evaluate what ran. The prediction is kept per measured choice: the status is written every tick."""
         if rt is None or not rt.memory:
             return None
-        out = {**rt.memory, "budgetBytes": mem.budget_bytes(self.hardware)}
+        out = {**rt.memory, "budgetBytes": self._budget(job)}
         try:
             m = MeasuredMemory.from_json(rt.memory, where=f"job {job}: measured memory")
         except SpecError:

@@ -17,14 +17,21 @@ from elastic.model import HardwareSpec, Layout, ModelSpec, SpecError, load_hardw
 def throughput_table(model: ModelSpec, hardware: HardwareSpec, max_gpus: int, *, gpus_per_node: int,
                      global_batch: int, allowed_tp: list[int] | None = None,
                      allowed_pp: list[int] | None = None, zero: int = 0,
-                     replicate_optimizer: bool = False) -> dict[int, tuple[str, float]]:
+                     replicate_optimizer: bool = False, precision: str = "bf16-mixed",
+                     micro_batch_cap: int | None = None, memory_limit_bytes: int | None = None,
+                     recompute: str | None = None, offload: bool | None = None) -> dict[int, tuple[str, float]]:
     """GPU count -> (best feasible layout, tokens/s), from the planner; honours allowed tp/pp,
-    ``zero=1`` (ZeRO-1 wherever dp > 1; with 0 the planner chooses per layout) and
-    ``replicate_optimizer`` (no ZeRO-1: every replica a full copy, for recovery from a lost worker)."""
+    ``zero=1`` (ZeRO-1 wherever dp > 1; with 0 the planner chooses per layout),
+    ``replicate_optimizer`` (no ZeRO-1: every replica a full copy, for recovery from a lost worker),
+    and the memory the job's tensors take and may take: its ``precision``, the micro-batch its trainer
+    picks under ``micro_batch_cap``, the ``recompute`` and ``offload`` it runs (None: the planner's
+    choice per layout) and its per-GPU ``memory_limit_bytes`` (``TrainingSpec.planner_options()``
+    gives all of them for a job)."""
     from elastic.parallel.planner import best_by_gpu_count, feasible_layouts
 
     # vpp=1: the reference trainer runs non-interleaved 1F1B only
-    opts: dict[str, Any] = {"vpps": (1,)}
+    opts: dict[str, Any] = {"vpps": (1,), "precision": precision, "micro_batch_cap": micro_batch_cap,
+                            "memory_limit_bytes": memory_limit_bytes, **trainer_choices(recompute, offload)}
     if not allowed_tp and not allowed_pp and not zero and not replicate_optimizer:
         best = best_by_gpu_count(model, hardware, max_gpus, gpus_per_node=gpus_per_node, global_batch=global_batch,
                                  **opts)
@@ -44,14 +51,23 @@ def throughput_table(model: ModelSpec, hardware: HardwareSpec, max_gpus: int, *,
     return out
 
 
+def trainer_choices(recompute: str | None, offload: bool | None) -> dict[str, Any]:
+    """The planner's recompute and offload choices narrowed to what a job's trainer runs (none given:
+    left to the planner)."""
+    out: dict[str, Any] = {}
+    if recompute is not None:
+        out["recompute"] = (recompute,)
+    if offload is not None:
+        out["offload"] = (offload,)
+    return out
+
+
 def job_throughput_tables(cfg: ControllerConfig) -> dict[str, dict[int, tuple[str, float]]]:
     """Every job's GPU count -> (best layout, tokens/s) on the pool's hardware (pure; the planner)."""
     hw = load_hardware(cfg.pool.hardware)
     models = cfg.models()
     return {j.name: throughput_table(models[j.name], hw, min(j.max_gpus, cfg.pool.total_gpus),
-                                     gpus_per_node=cfg.pool.gpus_per_node, global_batch=j.global_batch,
-                                     allowed_tp=j.allowed_tp, allowed_pp=j.allowed_pp, zero=j.zero,
-                                     replicate_optimizer=j.no_zero1)
+                                     gpus_per_node=cfg.pool.gpus_per_node, **j.planner_options())
             for j in cfg.jobs}
 
 

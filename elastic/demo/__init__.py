@@ -34,7 +34,6 @@ from elastic.demo.config import (
     TOKENS_PER_SECOND,
     USER_JOB,
     UserJob,
-    _trainer_config,
     demo_config,
     job_name,
     resolve_job,
@@ -55,7 +54,7 @@ from elastic.demo.samples import DemoRun, Sample
 __all__ = [
     "CORPUS_FILES", "GOALS", "GPUS", "JOB", "JOB_START_TIMEOUT_S", "MAX_TOKENS", "REFERENCE", "SERVICE", "SLOTS",
     "TARGET", "TOKENS_PER_SECOND", "USER_JOB", "DemoRun", "Sample", "UserJob", "_collect_reshards", "_first_tick",
-    "_goals_line", "_sample_loop", "_summary", "_trainer_config", "_wait_job_started", "_write_timeline",
+    "_goals_line", "_sample_loop", "_summary", "_wait_job_started", "_write_timeline",
     "clairvoyant_on_arrivals", "day_offset", "demo_config", "job_name", "last_reshard_id", "resolve_job", "run_demo",
     "utilization_bound",
 ]

@@ -39,6 +39,11 @@ GPUS = 8
 SLOTS, TOKENS_PER_SECOND, MAX_TOKENS, TARGET = 16, 5.0, 32, 13.0
 
 
+# The reference trainer's per-GPU memory limit (tensors only, fp32): between what its model holds at dp 3
+# with ZeRO-1 (22.56 MB at the micro-batch of 35 it runs there) and at dp 2 with ZeRO-1 (22.84 MB)
+DEMO_MEMORY_LIMIT = 22_700_000
+
+
 # the training job's first start, before the day's load begins (seven processes importing torch)
 JOB_START_TIMEOUT_S = 180.0
 
@@ -108,9 +113,11 @@ def _same_file(path: str, job: UserJob) -> bool:
 
 
 def demo_config(minutes: float, tick_seconds: float, job: UserJob | None = None, *,
-                corpus: str = "") -> dict[str, Any]:
-    """The demo's controller config; with ``job`` its training job is that user loop reading ``corpus``."""
-    return {**_service_config(minutes, tick_seconds), "jobs": [_job_spec(job, corpus)]}
+                corpus: str = "", replicated: bool = False) -> dict[str, Any]:
+    """The demo's controller config; with ``job`` its training job is that user loop reading ``corpus``;
+    ``replicated``: the reference trainer keeps a whole optimizer state per data-parallel replica (see
+    :func:`_job_spec`)."""
+    return {**_service_config(minutes, tick_seconds), "jobs": [_job_spec(job, corpus, replicated)]}
 
 
 def job_name(job: UserJob | None) -> str:
@@ -184,15 +191,26 @@ def _service_config(minutes: float, tick_seconds: float) -> dict[str, Any]:
     }
 
 
-def _job_spec(job: UserJob | None, corpus: str) -> dict[str, Any]:
+def _job_spec(job: UserJob | None, corpus: str, replicated: bool = False) -> dict[str, Any]:
     """The demo's training job: the reference trainer's small GPT, or ``job`` reading ``corpus``."""
     bounds = {"min_gpus": 1, "max_gpus": GPUS - 1, "priority": 0}
     if job is None:
-        # global batch 420 = lcm(1..7): every GPU count training can get (inference keeps >= 1) has a layout
-        # replicate_optimizer: no ZeRO-1, so a lost worker is recovered from its replica (--kill-worker-at)
-        return {"name": JOB, "model": "tiny", **bounds, "global_batch": 420, "micro_batch": 1,
-                "replicate_optimizer": True}
-    # The same micro-batches as the reference trainer's (_trainer_config): a rank's share of the 420
+        # global batch 420 = lcm(1..7): every GPU count training can get (inference keeps >= 1) has a layout.
+        # A rank's share of the 420 samples in the fewest micro-batches of at most 36 (2 at dp 7, 12 at dp 1):
+        # few passes keep a step short, and a shrink gives the step in progress up at the next micro-batch.
+        # The trainer runs fp32 and keeps what the planner's selective count does (flash attention).
+        ref = {"name": JOB, "model": "tiny", **bounds, "global_batch": 420, "micro_batch": 1, "micro_batch_cap": 36,
+               "precision": "fp32", "recompute": "selective", "offload": False}
+        if replicated:
+            # no ZeRO-1 and no memory limit: every replica a full copy, so a lost worker is recovered
+            # from its replica (--kill-worker-at); the layouts are data-parallel only
+            return {**ref, "replicate_optimizer": True}
+        # Each GPU may hold DEMO_MEMORY_LIMIT bytes of tensors: from 3 GPUs up the optimizer state sharded
+        # over the replicas (ZeRO-1) leaves room for a whole model per rank; 2 GPUs cannot shard enough,
+        # so the planner splits the layers over them (pp2, or tp2 where that were faster). The job thus
+        # changes its pipeline depth, its ZeRO sharding and its data-parallel width in place.
+        return {**ref, "memory_limit_bytes": DEMO_MEMORY_LIMIT}
+    # The same micro-batches as the reference trainer's (micro_batch_cap): a rank's share of the 420
     # samples in the fewest passes of at most 36 (2 at dp 7, 12 at dp 1). Fewer passes keep the step
     # short, and that matters: a user loop cannot give its step up half-way, so a rescale waits for
     # the step in progress.
@@ -200,14 +218,3 @@ def _job_spec(job: UserJob | None, corpus: str) -> dict[str, Any]:
     # of one GPU.
     return {"name": USER_JOB, "model": job.model, **bounds, "global_batch": 420, "micro_batch": 36,
             "entrypoint": job.entrypoint, "args": ["--corpus", corpus, *job.args], **job.spec}
-
-
-def _trainer_config(spec: Any) -> Any:
-    """fp32 on CPU; per-layout micro-batches (same samples per step) keep a step short at any dp,
-    and at most 36 samples each: a shrink gives the step in progress up at the next micro-batch
-    (2-4 per step at dp 3-7; with 64, dp 7 ran its step as one)."""
-    from elastic.model import load_model
-    from elastic.train.engine import TrainConfig
-
-    return TrainConfig(model=load_model(spec.model), global_batch=spec.global_batch, micro_batch=spec.micro_batch,
-                       micro_batch_cap=36)

@@ -22,7 +22,6 @@ from elastic.demo.config import (
     TOKENS_PER_SECOND,
     UserJob,
     _demo_corpus,
-    _trainer_config,
     demo_config,
     job_name,
 )
@@ -72,16 +71,18 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
     name, trainer = job_name(job), REFERENCE if job is None else job.trainer
     # 0. a user job's corpus (removed at the end), ready before any worker starts
     corpus = _demo_corpus() if job is not None else None
-    cfg = load_config(data=demo_config(minutes, tick_seconds, job, corpus=corpus.name if corpus else ""))
-    # the reference trainer replicates its optimizer (no ZeRO-1); a user job's ranks hold copies if it says so
-    replicas = job is None or cfg.jobs[0].dp_replicas
+    # with a worker to kill, the reference trainer replicates its optimizer (no ZeRO-1); a user job's ranks
+    # hold copies if it says so
+    cfg = load_config(data=demo_config(minutes, tick_seconds, job, corpus=corpus.name if corpus else "",
+                                       replicated=kill_t is not None))
+    replicas = cfg.jobs[0].replicate_optimizer if job is None else cfg.jobs[0].dp_replicas
     replica_cfg = ReplicaConfig(model="tiny", max_running=SLOTS, max_waiting=128, tokens_per_second=TOKENS_PER_SECOND)
     # 1. state and cluster
     console.print(f"[bold]elastic demo[/]: {GPUS} logical GPUs, a day in {minutes:g} min, training: {trainer}, "
                   f"state in {mask_url(db_url)}")
     db.upgrade(db_url)
     store = db.Store.from_url(db_url)
-    backend = RayBackend(cfg.pool, replica_config=replica_cfg, trainer_config=_trainer_config,
+    backend = RayBackend(cfg.pool, replica_config=replica_cfg,
                          # nice: the 8 "GPUs" share this machine's cores; training must not slow the
                          # replicas it would never touch on separate GPUs
                          train_options=LaunchOptions(heartbeat_timeout_s=60.0, join_timeout_s=90.0, nice=10),

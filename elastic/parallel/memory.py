@@ -28,6 +28,10 @@ Accounting (Megatron-LM ``megatron/training/theoretical_memory_usage.py``):
   flight), logits and loss on the last (``4sbh(1 + V/h)``, one micro-batch).
 * reserve: fixed bytes (CUDA context, NCCL buffers) + a fraction of device memory
   (allocator fragmentation).
+* precision (:data:`PRECISIONS`): the counts above are Megatron's bf16 mixed precision, the
+  default. A job that trains in fp32 or fp64 holds 4 or 8 bytes per weight and gradient, Adam's
+  two moments in the same width and no master copy, and activations 2 or 4 times the bf16 count
+  (fp64 logits twice the fp32 ones).
 
 The largest stage decides fit. What it must not do: read any hardware state; it is a
 model, fed by ``ModelSpec``/``HardwareSpec`` numbers only.
@@ -49,6 +53,32 @@ WEIGHT_BYTES = 2  # bf16 weight
 GRAD_BYTES = 4  # fp32 main gradient
 OPTIMIZER_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq
 GiB = 1024**3
+
+Precision = Literal["bf16-mixed", "fp32", "fp64"]
+
+
+@dataclass(frozen=True)
+class PrecisionBytes:
+    """Bytes per element of what a job in one precision holds. ``activations``/``logits``: factors on
+    the model's activation count (bf16 activations, fp32 logits)."""
+
+    weight: int
+    gradient: int
+    optimizer: int  # per element of the rank's optimizer shard, every state kind together
+    activations: float
+    logits: float
+
+
+#: Megatron's mixed precision (bf16 weights and activations, fp32 main gradients, master copy and
+#: Adam moments), the GPU default; and plain fp32 or fp64 training (the weights are their own master
+#: copy: Adam's two moments only), which is what the reference trainer runs on CPU.
+PRECISIONS: dict[str, PrecisionBytes] = {
+    "bf16-mixed": PrecisionBytes(WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES, 1.0, 1.0),
+    "fp32": PrecisionBytes(4, 4, 8, 2.0, 1.0),
+    "fp64": PrecisionBytes(8, 8, 16, 4.0, 2.0),
+}
+#: the precision of a trainer's torch dtype name (what ``MeasuredMemory.dtype`` records)
+DTYPE_PRECISION: dict[str, Precision] = {"bfloat16": "bf16-mixed", "float32": "fp32", "float64": "fp64"}
 
 
 @dataclass(frozen=True)
@@ -203,7 +233,26 @@ class ActivationTerms:
 
 
 @lru_cache(maxsize=65536)
-def activation_terms(model: ModelSpec, prof: StageProfile, tp: int, seq: int, recompute: Recompute) -> ActivationTerms:
+def activation_terms(model: ModelSpec, prof: StageProfile, tp: int, seq: int, recompute: Recompute,
+                     precision: Precision = "bf16-mixed") -> ActivationTerms:
+    """The terms of one pipeline rank in ``precision`` (the counts below are bf16 activations and
+    fp32 logits, scaled by :data:`PRECISIONS`)."""
+    b = PRECISIONS[precision]
+    t = _activation_terms(model, prof, tp, seq, recompute)
+    return ActivationTerms(t.chunk * b.activations, t.embed * b.activations,
+                           t.once_layer * b.activations + t.logits * b.logits)
+
+
+@dataclass(frozen=True)
+class _Terms:
+    chunk: float
+    embed: float
+    once_layer: float
+    logits: float
+
+
+@lru_cache(maxsize=65536)
+def _activation_terms(model: ModelSpec, prof: StageProfile, tp: int, seq: int, recompute: Recompute) -> _Terms:
     h = model.hidden
     dense = layer_activation(model, False)
     moe = layer_activation(model, True)
@@ -219,13 +268,13 @@ def activation_terms(model: ModelSpec, prof: StageProfile, tp: int, seq: int, re
     # 3. embedding input ids (int64) and dropout mask, per micro-batch in flight (Megatron)
     embed = (8 + h) / tp if prof.first else 0.0
     # 4. logits (fp32) and the final-norm output for the loss: one micro-batch on the last stage
-    if prof.last:
-        once += 4 * (h + model.vocab) / tp
-    return ActivationTerms(chunk, embed, once)
+    logits = 4 * (h + model.vocab) / tp if prof.last else 0.0
+    return _Terms(chunk, embed, once, logits)
 
 
 def stage_activation_bytes(model: ModelSpec, prof: StageProfile, *, tp: int, pp: int, vpp: int, seq: int,
-                           micro_batch: int, microbatches: int, recompute: Recompute) -> int:
+                           micro_batch: int, microbatches: int, recompute: Recompute,
+                           precision: Precision = "bf16-mixed") -> int:
     """Peak activation bytes on the GPUs of one pipeline rank."""
     held = chunks_in_flight(pp, vpp, microbatches, prof.pp_rank)
-    return activation_terms(model, prof, tp, seq, recompute).bytes(seq * micro_batch, held, vpp)
+    return activation_terms(model, prof, tp, seq, recompute, precision).bytes(seq * micro_batch, held, vpp)

@@ -24,9 +24,8 @@ from typing import Any
 
 from elastic.model import HardwareSpec, Layout, ModelSpec, SpecError
 from elastic.parallel.memory import (
-    GRAD_BYTES,
-    OPTIMIZER_BYTES,
-    WEIGHT_BYTES,
+    DTYPE_PRECISION,
+    PRECISIONS,
     Recompute,
     StageProfile,
     activation_terms,
@@ -188,7 +187,8 @@ def stage_memory(model: ModelSpec, plan: PlannedLayout, hardware: HardwareSpec,
     L = plan.layout
     seq = o.seq(model)
     m = o.global_batch // (L.dp * plan.micro_batch)
-    reserve = int(o.reserve_bytes + o.reserve_fraction * hardware.memory_bytes)
+    reserve = o.reserve(hardware)
+    b = PRECISIONS[o.precision]
     out = []
     for p, mix in enumerate(stage_mixes(model, L.pp, L.vpp)):
         dense, moe = sum(d for d, _ in mix), sum(x for _, x in mix)
@@ -196,9 +196,10 @@ def stage_memory(model: ModelSpec, plan: PlannedLayout, hardware: HardwareSpec,
         prof = StageProfile(p, dense, moe, tuple(sorted(set(mix))), first, last)
         rp = params_for_counts(model, L, dense, moe, first=first, last=last)
         held = chunks_in_flight(L.pp, L.vpp, m, p)
-        act = activation_terms(model, prof, L.tp, seq, plan.recompute).bytes(seq * plan.micro_batch, held, L.vpp)
-        opt = rp.optimizer_elements * OPTIMIZER_BYTES
-        out.append(StageMemory(p, dense + moe, held, rp.params * WEIGHT_BYTES, rp.params * GRAD_BYTES,
+        act = activation_terms(model, prof, L.tp, seq, plan.recompute, o.precision).bytes(
+            seq * plan.micro_batch, held, L.vpp)
+        opt = rp.optimizer_elements * b.optimizer
+        out.append(StageMemory(p, dense + moe, held, rp.params * b.weight, rp.params * b.gradient,
                                0 if plan.offload else opt, act, reserve, opt if plan.offload else 0))
     return tuple(out)
 
@@ -259,9 +260,18 @@ class MemoryReport:
                 "layouts": [x.as_json() for x in self.layouts], "reason": self.reason}
 
 
-def _same_choice(p: PlannedLayout, m: MeasuredMemory) -> bool:
+def measured_options(o: PlanOptions, m: MeasuredMemory) -> PlanOptions:
+    """``o`` narrowed to exactly what ``m``'s step ran: its global batch and micro-batch, its precision,
+    :data:`TRAINER_RECOMPUTE`, no offload."""
+    return replace(o, global_batch=m.global_batch, micro_batches=(m.micro_batch,), micro_batch_cap=None,
+                   recompute=(TRAINER_RECOMPUTE,), offload=(False,),
+                   precision=DTYPE_PRECISION.get(m.dtype, o.precision))
+
+
+def _same_choice(p: PlannedLayout, m: MeasuredMemory, o: PlanOptions) -> bool:
     return (p.layout == m.layout and p.micro_batch == m.micro_batch and p.grad_accum == m.grad_accum
-            and p.recompute == TRAINER_RECOMPUTE and not p.offload)
+            and p.recompute == TRAINER_RECOMPUTE and not p.offload
+            and DTYPE_PRECISION.get(m.dtype, o.precision) == o.precision)
 
 
 def _worst_measured(measured: Sequence[MeasuredMemory]) -> dict[Layout, MeasuredMemory]:
@@ -280,8 +290,8 @@ def memory_report(model: ModelSpec, gpus: int, hardware: HardwareSpec, plans: Se
     """The report of ``plans`` (the chosen layout first, then the next best, as the planner
     ranked them; the first ``1 + NEXT_BEST`` are kept) and of every measured layout.
 
-    A measured layout is predicted for exactly what ran (its micro-batch and global batch,
-    :data:`TRAINER_RECOMPUTE`, no offload); when a reported plan made
+    A measured layout is predicted for exactly what ran (:func:`measured_options`: its micro-batch,
+    global batch and precision, :data:`TRAINER_RECOMPUTE`, no offload); when a reported plan made
     that same choice the measurement goes next to it, otherwise it gets an entry of its own.
     """
     o = options or PlanOptions()
@@ -293,12 +303,11 @@ def memory_report(model: ModelSpec, gpus: int, hardware: HardwareSpec, plans: Se
         if m.model != model.name:
             raise SpecError(f"measured memory is of model {m.model!r}, the plan is of {model.name!r}: measure "
                             f"the same model or plan with --model {m.model}")
-        k = next((i for i, e in enumerate(entries) if _same_choice(e.plan, m)), None)
+        k = next((i for i, e in enumerate(entries) if _same_choice(e.plan, m, o)), None)
         if k is not None:
             entries[k] = LayoutMemory(entries[k].plan, entries[k].place, entries[k].stages, m)
             continue
-        mo = replace(o, global_batch=m.global_batch, micro_batches=(m.micro_batch,), recompute=(TRAINER_RECOMPUTE,),
-                     offload=(False,))
+        mo = measured_options(o, m)
         p = evaluate(model, lay, hardware, n_gpus=max(gpus, lay.world_size), options=mo)
         entries.append(LayoutMemory(p, 0, stage_memory(model, p, hardware, mo), m))
     budget = entries[0].plan.gpu_memory_bytes if entries else hardware.memory_bytes

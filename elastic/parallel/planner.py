@@ -36,13 +36,12 @@ from elastic.parallel.cost import (
     step_seconds,
 )
 from elastic.parallel.memory import (
-    GRAD_BYTES,
-    OPTIMIZER_BYTES,
+    PRECISIONS,
     RECOMPUTE_CHOICES,
-    WEIGHT_BYTES,
     ActivationTerms,
     GiB,
     MemoryBreakdown,
+    Precision,
     Recompute,
     StageProfile,
     activation_terms,
@@ -72,10 +71,23 @@ class PlanOptions:
     efficiency: float = 0.6  # achieved fraction of peak FLOP/s in the GEMMs
     dp_overlap: float = 0.5  # share of the gradient sync hidden behind backward at most
     host_fraction: float = 0.8  # share of host memory that offloaded optimizer state may use
+    precision: Precision = "bf16-mixed"  # what the job trains in (memory.PRECISIONS)
+    # the per-GPU bytes a job's tensors may use (weights, gradients, optimizer, activations), below
+    # what the device leaves after the reserve; None: the device's
+    memory_limit_bytes: int | None = None
+    # the trainer picks each layout's micro-batch by this cap (:func:`capped_micro_batch`), so the
+    # planner sizes exactly that one instead of choosing from ``micro_batches``; None: it chooses
+    micro_batch_cap: int | None = None
 
     def __post_init__(self) -> None:
         if self.global_batch < 1:
             raise SpecError(f"global_batch={self.global_batch}: must be >= 1")
+        if self.precision not in PRECISIONS:
+            raise SpecError(f"precision={self.precision!r}: choose from {', '.join(PRECISIONS)}")
+        if self.memory_limit_bytes is not None and self.memory_limit_bytes < 1:
+            raise SpecError(f"memory_limit_bytes={self.memory_limit_bytes}: must be >= 1 (or None: the device's)")
+        if self.micro_batch_cap is not None and self.micro_batch_cap < 1:
+            raise SpecError(f"micro_batch_cap={self.micro_batch_cap}: must be >= 1 (or None: the planner chooses)")
         if self.seq_len is not None and self.seq_len < 1:
             raise SpecError(f"seq_len={self.seq_len}: must be >= 1")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
@@ -93,6 +105,25 @@ class PlanOptions:
 
     def node(self, hw: HardwareSpec) -> int:
         return self.gpus_per_node or hw.gpus_per_node
+
+    def reserve(self, hw: HardwareSpec) -> int:
+        """Bytes of a device no tensor of the job may use: CUDA context, buffers, fragmentation."""
+        return int(self.reserve_bytes + self.reserve_fraction * hw.memory_bytes)
+
+    def budget(self, hw: HardwareSpec) -> int:
+        """Per-GPU bytes the job's tensors may use: the device's less the reserve, at most the job's limit."""
+        left = hw.memory_bytes - self.reserve(hw)
+        return left if self.memory_limit_bytes is None else min(left, self.memory_limit_bytes)
+
+
+def capped_micro_batch(per_replica: int, cap: int, pp: int, vpp: int = 1) -> int | None:
+    """The micro-batch a trainer with ``micro_batch_cap`` runs: the largest size <= ``cap`` that
+    divides the per-replica batch into at least ``pp`` micro-batches (the pipeline fills), a
+    multiple of ``pp`` of them when interleaved; None when no size does."""
+    fits = [m for m in range(1, min(cap, per_replica) + 1)
+            if per_replica % m == 0 and per_replica // m >= min(pp, per_replica)
+            and (vpp == 1 or (per_replica // m) % pp == 0)]
+    return max(fits) if fits else None
 
 
 @dataclass(frozen=True)
@@ -210,11 +241,12 @@ class _Static:
 
 def _static(model: ModelSpec, st: _Structure, hw: HardwareSpec, o: PlanOptions) -> _Static:
     ci = CostInputs(o.efficiency, o.dp_overlap, o.node(hw))
+    b = PRECISIONS[o.precision]
     return _Static(
-        reserve=int(o.reserve_bytes + o.reserve_fraction * hw.memory_bytes),
-        weights=tuple(rp.params * WEIGHT_BYTES for rp in st.params),
-        gradients=tuple(rp.params * GRAD_BYTES for rp in st.params),
-        optimizer=tuple(rp.optimizer_elements * OPTIMIZER_BYTES for rp in st.params),
+        reserve=o.reserve(hw),
+        weights=tuple(rp.params * b.weight for rp in st.params),
+        gradients=tuple(rp.params * b.gradient for rp in st.params),
+        optimizer=tuple(rp.optimizer_elements * b.optimizer for rp in st.params),
         dp_time=max(dp_seconds(rp, st.layout, hw, ci) for rp in st.params),
         offload_time=max(offload_seconds(rp) for rp in st.params),
         ci=ci,
@@ -241,7 +273,8 @@ def _evaluate_choice(model: ModelSpec, st: _Structure, sx: _Static, hw: Hardware
                           optimizer=0 if offload else opt, activations=best_act, reserve=sx.reserve,
                           stage=st.profiles[best_i].pp_rank, host_optimizer=opt if offload else 0)
     host = max(sx.optimizer) * min(o.node(hw), L.world_size) if offload else 0
-    fits = mem.total <= hw.memory_bytes and (not offload or host <= o.host_fraction * hw.host_memory_bytes)
+    fits = (mem.total - mem.reserve <= o.budget(hw)
+            and (not offload or host <= o.host_fraction * hw.host_memory_bytes))
     # 2. step time: slowest stage x (m + bubble) + exposed DP sync + offloaded optimizer
     step = step_seconds(sec_per_token * tokens, m, L, sx.dp_time, sx.offload_time if offload else 0.0, sx.ci)
     return _Choice(micro_batch, recompute, offload, fits, mem, host, step)
@@ -281,12 +314,19 @@ def _reason(mem: MemoryBreakdown, hw: HardwareSpec, fits: bool, host: int, o: Pl
                 f"{o.host_fraction:.0%} of {_gib(hw.host_memory_bytes)}")
     verb = "fits" if fits else "does not fit"
     rel = "<=" if fits else ">"
+    if o.memory_limit_bytes is not None and o.budget(hw) == o.memory_limit_bytes:
+        return (f"{verb}: stage {mem.stage} needs {_gib(mem.total - mem.reserve)} {rel} the job's memory limit of "
+                f"{_gib(o.memory_limit_bytes)} ({parts})")
     return f"{verb}: stage {mem.stage} needs {_gib(mem.total)} {rel} {_gib(hw.memory_bytes)} ({parts})"
 
 
 def _micro_batches(o: PlanOptions, L: Layout) -> list[int]:
-    """Micro-batch sizes that divide the per-replica batch (and suit the interleaved schedule)."""
+    """Micro-batch sizes that divide the per-replica batch (and suit the interleaved schedule); with
+    ``micro_batch_cap`` the one the trainer picks."""
     per_replica = o.global_batch // L.dp
+    if o.micro_batch_cap is not None:
+        mb = capped_micro_batch(per_replica, o.micro_batch_cap, L.pp, L.vpp)
+        return [] if mb is None else [mb]
     out = []
     for mb in sorted(set(o.micro_batches)):
         if per_replica % mb:
@@ -309,7 +349,8 @@ def _best_for_structure(model: ModelSpec, st: _Structure, hw: HardwareSpec, o: P
     sx = _static(model, st, hw, o)
     seq = o.seq(model)
     spt = {rc: _seconds_per_token(model, st, hw, sx.ci, seq, rc) for rc in o.recompute}
-    terms = {rc: tuple(activation_terms(model, p, st.layout.tp, seq, rc) for p in st.profiles) for rc in o.recompute}
+    terms = {rc: tuple(activation_terms(model, p, st.layout.tp, seq, rc, o.precision) for p in st.profiles)
+             for rc in o.recompute}
     for offload in sorted(set(o.offload)):
         for mb in _micro_batches(o, st.layout):
             for rc in o.recompute:
@@ -459,6 +500,7 @@ def evaluate(model: ModelSpec, layout: Layout, hardware: HardwareSpec, *, micro_
     kw.update(_given(gpus_per_node=gpus_per_node, global_batch=global_batch, seq_len=seq_len))
     if micro_batch is not None:
         kw["micro_batches"] = (micro_batch,)
+        kw["micro_batch_cap"] = None  # the size given, not the one a cap would pick
     if recompute is not None:
         kw["recompute"] = (recompute,)
     if offload is not None:
@@ -535,9 +577,9 @@ def _no_fit_reason(model: ModelSpec, n_gpus: int, hw: HardwareSpec, o: PlanOptio
     if closest is None:
         return (f"no micro-batch in {list(o.micro_batches)} divides the per-replica batch of any layout; "
                 "allow micro-batch 1 or change the global batch")
-    # Lower bound: bf16 weights + fp32 gradients (6 bytes/param) are never sharded by ZeRO-1.
-    usable = hw.memory_bytes - o.reserve_bytes - o.reserve_fraction * hw.memory_bytes
-    need = max(n_gpus + 1, math.ceil(6 * model.total_params() / max(usable, 1)))
+    # Lower bound: weights + gradients (6 bytes/param in bf16 mixed precision) are never sharded by ZeRO-1.
+    b = PRECISIONS[o.precision]
+    need = max(n_gpus + 1, math.ceil((b.weight + b.gradient) * model.total_params() / max(o.budget(hw), 1)))
     hints = [f"more GPUs (at least about {need})"]
     if "full" not in o.recompute:
         hints.append("full activation recompute")

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from elastic.model import Layout, ModelSpec, SpecError
+from elastic.parallel.planner import capped_micro_batch
 from elastic.reshard.spec import (
     FP32_KINDS,
     MIXED_KINDS,
@@ -61,6 +62,13 @@ State = dict[tuple[str, str], torch.Tensor]
 
 INIT_STD = 0.02
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+
+
+def precision_dtype(precision: str | None) -> torch.dtype:
+    """The weights' dtype of a job spec's ``precision`` (bf16 weights keep an fp32 master copy);
+    none named: float32, a CPU's."""
+    return torch.float32 if precision is None else _PRECISION_DTYPES[precision]
 
 
 @dataclass(frozen=True)
@@ -122,11 +130,8 @@ class TrainConfig:
         """The micro-batch size under ``layout`` (``micro_batch``, or chosen under ``micro_batch_cap``)."""
         if self.micro_batch_cap is None or self.global_batch % layout.dp:
             return self.micro_batch
-        per_replica = self.global_batch // layout.dp
-        fits = [m for m in range(1, min(self.micro_batch_cap, per_replica) + 1)
-                if per_replica % m == 0 and per_replica // m >= min(layout.pp, per_replica)
-                and (layout.vpp == 1 or (per_replica // m) % layout.pp == 0)]
-        return max(fits) if fits else self.micro_batch
+        mb = capped_micro_batch(self.global_batch // layout.dp, self.micro_batch_cap, layout.pp, layout.vpp)
+        return self.micro_batch if mb is None else mb
 
     def grad_accum(self, layout: Layout) -> int:
         """Micro-batches per step and DP replica; raises if the global batch does not split (or, with

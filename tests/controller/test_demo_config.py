@@ -176,9 +176,12 @@ def test_training_counts_the_gpus_of_the_layout_that_steps_not_the_backends_book
     assert (x.training_gpus, x.training_busy, x.layout) == (2, busy, layout)
 
 
-def test_the_demo_job_keeps_a_full_optimizer_copy_per_replica() -> None:
-    job = load_config(data=demo_config(5.0, 2.0)).jobs[0]
+def test_the_demo_job_keeps_a_full_optimizer_copy_per_replica_when_a_worker_is_to_be_killed() -> None:
+    job = load_config(data=demo_config(5.0, 2.0, replicated=True)).jobs[0]
     assert job.replicate_optimizer and not job.zero  # a killed worker is recovered from its replica
+    assert job.memory_limit_bytes is None  # data-parallel layouts only, without ZeRO-1
+    default = load_config(data=demo_config(5.0, 2.0)).jobs[0]
+    assert not default.replicate_optimizer and default.memory_limit_bytes is not None
 
 
 class _Job:
@@ -292,8 +295,9 @@ def test_the_user_job_demo_config_loads_with_the_examples_entrypoint_and_no_paus
 def test_every_gpu_count_the_planner_gives_the_user_job_splits_its_global_batch(tmp_path) -> None:
     """Training has a layout at each count it can get (1..7), every dp divides the global batch, and the
     user job runs the reference trainer's micro-batches there (the same passes of the same sizes)."""
+    from elastic.backends.base import default_trainer_config
     from elastic.controller import job_throughput_tables
-    from elastic.demo import _trainer_config, demo_config
+    from elastic.demo import demo_config
     from elastic.model import Layout, load_model
     from elastic.torch.data import rank_micro_batches
     from elastic.train.userjob import from_spec
@@ -303,7 +307,7 @@ def test_every_gpu_count_the_planner_gives_the_user_job_splits_its_global_batch(
     table = job_throughput_tables(cfg)[job.name]
     assert sorted(table) == list(range(1, GPUS))
     user = from_spec(job, load_model(job.model))
-    reference = _trainer_config(load_config(data=demo_config(5.0, 2.0)).jobs[0])
+    reference = default_trainer_config(load_config(data=demo_config(5.0, 2.0)).jobs[0])
     for n, (layout, _) in table.items():
         L = Layout.parse(layout)
         assert L.world_size == n and L.tp == 1  # replicas only
@@ -318,7 +322,8 @@ def test_the_reference_demo_config_is_unchanged_without_a_job() -> None:
 
     job = load_config(data=demo_config(5.0, 2.0)).jobs[0]
     assert (job.name, job.model, job.entrypoint, job.global_batch, job.micro_batch) == (JOB, "tiny", None, 420, 1)
-    assert job.args == [] and job.replicate_optimizer
+    assert (job.micro_batch_cap, job.precision, job.recompute, job.offload) == (36, "fp32", "selective", False)
+    assert job.args == [] and not job.replicate_optimizer
 
 
 def test_any_other_entrypoint_needs_its_model_file(tmp_path) -> None:

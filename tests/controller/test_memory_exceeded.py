@@ -285,3 +285,34 @@ def test_a_job_that_failed_out_of_memory_restarts_on_another_layout(env) -> None
     [d] = [d for d in db.list_decisions(store, limit=50, pool="p") if d.reason == "MemoryExceeded"]
     assert "tp1.pp3.dp2.z1: a worker ran out of memory" in d.message and "OutOfMemoryError" in d.message
     assert [x["reason"] for x in db.get_job(store, "pretrain").status["droppedLayouts"]] == ["OutOfMemory"]
+
+
+def test_a_jobs_memory_limit_is_its_budget_and_the_planner_fits_it_under_it(db_url: str) -> None:
+    """``memory_limit_bytes`` below the device's budget: the planner offers only layouts under it (the
+    6-GPU layout of the unlimited job, tp1.pp3.dp2.z1, holds 8.9 GiB; at 7 GPUs pp7 fits), and a measured peak over the
+    limit, though far under the device's 74 GiB, drops its layout with the limit as the budget."""
+    limit = 8 * GiB
+    job = {**CONFIG["jobs"][0], "memory_limit_bytes": limit, "recompute": "selective", "offload": False}
+    cfg = load_config(data={**CONFIG, "jobs": [job]})
+    db.upgrade(db_url)
+    store = db.Store.from_url(db_url)
+    try:
+        clock, backend, source = Clock(), LayoutLog({"n0": 4, "n1": 4}), InProcessSource(max_age=60)
+        ctl = Controller(cfg, backend, store, {"chat": source}, owner="ctl-a", clock=clock)
+        _tick(ctl, source, clock, 10.0)
+        rt = backend.jobs["pretrain"]
+        assert (rt.layout, len(rt.gpus)) == ("tp1.pp7.dp1", 7)  # the limit leaves a 7-GPU layout
+        planned = mem.alternatives(GPT, H100, 6, gpus_per_node=4, **cfg.jobs[0].planner_options())
+        reserve = H100.memory_bytes - BUDGET
+        assert planned and all(c.memory_bytes - reserve <= limit for c in planned)
+        assert Layout.parse("tp1.pp3.dp2.z1") not in {c.layout for c in planned}
+        assert ctl._budget("pretrain") == limit
+        over = replace(rt, step=rt.step + 1, memory=measured(rt.layout, peak=9 * GiB).as_json())
+        assert ctl.memory_status("pretrain", over)["budgetBytes"] == limit  # what the job's status shows
+        backend.jobs["pretrain"] = over
+        _tick(ctl, source, clock, 10.0)
+        status = db.get_job(store, "pretrain").status
+        assert [x["layout"] for x in status["droppedLayouts"]] == [rt.layout]
+        assert status["droppedLayouts"][0]["budgetBytes"] == limit
+    finally:
+        store.dispose()

@@ -91,7 +91,7 @@ def test_report_has_the_chosen_and_the_next_best_in_the_planners_order() -> None
 
 
 def test_measured_goes_next_to_the_same_choice_or_gets_its_own_entry() -> None:
-    o = PlanOptions(global_batch=8)
+    o = PlanOptions(global_batch=8, precision="fp32")  # the measurement is of a float32 run
     # the reference trainer's choice: no offload, and its flash attention keeps what the planner's
     # selective count does
     mine = evaluate(TINY, Layout(1, 1, 1), CPU, micro_batch=2, recompute=TRAINER_RECOMPUTE, offload=False, options=o)
@@ -105,6 +105,15 @@ def test_measured_goes_next_to_the_same_choice_or_gets_its_own_entry() -> None:
     extra = rep.layouts[1]
     assert extra.measured == _measured() and extra.plan.micro_batch == 2 and extra.plan.grad_accum == 4
     assert extra.plan.memory == mine.memory
+    # the same layout and micro-batch planned in bf16 mixed precision is another choice: its own entry,
+    # predicted in the measurement's precision (fp32 weights, gradients and Adam's two moments: exact)
+    bf16 = evaluate(TINY, Layout(1, 1, 1), CPU, micro_batch=2, recompute=TRAINER_RECOMPUTE, offload=False,
+                    options=PlanOptions(global_batch=8))
+    rep = memory_report(TINY, 1, CPU, [bf16], options=PlanOptions(global_batch=8), measured=[_measured()])
+    assert [e.place for e in rep.layouts] == [1, 0] and rep.layouts[1].plan.memory == mine.memory
+    m, w = _measured(), mine.memory
+    assert (w.weights, w.gradients, w.optimizer) == (m.weights, m.gradients, m.optimizer)
+    assert bf16.memory.weights * 2 == w.weights and bf16.memory.activations < w.activations
 
 
 def test_measured_of_another_model_is_refused() -> None:
