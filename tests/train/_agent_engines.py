@@ -2,7 +2,9 @@
 
 :func:`slow_steps`: the real engine, each step padded to a fixed wall time, so a test knows
 roughly where the job is (rescales near ``max_steps``); with ``ELASTIC_TEST_FIRST_STEP_RELEASE=<file>``
-the first step of an engine built from a state (a later generation's) also waits for that file.
+the first step of an engine built from a state (a later generation's) also waits for that file; with
+``ELASTIC_TEST_SLOW_HOLD_STEP=<step>`` that step, in any generation, begins by marking
+``<ELASTIC_TEST_HOLD_MARK>/<worker>.held`` and waiting for ``ELASTIC_TEST_HOLD_RELEASE``.
 
 A fault at our own boundary (the :class:`elastic.train.agent.Engine` protocol), not a mock of
 the trainer: :func:`mislaid_state_on_one_worker` builds the real ``TrainEngine`` and trains
@@ -55,10 +57,14 @@ def _wait_for_file(path: str, seconds: float = 120.0) -> None:
 class _Slow:
     """Every step takes at least ``ELASTIC_TEST_STEP_SECONDS``: a job whose progress a test can outpace.
     With ``release``, the first step also waits until that file exists: a test reads the job while
-    that step is certainly in progress, then lets it end."""
+    that step is certainly in progress, then lets it end. With ``hold_step``, that step marks
+    ``<mark>/<worker>.held`` and waits for ``hold_release``: the coordinator has answered ``go`` for
+    it (it counts as begun) and the job is still running until the test writes the file."""
 
-    def __init__(self, engine: Any, seconds: float, release: str | None = None) -> None:
+    def __init__(self, engine: Any, seconds: float, release: str | None = None, hold_step: int = -1,
+                 mark: str | None = None, hold_release: str | None = None) -> None:
         self._engine, self._seconds, self._release = engine, seconds, release
+        self._hold_step, self._mark, self._hold_release = hold_step, mark, hold_release
 
     def state(self) -> State:
         return self._engine.state()
@@ -68,6 +74,12 @@ class _Slow:
         if self._release is not None:
             _wait_for_file(self._release)
             self._release = None
+        if step == self._hold_step:
+            if self._mark:
+                with open(os.path.join(self._mark, f"{os.environ.get('ELASTIC_WORKER_ID', os.getpid())}.held"), "w"):
+                    pass
+            if self._hold_release:
+                _wait_for_file(self._hold_release)
         out = self._engine.train_step(step)
         time.sleep(max(0.0, self._seconds - (time.monotonic() - t0)))
         return out
@@ -80,7 +92,9 @@ def slow_steps(config: dict[str, Any], layout: Layout, rank: int, state: State |
     engine = default_engine_factory(config, layout, rank, state, timeout_s=60)
     # built from a state: a later generation (a survivor or a joiner of a rescale), whose first step is held
     release = os.environ.get("ELASTIC_TEST_FIRST_STEP_RELEASE") if state is not None else None
-    return _Slow(engine, float(os.environ.get("ELASTIC_TEST_STEP_SECONDS", "0.3")), release)
+    return _Slow(engine, float(os.environ.get("ELASTIC_TEST_STEP_SECONDS", "0.3")), release,
+                 int(os.environ.get("ELASTIC_TEST_SLOW_HOLD_STEP", "-1")), os.environ.get("ELASTIC_TEST_HOLD_MARK"),
+                 os.environ.get("ELASTIC_TEST_HOLD_RELEASE"))
 
 
 def slow_micro_batches(config: dict[str, Any], layout: Layout, rank: int, state: State | None) -> Any:
