@@ -10,6 +10,7 @@ from typing import Any
 
 from elastic.backends.base import BackendError
 from elastic.controller import Controller, TickResult
+from elastic.phases import JobPhase
 from operators.members import JOBS, POOLS, SERVICES, Grow, Member, Pool
 
 log = logging.getLogger("operators.runtime")
@@ -148,7 +149,7 @@ class Publishing:
         assert self.status is not None
         jd = res.plan.jobs.get(m.workload) if res.plan else None
         extra: dict[str, Any] = {
-            "phase": rt.phase if rt else "Pending", "layout": (rt.layout or "") if rt else "",
+            "phase": rt.phase if rt else JobPhase.PENDING, "layout": (rt.layout or "") if rt else "",
             "generation": rt.generation if rt else 0, "worldSize": len(rt.gpus) if rt else 0,
             "step": rt.step if rt else 0, "tokensPerSecond": rt.tokens_per_second if rt else 0.0,
             "loss": rt.loss if rt else None,
@@ -176,7 +177,7 @@ class Publishing:
 
         if jd is not None:
             conds = set_condition(conds, "Scheduled", jd.gpus > 0, jd.reason, jd.message, m.generation)
-        ready = rt is None or rt.phase != "Failed"
+        ready = rt is None or rt.phase != JobPhase.FAILED
         was = next((c for c in conds if c.get("type") == "Ready"), {})
         conds = set_condition(conds, "Ready", ready, "Reconciled" if ready else "WorkerFailed",
                               f"scheduled by pool {pool.name}" if ready else (rt.error or "a worker failed"),

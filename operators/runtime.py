@@ -60,6 +60,7 @@ from elastic.crds import (
 from elastic.metrics import build_source
 from elastic.metrics.sample import MetricSource
 from elastic.model import InferenceSpec, SpecError, load_hardware, load_model
+from elastic.phases import JobPhase
 from operators.members import JOBS, POOLS, SERVICES, Grow, Member, Pool
 from operators.publish import Publishing
 from operators.status import StatusWriter
@@ -466,7 +467,7 @@ class OperatorRuntime(Publishing):
                 rt = pool.backend.job_runtime(job)
             except BackendError:
                 rt = None
-            if rt is not None and rt.gpus and rt.phase != "Failed":
+            if rt is not None and rt.gpus and rt.phase != JobPhase.FAILED:
                 pool.backoff.pop(job, None)
                 out[job] = (g, None)
         return out

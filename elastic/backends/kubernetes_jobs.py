@@ -39,6 +39,7 @@ from elastic.backends.kubernetes_names import (
     parse_gpu,
 )
 from elastic.model import GPU, Layout, TrainingSpec
+from elastic.phases import CoordinatorPhase, JobPhase
 from elastic.train.launch import JobHandle, job_options
 from elastic.train.rendezvous import SECRET_ENV, RescaleCancelled
 
@@ -85,7 +86,8 @@ class _Training:
         layouts = {a.get(ANN_LAYOUT) for a, g in zip(ann, gens, strict=True) if g == gen}
         gpus = tuple(sorted((parse_gpu(a[ANN_GPU]) for a in ann if ANN_GPU in a), key=lambda g: (g.node, g.index)))
         failed = [p.metadata.name for p in pods if p.status is not None and p.status.phase == "Failed"]
-        phase = "Failed" if failed else ("Rescaling" if len(layouts) > 1 or len(set(gens)) > 1 else "Running")
+        phase = (JobPhase.FAILED if failed
+                 else JobPhase.RESCALING if len(layouts) > 1 or len(set(gens)) > 1 else JobPhase.RUNNING)
         with self._lock:
             last = self._jobs.get(job, _Job()).last
         return JobRuntime(job, phase, layouts.pop() if len(layouts) == 1 else None, gpus, gen,
@@ -99,7 +101,7 @@ class _Training:
         if j is None or j.handle is None:
             return self._orphaned_runtime(job)
         st = j.handle.status()
-        if st.phase == "running":
+        if st.phase == CoordinatorPhase.RUNNING:
             j.workers = still_held(j.workers, st.workers)  # after a recovery on its own: fewer
         return coordinator_runtime(job, st, j.workers, j.last)
 
@@ -119,7 +121,7 @@ class _Training:
         gen = max(int(a.get(ANN_GENERATION, 0)) for a in ann)
         layouts = {a.get(ANN_LAYOUT) for a in ann if int(a.get(ANN_GENERATION, 0)) == gen}
         names = ", ".join(p.metadata.name for p in pods)
-        return JobRuntime(job, "Failed", layouts.pop() if len(layouts) == 1 else None, gpus, gen,
+        return JobRuntime(job, JobPhase.FAILED, layouts.pop() if len(layouts) == 1 else None, gpus, gen,
                           error=f"worker pod(s) {names} run without their coordinator: the operator process that "
                                 "hosted it is gone (restarted or replaced) and their in-memory state cannot be "
                                 "adopted; they are stopped and the job starts again, from its newest checkpoint "
@@ -144,7 +146,7 @@ class _Training:
         if j is None or j.handle is None:
             return RescaleOutcome(spec.name, None, None, 0)
         before = j.handle.status()
-        if before.phase == "paused":
+        if before.phase == CoordinatorPhase.PAUSED:
             return RescaleOutcome(spec.name, before.layout, before.layout, before.generation, step=max(before.step, 0))
         if not before.layout:
             raise BackendError(f"{spec.name}: cannot pause a job that is {before.phase}")
@@ -242,7 +244,7 @@ class _Training:
                 nxt += 1
         j.handle.placement = {w: (g, layout) for g, w in new_workers.items()}
         st = j.handle.status()
-        starting = st.phase == "starting" and st.generation == 0
+        starting = st.phase == CoordinatorPhase.STARTING and st.generation == 0
         self.apply_worker_service(spec.name)
         try:
             if starting:

@@ -55,6 +55,7 @@ from elastic.backends.ray_jobs import (
     trainer_config_for,
 )
 from elastic.model import GPU, InferenceSpec, Layout, PoolSpec, SpecError, TrainingSpec
+from elastic.phases import CoordinatorPhase, JobPhase
 from elastic.train.launch import job_options
 from elastic.train.rendezvous import RescaleCancelled
 
@@ -78,7 +79,7 @@ class _Job:
     handle: Any
     workers: dict[GPU, str] = field(default_factory=dict)  # GPU -> worker id
     next_id: int = 0
-    phase: str = "Running"
+    phase: str = JobPhase.RUNNING
     error: str | None = None
     last: RescaleOutcome | None = None
     keepers: list[str] = field(default_factory=list)  # paused: who holds the state (no GPU)
@@ -492,7 +493,7 @@ class RayBackend:
             if j is None:
                 return None
             st = j.handle.status()
-            if st.phase == "running" and (held := still_held(j.workers, st.workers)) != j.workers:
+            if st.phase == CoordinatorPhase.RUNNING and (held := still_held(j.workers, st.workers)) != j.workers:
                 j.workers = held  # recovered from a lost worker on its own
                 _remember_gpus(j.handle, j)
             return coordinator_runtime(job, st, j.workers, j.last)
@@ -519,7 +520,7 @@ class RayBackend:
         if j is None:
             return RescaleOutcome(spec.name, None, None, 0)
         before = j.handle.status()
-        if before.phase == "paused":
+        if before.phase == CoordinatorPhase.PAUSED:
             return RescaleOutcome(spec.name, before.layout, before.layout, before.generation, step=max(before.step, 0))
         if not before.layout:
             raise BackendError(f"{spec.name}: cannot pause a job that is {before.phase}")
@@ -636,7 +637,7 @@ class RayBackend:
             raise BackendError(f"{spec.name}: rescale {before.layout} -> {layout} failed: {e}") from e
         with self._lock:
             j.workers, j.next_id, j.keepers = new_workers, nxt, []
-        if before.phase == "paused":
+        if before.phase == CoordinatorPhase.PAUSED:
             _remember_gpus(j.handle, j, keepers=[])
         out = RescaleOutcome(spec.name, before.layout, str(layout), res.generation,
                              pause_seconds=res.pause_seconds or 0.0, total_seconds=res.wall_seconds,
@@ -746,14 +747,14 @@ class RayBackend:
                 _kill_named(n, self.namespace)
             return f"job {job}: coordinator unusable ({type(e).__name__}: {e}); its actors were killed"
         st = handle.settle(self.train_options.rescale_timeout_s if self.train_options else 120.0)
-        if st.phase == "paused":  # its keepers hold the state and no GPU: adopt them as they are
+        if st.phase == CoordinatorPhase.PAUSED:  # its keepers hold the state and no GPU: adopt them as they are
             j = _Job(handle, next_id=int(handle.meta.get("next_id", 0)), keepers=list(st.workers))
             handle.keepers.update(st.workers)
             handle.forget_except(st.workers)
             with self._lock:
                 self.jobs[job] = j
             return f"adopted paused job {job}: state held as {st.layout} at step {st.step + 1} by {', '.join(st.workers)}"
-        if st.phase not in ("running", "rescaling"):
+        if st.phase not in (CoordinatorPhase.RUNNING, CoordinatorPhase.RESCALING):
             handle.stop(timeout=10.0)
             return f"job {job} was {st.phase} ({st.error or st.reason}); stopped and cleaned up"
         gpus = handle.meta.get("gpus", {})

@@ -28,6 +28,7 @@ from elastic.controller.base import _dt, _recorded_layout, log, paused_tag
 from elastic.controller.decide import Deciding
 from elastic.controller.lease import Leading
 from elastic.model import GPU, Allocation, Layout, PlanStep
+from elastic.phases import JobPhase
 from elastic.policy import landed as policy_landed
 from elastic.policy.types import ReplicaDecision
 from elastic.scheduler import decide as schedule
@@ -205,7 +206,7 @@ class Applying(Leading, Deciding):
         ``paused:<layout the keepers hold>``, with its bytes and seconds."""
         before = self.backend.job_runtime(spec.name)
         to = (paused_tag(Layout.parse(before.layout).held())
-              if before is not None and before.layout and before.phase != "Paused" else None)
+              if before is not None and before.layout and before.phase != JobPhase.PAUSED else None)
         self._reshard_on_record(spec, before, to, now, lambda: self._act(cast(Pauses, self.backend).pause_job, spec))
 
     def _reshard_on_record(self, spec: Any, before: JobRuntime | None, to_layout: str | None, now: float,

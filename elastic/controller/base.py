@@ -20,6 +20,7 @@ from elastic.backends.base import Backend, Capabilities, JobRuntime
 from elastic.config import ControllerConfig
 from elastic.metrics.sample import MetricSource
 from elastic.model import GPU, HardwareSpec, Layout
+from elastic.phases import JobPhase
 from elastic.policy.types import PolicyState, ReplicaDecision
 from elastic.scheduler.types import SchedulePlan
 from elastic.store import FencedStore, InterventionRecord, Store
@@ -88,7 +89,7 @@ def paused_tag(held: Layout | str) -> str:
 
 def _recorded_layout(rt: JobRuntime) -> str | None:
     """The layout as the reshard history writes it (a paused job's with its ``paused:`` mark)."""
-    return paused_tag(rt.layout) if rt.phase == "Paused" and rt.layout else rt.layout
+    return paused_tag(rt.layout) if rt.phase == JobPhase.PAUSED and rt.layout else rt.layout
 
 
 class ControllerState:

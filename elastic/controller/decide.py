@@ -14,6 +14,7 @@ from elastic.backends.base import JobRuntime
 from elastic.controller.observe import Observing
 from elastic.metrics.sample import MetricSample
 from elastic.model import Allocation
+from elastic.phases import JobPhase
 from elastic.policy import decide as policy_decide
 from elastic.policy.types import PolicyContext, ReplicaDecision
 from elastic.scheduler.types import JobState, Knobs, ServiceDemand, Snapshot
@@ -73,10 +74,10 @@ class Deciding(Observing):
 
 
 def _trains(rt: JobRuntime | None) -> bool:
-    return rt is not None and rt.phase != "Paused"
+    return rt is not None and rt.phase != JobPhase.PAUSED
 
 
 def _job_status(rt: JobRuntime | None) -> str:
     if rt is None:
         return "pending"
-    return "paused" if rt.phase == "Paused" else "running"
+    return "paused" if rt.phase == JobPhase.PAUSED else "running"

@@ -22,6 +22,7 @@ from elastic.controller.record import Recording
 from elastic.controller.tables import check_feasible, throughput_table
 from elastic.metrics.sample import MetricSource
 from elastic.model import GPU, load_hardware
+from elastic.phases import JobPhase
 from elastic.policy.types import PolicyState
 from elastic.scheduler import decide as schedule
 
@@ -276,7 +277,7 @@ class Controller(Applying, Recording):
         # plan already treats it as not running (it starts afresh when GPUs allow)
         # (a job whose start or grow is in flight is stopped by that thread if it failed: not reaped twice)
         failed = {j.name: rt for j in self.cfg.jobs if not self._grow_in_flight(j.name)
-                  and (rt := self.backend.job_runtime(j.name)) is not None and rt.phase == "Failed"}
+                  and (rt := self.backend.job_runtime(j.name)) is not None and rt.phase == JobPhase.FAILED}
         previous, runtimes = self._observe_jobs(set(failed))
         samples = {s.name: self._sample(s.name, now) for s in self.cfg.services}
         backlogs = {s.name: self._backlog(s.name, now) for s in self.cfg.services if samples[s.name] is not None}

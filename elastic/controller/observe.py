@@ -25,6 +25,7 @@ from elastic.controller.base import Backoff, ControllerState, _call_within, _dt,
 from elastic.metrics.sample import BacklogSource, MetricSample
 from elastic.model import GPU, Allocation, Layout, SpecError
 from elastic.parallel.memory_report import MeasuredMemory
+from elastic.phases import JobPhase
 
 
 class Observing(ControllerState):
@@ -84,7 +85,7 @@ class Observing(ControllerState):
                 log.warning("%s; not checked", e)
         # a failed job, or one whose step ran out of memory and that waits (recovering) for another layout
         found = [mem.check_failure(rt.layout, rt.error, budget, self.clock(), m)
-                 if rt.phase in ("Failed", "Recovering") else None,
+                 if rt.phase in (JobPhase.FAILED, JobPhase.RECOVERING) else None,
                  mem.check_failure(rt.recovered_from, rt.recovery, budget, self.clock())]
         over = mem.check_measured(m, budget, self.clock())
         if over is not None and over.layout not in self._dropped(job):
@@ -101,7 +102,7 @@ class Observing(ControllerState):
         self._dropped(job)[d.layout] = d
         to = self._relayout_target(job, rt)
         then = (f"it moves in place to {to}" if to is not None
-                else "it is re-planned without it" if rt.phase != "Failed" else "it restarts on another layout")
+                else "it is re-planned without it" if rt.phase != JobPhase.FAILED else "it restarts on another layout")
         msg = f"{job}: layout {d.message}; dropped for the rest of the job's life, {then}"
         log.warning("%s", msg)
         db.record_decision(self.db, pool=self.pool, tick_at=_dt(self.clock()), reason=mem.MEMORY_EXCEEDED,
@@ -146,7 +147,7 @@ class Observing(ControllerState):
         """Where ``job`` moves in place, on the GPUs it holds, off a layout dropped for its memory; None:
         it stays (not dropped, not running, or no other layout of that count: it gets fewer GPUs). A job
         whose step ran out of memory waits (recovering) for exactly this move."""
-        if rt is None or not (rt.phase == "Running" or (rt.phase == "Recovering" and _out_of_memory(rt))):
+        if rt is None or not (rt.phase == JobPhase.RUNNING or (rt.phase == JobPhase.RECOVERING and _out_of_memory(rt))):
             return None
         return mem.relayout_target(rt.layout, len(rt.gpus), self._dropped(job), self._layout_table(job))
 
@@ -188,7 +189,7 @@ class Observing(ControllerState):
         cap = self.cfg.controller.start_backoff_max_seconds
         for job, b in list(self.backoff.items()):
             rt = runtimes.get(job)
-            if rt is not None and rt.phase == "Running" and now - b.last_failure_at >= cap:
+            if rt is not None and rt.phase == JobPhase.RUNNING and now - b.last_failure_at >= cap:
                 del self.backoff[job]
                 log.info("job %s has run %g s since its last failure: its backoff is over", job, cap)
 

@@ -23,6 +23,7 @@ from elastic.controller.observe import Observing
 from elastic.metrics.sample import MetricSample
 from elastic.model import Allocation, SpecError
 from elastic.parallel.memory_report import MeasuredMemory
+from elastic.phases import JobPhase
 from elastic.policy.types import ReplicaDecision
 from elastic.scheduler.types import SchedulePlan
 
@@ -105,7 +106,7 @@ class Recording(Observing):
                                  f"{_dt(b.next_at).isoformat()}") if jd is not None else jd
         db.set_job_status(self.db, name, {
             "backoff": backoff,
-            "phase": rt.phase if rt else "Pending", "layout": _recorded_layout(rt) if rt else None,
+            "phase": rt.phase if rt else JobPhase.PENDING, "layout": _recorded_layout(rt) if rt else None,
             "generation": rt.generation if rt else 0, "step": rt.step if rt else 0,
             "loss": rt.loss if rt else None, "tokensPerSecond": rt.tokens_per_second if rt else 0.0,
             "worldSize": len(rt.gpus) if rt else 0,

@@ -28,6 +28,7 @@ from elastic.demo.config import (
 from elastic.demo.measure import _goals_line, _summary, clairvoyant_on_arrivals, utilization_bound
 from elastic.demo.report import _plot, _table, _write_timeline
 from elastic.demo.samples import DemoRun, Sample, _world_size
+from elastic.phases import CoordinatorPhase, JobPhase
 
 log = logging.getLogger("elastic.demo")
 
@@ -206,7 +207,7 @@ def _kill_a_worker(backend: Any, run: DemoRun, t: float, console: Any, *, replic
 
     j = backend.jobs.get(run.job)
     st = j.handle.status() if j else None
-    if st is None or not st.workers or st.phase != "running":
+    if st is None or not st.workers or st.phase != CoordinatorPhase.RUNNING:
         console.print(f"[yellow]--kill-worker-at: the job is {st.phase if st else 'not running'}; nothing killed[/]")
         run.kills.append((t, ""))
         return
@@ -254,7 +255,7 @@ def _sample_loop(backend: Any, ctl: Any, profile: Any, t0: float, run: DemoRun, 
         # GPUs stepping: the coordinator's current layout (the old one until the switch step, the new
         # one from there: a grow's joiners train, a shrink's leavers do not, before the backend's books
         # say so); the pause itself is subtracted from the reshard records in the summary
-        tbusy = _world_size(rt.layout) if rt and rt.phase in ("Running", "Rescaling") else 0
+        tbusy = _world_size(rt.layout) if rt and rt.phase in (JobPhase.RUNNING, JobPhase.RESCALING) else 0
         _note_loss(run.losses, rt)
         run.samples.append(Sample(t, rate_at(profile, t), len(urls), busy, tg, tbusy, rt.layout if rt else None,
                                   rt.step if rt else 0, rt.loss if rt else None,
@@ -281,7 +282,7 @@ def _wait_job_started(ctl: Any, backend: Any, console: Any, wait_s: float, tick_
         rt = backend.job_runtime(job)
         if losses is not None:
             _note_loss(losses, rt)
-        if rt is not None and rt.phase == "Running" and rt.step > 0:
+        if rt is not None and rt.phase == JobPhase.RUNNING and rt.step > 0:
             log.info("training job running on %d GPUs after %.1f s", len(rt.gpus), time.monotonic() - t0)
             return True
         if time.monotonic() - t0 > wait_s:

@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from elastic import store as db
 from elastic.model import InferenceSpec, Layout, PoolSpec, SpecError
-from elastic.phases import JOB_PHASES
+from elastic.phases import JOB_PHASES, JobPhase
 from elastic.store.repo import MAX_PAGE
 
 GPU_STATES = ("inference", "training", "idle", "draining")
@@ -45,7 +45,7 @@ TICK_OUTCOMES = ("acted", "standby", "paused", "unavailable")
 _TICK_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _RESHARD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _OUTCOME = {"NotLeader": "standby", "Paused": "paused", "Unavailable": "unavailable"}
-_RUNNING_PHASES = ("Running",)
+_RUNNING_PHASES = (JobPhase.RUNNING,)
 MEMORY_COMPONENTS = ("weights", "gradients", "optimizer", "activations")
 
 
@@ -283,7 +283,7 @@ class Exporter:
             _set_opt(self.tokens_per_second, (j.name,), st.get("tokensPerSecond"))
             _set_opt(self.generation, (j.name,), st.get("generation"))
             for ph in JOB_PHASES:
-                self.phase.set((j.name, ph), 1 if st.get("phase", "Pending") == ph else 0)
+                self.phase.set((j.name, ph), 1 if st.get("phase", JobPhase.PENDING) == ph else 0)
             self._memory(j.name, st)
             layout = _layout(st.get("layout"))
             if layout is not None:

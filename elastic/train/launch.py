@@ -35,6 +35,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from elastic.model import HardwareSpec, Layout, SpecError, check_layout, load_hardware
+from elastic.phases import CoordinatorPhase
 from elastic.train.agent import config_json
 from elastic.train.checkpoint import CheckpointSettings
 from elastic.train.procenv import worker_memory_env
@@ -288,11 +289,12 @@ class JobHandle(ABC):
         self._settle()
         st = self.coordinator.status()
         # a job held after a step ran out of memory (recovering, ``out_of_memory``) waits for exactly this
-        if st.phase not in ("running", "paused") and not (st.phase == "recovering" and st.out_of_memory):
+        if (st.phase not in (CoordinatorPhase.RUNNING, CoordinatorPhase.PAUSED)
+                and not (st.phase == CoordinatorPhase.RECOVERING and st.out_of_memory)):
             raise SpecError(f"job {self.job} is {st.phase}" + (f" ({st.error})" if st.error else "")
                             + "; only a running or paused job (or one held after a step ran out of memory) "
                             "can be rescaled")
-        if st.phase == "paused" and set(workers) & set(st.workers):
+        if st.phase == CoordinatorPhase.PAUSED and set(workers) & set(st.workers):
             raise SpecError(f"job {self.job} is paused: its keepers {', '.join(st.workers)} hold no GPU and "
                             "cannot train; resume it on new workers")
         return self._apply(st.generation + 1, lay, list(workers), remap=remap, timeout=timeout,
@@ -314,7 +316,7 @@ class JobHandle(ABC):
         """
         self._settle()
         st = self.coordinator.status()
-        if st.phase != "running" or not st.layout:
+        if st.phase != CoordinatorPhase.RUNNING or not st.layout:
             raise SpecError(f"job {self.job} is {st.phase}" + (f" ({st.error})" if st.error else "")
                             + "; only a running job can be paused")
         lay = Layout.parse(st.layout).held()
@@ -368,7 +370,8 @@ class JobHandle(ABC):
         st = self.coordinator.status()
         self.coordinator.stop()
         final = self.coordinator.status()
-        return replace(final, phase=st.phase if st.phase in ("failed", "finished") else final.phase)
+        ended = st.phase in (CoordinatorPhase.FAILED, CoordinatorPhase.FINISHED)
+        return replace(final, phase=st.phase if ended else final.phase)
 
     # ---- orchestration ------------------------------------------------------------------------
     def _apply(self, generation: int, layout: Layout, workers: list[str], *, remap: bool,
