@@ -38,7 +38,13 @@ from elastic.demo.config import (
     job_name,
     resolve_job,
 )
-from elastic.demo.measure import _goals_line, _summary, clairvoyant_on_arrivals, utilization_bound
+from elastic.demo.measure import (
+    _goals_line,
+    _layouts_line,
+    _summary,
+    clairvoyant_on_arrivals,
+    utilization_bound,
+)
 from elastic.demo.report import _write_timeline
 from elastic.demo.run import (
     _collect_reshards,
@@ -54,7 +60,7 @@ from elastic.demo.samples import DemoRun, Sample
 __all__ = [
     "CORPUS_FILES", "GOALS", "GPUS", "JOB", "JOB_START_TIMEOUT_S", "MAX_TOKENS", "REFERENCE", "SERVICE", "SLOTS",
     "TARGET", "TOKENS_PER_SECOND", "USER_JOB", "DemoRun", "Sample", "UserJob", "_collect_reshards", "_first_tick",
-    "_goals_line", "_sample_loop", "_summary", "_wait_job_started", "_write_timeline",
+    "_goals_line", "_layouts_line", "_sample_loop", "_summary", "_wait_job_started", "_write_timeline",
     "clairvoyant_on_arrivals", "day_offset", "demo_config", "job_name", "last_reshard_id", "resolve_job", "run_demo",
     "utilization_bound",
 ]

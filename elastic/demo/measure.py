@@ -110,6 +110,16 @@ def _goals_line(summary: Mapping[str, Any]) -> str:
             + f"; {summary['reshards']} reshards, {summary['training_steps']} steps")
 
 
+def _layouts_line(summary: Mapping[str, Any]) -> str:
+    """One line: the layouts the job ran on, in order, and how many of its moves changed TP or PP."""
+    from elastic.model import Layout
+
+    seq = [Layout.parse(x) for x in summary.get("layouts") or []]
+    moves = sum((a.tp, a.pp) != (b.tp, b.pp) for a, b in zip(seq, seq[1:], strict=False))
+    return (f"layouts: {' -> '.join(map(str, seq)) or 'none'}; {moves} of {max(len(seq) - 1, 0)} moves changed "
+            "tensor or pipeline parallelism")
+
+
 def _failed_by_status(results: list[Any], since: float) -> dict[str, int]:
     """Failed requests sent from ``since`` on (not answered in full with a first token), by HTTP status."""
     out: dict[str, int] = {}

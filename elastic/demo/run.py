@@ -25,7 +25,13 @@ from elastic.demo.config import (
     demo_config,
     job_name,
 )
-from elastic.demo.measure import _goals_line, _summary, clairvoyant_on_arrivals, utilization_bound
+from elastic.demo.measure import (
+    _goals_line,
+    _layouts_line,
+    _summary,
+    clairvoyant_on_arrivals,
+    utilization_bound,
+)
 from elastic.demo.report import _plot, _table, _write_timeline
 from elastic.demo.samples import DemoRun, Sample, _world_size
 from elastic.phases import CoordinatorPhase, JobPhase
@@ -174,6 +180,7 @@ def run_demo(minutes: float = 5.0, *, tick_seconds: float = 2.0, db_url: str = "
     summary = _summary(run, lg.report, slo_ttft_seconds, rt, day, warmup, bound, on_arrivals)
     console.print_json(json.dumps(summary))
     console.print(_goals_line(summary), highlight=False)
+    console.print(_layouts_line(summary), highlight=False)
     if summary_json:
         Path(summary_json).parent.mkdir(parents=True, exist_ok=True)
         Path(summary_json).write_text(json.dumps(summary, indent=2))

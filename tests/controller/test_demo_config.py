@@ -382,3 +382,14 @@ def test_the_demo_never_prints_its_database_password(capsys) -> None:
         run_demo(0.1, db_url="postgresql+psycopg://u:secretpw@127.0.0.1:1/x", live=False)
     out = capsys.readouterr().out
     assert "state in postgresql+psycopg://u:***@127.0.0.1:1/x" in out and "secretpw" not in out
+
+
+def test_the_layouts_line_counts_the_moves_that_changed_tp_or_pp() -> None:
+    from elastic.demo import _layouts_line
+
+    line = _layouts_line({"layouts": ["tp1.pp1.dp7.z1", "tp1.pp1.dp3.z1", "tp1.pp2.dp1", "tp1.pp1.dp3.z1",
+                                      "tp2.pp1.dp3"]})
+    assert line == ("layouts: tp1.pp1.dp7.z1 -> tp1.pp1.dp3.z1 -> tp1.pp2.dp1 -> tp1.pp1.dp3.z1 -> tp2.pp1.dp3; "
+                    "3 of 4 moves changed tensor or pipeline parallelism")
+    assert _layouts_line({"layouts": []}).startswith("layouts: none; 0 of 0 moves")
+
