@@ -73,12 +73,24 @@ def test_an_operator_killed_mid_shrink_is_replaced_without_double_booking_a_gpu(
     peak, unsched = e2e.gpu_ledger(c.emu)
     assert peak <= e2e.TOTAL_GPUS and unsched == [], (peak, unsched)
     assert any(r == "WorkerFailed" and "run without their coordinator" in n for r, n in warnings), warnings
-    # every worker pod of the old run was gone before any pod of the new run was created
-    alog = e2e.api_log(c.emu)[killed_at:]
-    old_gone = e2e.last_rv(alog, lambda r, t, o: r == "pods" and t == "DELETED"
-                           and o["metadata"]["labels"].get("elastic.dev/job") == e2e.JOB)
-    new_made = e2e.first_rv(alog, lambda r, t, o: r == "pods" and t == "ADDED"
-                            and o["metadata"]["labels"].get("elastic.dev/job") == e2e.JOB)
+    # every worker pod of the old run was gone before any pod of the new run was created (told apart by
+    # uid: a new start may be called off and its own pods deleted later, which is no double booking)
+    full = e2e.api_log(c.emu)
+
+    def job_pod(r: str, o: dict) -> bool:
+        return r == "pods" and o["metadata"]["labels"].get("elastic.dev/job") == e2e.JOB
+
+    old_uids: set[str] = set()  # the job's pods alive when the operator was killed
+    for _, r, t, o in full[:killed_at]:
+        if job_pod(r, o) and t == "ADDED":
+            old_uids.add(o["metadata"]["uid"])
+        elif job_pod(r, o) and t == "DELETED":
+            old_uids.discard(o["metadata"]["uid"])
+    alog = full[killed_at:]
+    old_gone = e2e.last_rv(alog, lambda r, t, o: job_pod(r, o) and t == "DELETED" and o["metadata"]["uid"] in old_uids)
+    new_made = e2e.first_rv(alog, lambda r, t, o: job_pod(r, o) and t == "ADDED"
+                            and o["metadata"]["uid"] not in old_uids)
+    assert len(old_uids) == 4, old_uids
     assert old_gone is not None and new_made is not None and old_gone < new_made, (old_gone, new_made)
     assert st["step"] >= 10, st  # resumed from its newest checkpoint, not from step 0
     assert left_in_flight == [] and leader == "operator-1"
