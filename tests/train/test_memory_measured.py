@@ -32,6 +32,7 @@ import torch
 
 from elastic.model import Layout, load_hardware
 from elastic.parallel.memory import (
+    DTYPE_PRECISION,
     GRAD_BYTES,
     OPTIMIZER_BYTES,
     WEIGHT_BYTES,
@@ -51,7 +52,6 @@ from tests.train._mp import DTYPES, MODELS, make_cfg, run_workers
 CPU = load_hardware("cpu")
 TINY = MODELS["tiny"]
 LEVEL_TOL = 0.10
-LOGIT_BYTES = 4  # the planner's logits (and the final norm's output for the loss) are fp32
 # the trainer's attention is a flash kernel: it keeps what the planner counts under selective recompute
 TRAINER_RECOMPUTE: Recompute = "selective"
 GLOBAL_BATCH = 8
@@ -73,18 +73,18 @@ def _predicted(layout: Layout, micro_batch: int, global_batch: int, pp_rank: int
 
 
 def _predicted_activations(m: MeasuredMemory, predicted_bytes: int) -> float:
-    """The planner's activation bytes of ``m``'s stage in the trainer's element size: its per-layer and
-    embedding terms at 2 bytes an element, its logits term at 4 (checked to add up to ``predicted_bytes``)."""
+    """The planner's activation bytes of ``m``'s stage in the trainer's precision (``memory.PRECISIONS``:
+    its per-layer and embedding terms scale from bf16, its logits from fp32); ``predicted_bytes``, the
+    bf16 count of the same terms, checks they are the stage's."""
     L, seq = m.layout, TINY.seq_len
     mix = stage_mixes(TINY, L.pp, L.vpp)[m.pp_rank]
     prof = StageProfile(m.pp_rank, sum(d for d, _ in mix), sum(x for _, x in mix), tuple(sorted(set(mix))),
                         m.pp_rank == 0, m.pp_rank == L.pp - 1)
     held = chunks_in_flight(L.pp, L.vpp, m.grad_accum, m.pp_rank)
-    t = activation_terms(TINY, prof, L.tp, seq, TRAINER_RECOMPUTE)
     tokens = seq * m.micro_batch
-    assert t.bytes(tokens, held, L.vpp) == predicted_bytes
-    size = torch.empty(0, dtype=DTYPES[m.dtype]).element_size()
-    return tokens * ((t.chunk * held + t.embed * held / L.vpp) * size / WEIGHT_BYTES + t.once * size / LOGIT_BYTES)
+    assert activation_terms(TINY, prof, L.tp, seq, TRAINER_RECOMPUTE).bytes(tokens, held, L.vpp) == predicted_bytes
+    t = activation_terms(TINY, prof, L.tp, seq, TRAINER_RECOMPUTE, DTYPE_PRECISION[m.dtype])
+    return tokens * (t.chunk * held + t.embed * held / L.vpp + t.once)
 
 
 def _check_elements(m: MeasuredMemory) -> None:
