@@ -182,13 +182,15 @@ def test_async_grow_reserves_its_gpus_and_a_later_shrink_waits_for_it(db_url: st
     res = _tick(ctl, source, clock, 10.0)  # load falls: inference drains, training grows in the background
     assert any("(started)" in a for a in res.applied), res.applied
     assert len(backend.jobs["pretrain"].gpus) == 4  # joiners not there yet
-    res = _tick(ctl, source, clock, 10.0)  # the next tick sees the job holding its target GPUs
+    # dt under the lease (15 s): a tick past it takes the lease at a new epoch, and the fence then
+    # refuses the background grow's writes made with the old one
+    res = _tick(ctl, source, clock, 10.0, dt=10.0)  # the next tick sees the job holding its target GPUs
     held = ctl._observed_allocation()
     held.check_disjoint()
     assert len(held.gpus_of("pretrain")) > 4
     assert len(backend.service_gpus("chat")) + len(held.gpus_of("pretrain")) <= 8
     threading.Timer(0.5, backend.release.set).start()
-    _tick(ctl, source, clock, 40.0)  # load rises again: the shrink waits for the grow to land first
+    _tick(ctl, source, clock, 40.0, dt=10.0)  # load rises again: the shrink waits for the grow to land first
     assert ctl.wait_idle(5)
     assert len(backend.jobs["pretrain"].gpus) == 4 and len(backend.service_gpus("chat")) == 4
     store.dispose()
@@ -229,7 +231,7 @@ def test_a_grow_still_starting_joiners_is_called_off_when_inference_needs_the_gp
     res = _tick(ctl, source, clock, 10.0)  # load falls: a grow starts in the background
     assert any("(started)" in a for a in res.applied), res.applied
     assert backend.waiting.wait(5)
-    res = _tick(ctl, source, clock, 40.0)  # load is back before the joiners joined
+    res = _tick(ctl, source, clock, 40.0, dt=10.0)  # load is back before the joiners joined (within the lease)
     assert res.applied and res.applied[0].startswith("cancel_grow pretrain"), res.applied
     assert len(backend.jobs["pretrain"].gpus) == 4  # the grow never happened ...
     assert len(backend.service_gpus("chat")) == 4  # ... and the same tick re-planned: 4 replicas back
