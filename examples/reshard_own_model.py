@@ -13,6 +13,7 @@ reshard's bytes.
 
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -73,6 +74,12 @@ def main() -> None:
         if model is not None:
             train(model, optimizer, range(step, step + STEPS))
         step += STEPS
+    # Tear down while the interpreter is whole: wait until every process is done communicating,
+    # free the meshes' groups (the model and optimizer hold them), then destroy the rest. Groups
+    # left for interpreter shutdown to free can abort the process there.
+    dist.barrier()
+    del model, optimizer, src, dst
+    gc.collect()
     dist.destroy_process_group()
 
 
