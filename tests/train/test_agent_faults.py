@@ -228,6 +228,8 @@ def test_a_shrink_that_need_not_wait_its_first_step_returns_with_its_leavers_gon
     # tensor parallel: both ranks of a replica meet at every micro-batch's check as well
     ("tp2.pp1.dp2", ["w0", "w1", "w2", "w3"], "tp2.pp1.dp1", ["w0", "w1"], True, True),
     # the TP split changes: no survivor holds its new boxes' gradients, the step is redone whole
+    # (asked explicitly: by default that is done only early in a step, where it costs less than
+    # waiting for the boundary; test_agent_rendezvous.py tests that choice on a fake clock)
     ("tp2.pp1.dp2", ["w0", "w1", "w2", "w3"], "tp1.pp1.dp2", ["w0", "w2"], True, False),
     # 1F1B stages run their micro-batches at different times: the step is finished, then the switch
     ("tp1.pp2.dp2", ["w0", "w1", "w2", "w3"], "tp1.pp2.dp1", ["w0", "w1"], False, False),
@@ -269,7 +271,8 @@ def test_a_shrink_gives_up_the_step_in_progress_and_the_new_layout_finishes_it_o
                 return d
 
             h.coordinator.directive = post_then_release
-        shrink = h.rescale(after, kept, timeout=120, wait_first_step=False)
+        shrink = h.rescale(after, kept, timeout=120, wait_first_step=False,
+                           give_up_step=True if gives_up and not keeps_work else None)
         rec = shrink.record
         if gives_up:
             assert (shrink.switch_step, rec.gave_up_step) == (in_progress, in_progress) == (2, 2), rec

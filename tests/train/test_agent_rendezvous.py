@@ -1139,3 +1139,33 @@ def test_a_user_job_gives_a_shrinks_step_up_only_while_that_costs_less_than_wait
     assert d.switch_step == 4
     beat = call(c, "heartbeat", "w0", generation=1)
     assert ("give_up" in beat) == asked, beat
+
+
+@pytest.mark.parametrize("to, elapsed, asked", [
+    ("tp1.pp1.dp2", 0.2, True),  # the same split: the new layout finishes the step from the work done
+    ("tp1.pp2.dp1", 0.05, True),  # another split redoes the step whole: 0.15 s thrown away saves 0.45 s
+    ("tp1.pp2.dp1", 0.2, False),  # 0.6 s thrown away to save 0.3 s: it waits for the boundary
+    ("tp2.pp1.dp1", 0.2, False),
+])
+def test_the_reference_trainer_gives_a_step_up_for_another_split_only_while_that_pays(to, elapsed, asked) -> None:
+    """The reference trainer keeps a given-up step's work only for a new layout of the same TP
+    split and one pipeline stage; a shrink to another split weighs the step like a user job's."""
+    clock, reg = Clock(1000.0), CollectorRegistry()
+    c = Coordinator("job", {"model": "tiny"}, registry=reg, clock=clock, heartbeat_interval_s=1.0,
+                    heartbeat_timeout_s=5.0, join_timeout_s=10.0, lookahead_steps=0, shrink_gives_up_step=True)
+    workers = ["w0", "w1", "w2"]
+    for w in workers:
+        call(c, "register", w)
+    c.directive(1, "tp1.pp1.dp3", workers)
+    for w in workers:
+        call(c, "poll", w)
+        call(c, "arrive", w, generation=1, digest="")
+    for w in workers:
+        call(c, "result", w, generation=1, ok=True, stats={})
+    for s in range(4):  # steps of 0.5 s each (as reported); step 3 begins now
+        run_step(c, workers, 1, s)
+    clock.t += elapsed
+    d = c.directive(2, to, ["w0", "w1"])
+    assert d.switch_step == 4
+    beat = call(c, "heartbeat", "w0", generation=1)
+    assert ("give_up" in beat) == asked, beat

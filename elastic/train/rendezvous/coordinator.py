@@ -275,10 +275,10 @@ class Coordinator(_Routes, _Liveness):
             self._post_seq += 1
             self._pending = _Pending(d, rec, self._clock(), seq=self._post_seq)
             self._alarm.notify_all()  # heartbeats tell the members in the step, who prepare meanwhile
-            grow = (cur is not None and not hold and not cur.hold and set(cur.ranks) < set(members)
-                    and _keeps_work(Layout.parse(cur.layout), lay))
+            keeps = cur is not None and _keeps_work(Layout.parse(cur.layout), lay)
+            grow = cur is not None and not hold and not cur.hold and set(cur.ranks) < set(members) and keeps
             asks = ((self.shrink_gives_up_step if shrink else self.grow_gives_up_step if grow else False)
-                    and self._giving_up_pays_locked(cur) if give_up_step is None else give_up_step)
+                    and self._giving_up_pays_locked(cur, keeps) if give_up_step is None else give_up_step)
             if (shrink or grow) and asks and self._gives_up_locked(cur, switch):
                 self._pending.give_up_step, self._pending.give_up_begun_at = switch - 1, self._max_begun_at
                 # (the heartbeats woken above carry the request too: they answer once the lock is free)
@@ -345,13 +345,16 @@ class Coordinator(_Routes, _Liveness):
         return (min(self.shrink_lookahead_steps, self.lookahead_steps) == 0 and cur.give_up_checks
                 and Layout.parse(cur.layout).pp == 1 and switch - 1 == self._max_begun >= cur.start_step)
 
-    def _giving_up_pays_locked(self, cur: _Gen | None) -> bool:
-        """A user job's new layout redoes a given-up step whole (its loop cannot hand the work done
-        over), so by default the step in progress is given up only while that costs less than
-        waiting for its end: every member's seconds in it so far, against the seconds left of a
-        typical step of this generation, which the rescale would otherwise wait. Late in a step the
-        rescale waits for the boundary; with no step timed yet, it gives the step up."""
-        if cur is None or not is_user_config(self.config):
+    def _giving_up_pays_locked(self, cur: _Gen | None, keeps: bool) -> bool:
+        """Giving the step in progress up costs nothing when the new layout finishes it from the
+        work done (the reference trainer, the same TP split and one pipeline stage on both sides:
+        ``keeps``). Otherwise the new layout redoes the step whole (a user job's loop cannot hand
+        the work over; a change of TP or PP splits it differently), so by default the step is
+        given up only while that costs less than waiting for its end: every member's seconds in it
+        so far, against the seconds left of a typical step of this generation, which the rescale
+        would otherwise wait. Late in a step the rescale waits for the boundary; with no step timed
+        yet, it gives the step up."""
+        if cur is None or (keeps and not is_user_config(self.config)):
             return True
         times = sorted(h.seconds for h in self._history[-5:] if h.generation == cur.generation and h.seconds > 0)
         if not times:
