@@ -11,6 +11,7 @@ from typing import Any
 from elastic.backends.base import BackendError
 from elastic.controller import Controller, TickResult
 from elastic.phases import JobPhase
+from elastic.reasons import DecisionReason, ResourceReason, TickReason
 from operators.members import JOBS, POOLS, SERVICES, Grow, Member, Pool
 
 log = logging.getLogger("operators.runtime")
@@ -35,7 +36,7 @@ class Publishing:
                 self.status.event(m.plural, m.namespace, m.name, m.uid, type_="Normal", reason=g.step.reason,
                                   note=g.step.message, action=g.step.action)
         if not res.acted:
-            if res.reason == "NotLeader":
+            if res.reason == TickReason.NOT_LEADER:
                 return  # the leader publishes; a standby stays silent
             self._pool_not_ready(pool, res.reason, res.message)
             return
@@ -47,20 +48,20 @@ class Publishing:
             runtimes[j.name] = rt
             training += len(rt.gpus) if rt else 0
         ok = res.error is None
-        self.status.set_condition(POOLS, None, pool.name, "Ready", ok, "ApplyFailed" if not ok else res.reason,
+        self.status.set_condition(POOLS, None, pool.name, "Ready", ok, DecisionReason.APPLY_FAILED if not ok else res.reason,
                                   res.message if ok else f"{res.message}; failed: {res.error}", pool.generation,
                                   extra={"nodes": len(nodes), "gpus": sum(nodes.values()), "inferenceGPUs": inference,
                                          "trainingGPUs": training, "leader": self.settings.instance,
                                          "lastDecision": res.reason, "lastTickTime": _rfc(res.at)})
         if not ok:
-            self.status.event(POOLS, None, pool.name, pool.uid, type_="Warning", reason="ApplyFailed",
+            self.status.event(POOLS, None, pool.name, pool.uid, type_="Warning", reason=DecisionReason.APPLY_FAILED,
                               note=str(res.error), action="Apply")
         applied = set(res.applied)
         for a in res.applied:  # a failed job the controller stopped this cycle (its GPUs back in the pool)
             kind, _, rest = a.partition(" ")
             workload, _, why = rest.partition(": ")
             if kind == "stop_failed_training" and (m := by_workload.get(workload)) is not None:
-                self.status.event(m.plural, m.namespace, m.name, m.uid, type_="Warning", reason="WorkerFailed",
+                self.status.event(m.plural, m.namespace, m.name, m.uid, type_="Warning", reason=ResourceReason.WORKER_FAILED,
                                   note=f"stopped, its GPUs back in pool {pool.name}: {why}", action="Stop")
         for step in (res.plan.steps if res.plan else ()):
             m = by_workload.get(step.workload)
@@ -72,13 +73,13 @@ class Publishing:
             if m.workload in pool.backoff and not starting:  # its next try, starting now, says how it goes
                 _, wait, why = pool.backoff[m.workload]
                 note = f"{why}; next try after a back-off of {wait:g} s"
-                if self.status.set_condition(m.plural, m.namespace, m.name, "Ready", False, "StartFailed", note,
+                if self.status.set_condition(m.plural, m.namespace, m.name, "Ready", False, ResourceReason.START_FAILED, note,
                                              m.generation):
-                    self.status.event(m.plural, m.namespace, m.name, m.uid, type_="Warning", reason="StartFailed",
+                    self.status.event(m.plural, m.namespace, m.name, m.uid, type_="Warning", reason=ResourceReason.START_FAILED,
                                       note=note, action="Start")
                 self.status.patch(m.plural, m.namespace, m.name, {"phase": "BackOff", "worldSize": 0, "workers": []})
             elif m.workload in pool.unschedulable:
-                self.status.set_condition(m.plural, m.namespace, m.name, "Ready", False, "Unschedulable",
+                self.status.set_condition(m.plural, m.namespace, m.name, "Ready", False, ResourceReason.UNSCHEDULABLE,
                                           pool.unschedulable[m.workload], m.generation)
             elif m.plural == SERVICES:
                 self._publish_service(pool, m, res)
@@ -122,10 +123,10 @@ class Publishing:
         now = self.clock()
         if ready >= replicas:
             pool.not_ready_since.pop(m.workload, None)
-            return True, "Reconciled", f"scaled by pool {pool.name}"
+            return True, ResourceReason.RECONCILED, f"scaled by pool {pool.name}"
         since = pool.not_ready_since.setdefault(m.workload, now)
         if now - since <= m.spec.startup_seconds:
-            return True, "Reconciled", f"scaled by pool {pool.name}; {ready} of {replicas} replicas ready"
+            return True, ResourceReason.RECONCILED, f"scaled by pool {pool.name}; {ready} of {replicas} replicas ready"
         try:
             why = "; ".join(pool.backend.unready_replicas(m.workload)) or "no pod yet"
         except BackendError as e:
@@ -179,11 +180,11 @@ class Publishing:
             conds = set_condition(conds, "Scheduled", jd.gpus > 0, jd.reason, jd.message, m.generation)
         ready = rt is None or rt.phase != JobPhase.FAILED
         was = next((c for c in conds if c.get("type") == "Ready"), {})
-        conds = set_condition(conds, "Ready", ready, "Reconciled" if ready else "WorkerFailed",
+        conds = set_condition(conds, "Ready", ready, ResourceReason.RECONCILED if ready else ResourceReason.WORKER_FAILED,
                               f"scheduled by pool {pool.name}" if ready else (rt.error or "a worker failed"),
                               m.generation)
-        if not ready and was.get("reason") != "WorkerFailed":
-            self.status.event(JOBS, m.namespace, m.name, m.uid, type_="Warning", reason="WorkerFailed",
+        if not ready and was.get("reason") != ResourceReason.WORKER_FAILED:
+            self.status.event(JOBS, m.namespace, m.name, m.uid, type_="Warning", reason=ResourceReason.WORKER_FAILED,
                               note=rt.error or "a worker failed", action="Observe")
         self.status.patch(JOBS, m.namespace, m.name, {**extra, "conditions": conds, "observedGeneration": m.generation})
 

@@ -61,6 +61,7 @@ from elastic.metrics import build_source
 from elastic.metrics.sample import MetricSource
 from elastic.model import InferenceSpec, SpecError, load_hardware, load_model
 from elastic.phases import JobPhase
+from elastic.reasons import ResourceReason, TickReason
 from operators.members import JOBS, POOLS, SERVICES, Grow, Member, Pool
 from operators.publish import Publishing
 from operators.status import StatusWriter
@@ -194,7 +195,7 @@ class OperatorRuntime(Publishing):
                     old.growing
             self.pools[name] = pool
             waiting = [m for m in self.members.values() if m.pool == name] if old is None else []
-        self.status.set_condition(POOLS, None, name, "Ready", True, "Accepted", "spec accepted; reconciling",
+        self.status.set_condition(POOLS, None, name, "Ready", True, ResourceReason.ACCEPTED, "spec accepted; reconciling",
                                   generation)
         for m in waiting:  # registered before their pool existed: Ready=False/PoolNotFound until now
             self._pool_found(pool, m)
@@ -211,8 +212,8 @@ class OperatorRuntime(Publishing):
                     pool.backend.set_service(m.workload, ServiceTarget(m.namespace, m.cr.scale_target_ref.name),
                                              booked)
         was = next((c for c in self.status.conditions(m.plural, m.namespace, m.name) if c.get("type") == "Ready"), {})
-        if was.get("reason") == "PoolNotFound":
-            self.status.set_condition(m.plural, m.namespace, m.name, "Ready", True, "Accepted",
+        if was.get("reason") == ResourceReason.POOL_NOT_FOUND:
+            self.status.set_condition(m.plural, m.namespace, m.name, "Ready", True, ResourceReason.ACCEPTED,
                                       f"spec accepted by pool {m.pool}", m.generation)
 
     def remove_pool(self, name: str) -> None:
@@ -276,7 +277,7 @@ class OperatorRuntime(Publishing):
                 raise CRError("spec.scaleTargetRef", "InvalidScaleTargetRef",
                               f"Deployment {namespace}/{ref.name} not found; create it or fix scaleTargetRef.name"
                               ) from None
-            raise CRError("spec.scaleTargetRef", "ScaleTargetUnreadable",
+            raise CRError("spec.scaleTargetRef", ResourceReason.SCALE_TARGET_UNREADABLE,
                           f"cannot read Deployment {namespace}/{ref.name}: HTTP {e.status} {e.reason}") from None
 
     def _register(self, m: Member, booked: tuple[Any, ...] = ()) -> None:
@@ -289,10 +290,10 @@ class OperatorRuntime(Publishing):
             if pool is not None and booked and m.plural == SERVICES:
                 pool.backend.set_service(m.workload, ServiceTarget(m.namespace, m.cr.scale_target_ref.name), booked)
         if pool is None:
-            self.status.set_condition(m.plural, m.namespace, m.name, "Ready", False, "PoolNotFound",
+            self.status.set_condition(m.plural, m.namespace, m.name, "Ready", False, ResourceReason.POOL_NOT_FOUND,
                                       f"spec.pool: GPUPool '{m.pool}' does not exist (yet)", m.generation)
         else:
-            self.status.set_condition(m.plural, m.namespace, m.name, "Ready", True, "Accepted",
+            self.status.set_condition(m.plural, m.namespace, m.name, "Ready", True, ResourceReason.ACCEPTED,
                                       f"spec accepted by pool {m.pool}", m.generation)
 
     def _refuse(self, plural: str, namespace: str | None, name: str, uid: str | None, generation: int, e: CRError,
@@ -384,7 +385,7 @@ class OperatorRuntime(Publishing):
             try:
                 nodes = pool.backend.inventory()
             except BackendError as e:
-                self._pool_not_ready(pool, "Unavailable", str(e))
+                self._pool_not_ready(pool, TickReason.UNAVAILABLE, str(e))
                 return None
             if not nodes:
                 sel = ",".join(f"{k}={v}" for k, v in pool.cr.node_selector.items()) or "<none>"

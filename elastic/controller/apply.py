@@ -31,6 +31,7 @@ from elastic.model import GPU, Allocation, Layout, PlanStep
 from elastic.phases import JobPhase
 from elastic.policy import landed as policy_landed
 from elastic.policy.types import ReplicaDecision
+from elastic.reasons import DecisionReason
 from elastic.scheduler import decide as schedule
 from elastic.scheduler.types import SchedulePlan
 
@@ -115,7 +116,7 @@ class Applying(Leading, Deciding):
                 continue
             gpus = rt.gpus
             action_id = db.begin_action(self.db, pool=self.pool, kind="relayout_training", workload=spec.name,
-                                        payload={"gpus": [str(g) for g in gpus], "reason": "MemoryExceeded",
+                                        payload={"gpus": [str(g) for g in gpus], "reason": DecisionReason.MEMORY_EXCEEDED,
                                                  "from": rt.layout, "to": str(to)}, now=_dt(now))
             try:
                 self._reshard_on_record(spec, rt, str(to), now,

@@ -16,7 +16,7 @@ from elastic.metrics.sample import MetricSample
 from elastic.model import Allocation
 from elastic.phases import JobPhase
 from elastic.policy import decide as policy_decide
-from elastic.policy.types import PolicyContext, ReplicaDecision
+from elastic.policy.types import PolicyContext, Reason, ReplicaDecision
 from elastic.scheduler.types import JobState, Knobs, ServiceDemand, Snapshot
 
 
@@ -34,7 +34,7 @@ class Deciding(Observing):
             pin = self.overrides.get(s.name)
             if pin is not None and now < pin[1]:
                 # a pinned service has no forecast to lend by
-                decision = replace(decision, replicas=pin[0], reason="Override", leaving=0, outlook=(),
+                decision = replace(decision, replicas=pin[0], reason=Reason.OVERRIDE, leaving=0, outlook=(),
                                    message=f"pinned to {pin[0]} replicas by an operator (policy said {decision.replicas})")
             elif pin is not None:
                 del self.overrides[s.name]

@@ -24,6 +24,7 @@ from elastic.metrics.sample import MetricSource
 from elastic.model import GPU, load_hardware
 from elastic.phases import JobPhase
 from elastic.policy.types import PolicyState
+from elastic.reasons import DecisionReason, TickReason
 from elastic.scheduler import decide as schedule
 
 
@@ -137,7 +138,7 @@ class Controller(Applying, Recording):
         self._record_allocations(self._observed_allocation(), generation=0)
         if notes:
             log.warning("recovered: %s", "; ".join(notes))
-            db.record_decision(self.db, pool=self.pool, tick_at=_dt(now), reason="Recovered",
+            db.record_decision(self.db, pool=self.pool, tick_at=_dt(now), reason=DecisionReason.RECOVERED,
                                message="; ".join(notes), plan={"steps": [], "notes": notes}, inputs={})
         self.recovered = True
         return notes
@@ -242,14 +243,14 @@ class Controller(Applying, Recording):
             except db.LeaseLost as e:
                 # another controller leads now: stop here, before the next action, and stand by
                 self._stand_down(str(e))
-                res = TickResult(now, False, "LeaseLost", str(e))
+                res = TickResult(now, False, TickReason.LEASE_LOST, str(e))
                 self.ready, self.last_error = True, None
             except (db.StoreUnavailable, BackendUnavailable) as e:
                 error = f"{type(e).__name__}: {e}"
                 # once when it starts or changes, not every tick while it lasts
                 (log.error if error != self.last_error else log.debug)("not acting: %s", error)
                 self.ready, self.last_error = False, error
-                res = TickResult(now, False, "Unavailable", self.last_error, error=self.last_error)
+                res = TickResult(now, False, TickReason.UNAVAILABLE, self.last_error, error=self.last_error)
             res.seconds = time.perf_counter() - t0
             self.last_tick = res
             return res
@@ -261,7 +262,7 @@ class Controller(Applying, Recording):
         if not self._lead(now):
             holder = db.lease_holder(self.store, self.pool, now=_dt(now))
             self._lease_changed(False, holder.owner if holder else "?")
-            return TickResult(now, False, "NotLeader", f"lease held by {holder.owner if holder else '?'}")
+            return TickResult(now, False, TickReason.NOT_LEADER, f"lease held by {holder.owner if holder else '?'}")
         self._lease_changed(True, self.owner)
         with self._heartbeat():
             return self._lead_tick(now)
@@ -270,7 +271,7 @@ class Controller(Applying, Recording):
         if not self.recovered:
             self.recover()
         if self.paused:
-            return TickResult(now, False, "Paused", "controller paused by an operator")
+            return TickResult(now, False, TickReason.PAUSED, "controller paused by an operator")
         # 1. observe
         nodes = self._bounded("backend inventory", self.backend.inventory)
         # a failed job's workers are gone or stuck: its GPUs are reclaimed in step 3a, so the

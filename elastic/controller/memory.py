@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 from elastic.controller.tables import trainer_choices
 from elastic.model import HardwareSpec, Layout, ModelSpec, SpecError
@@ -45,6 +45,7 @@ from elastic.parallel.memory_report import (
     stage_memory,
 )
 from elastic.parallel.planner import PlanOptions, evaluate, feasible_layouts
+from elastic.reasons import DecisionReason
 
 Table = Mapping[int, tuple[str, float]]
 
@@ -57,8 +58,8 @@ class Candidate:
     tokens_per_second: float
     memory_bytes: int
 
-MEMORY_EXCEEDED: Final = "MemoryExceeded"
-OUT_OF_MEMORY: Final = "OutOfMemory"
+MEMORY_EXCEEDED: Final = DecisionReason.MEMORY_EXCEEDED
+OUT_OF_MEMORY: Final = DecisionReason.OUT_OF_MEMORY
 #: what a worker's failure says when it ran out of memory (torch.OutOfMemoryError, the CUDA
 #: allocator's "CUDA out of memory", a host allocation's "DefaultCPUAllocator: can't allocate")
 OOM_MARKERS = ("outofmemoryerror", "out of memory", "can't allocate memory")
@@ -72,7 +73,7 @@ class Dropped:
     the decision log carries."""
 
     layout: Layout
-    reason: Literal["MemoryExceeded", "OutOfMemory"]
+    reason: DecisionReason  # MEMORY_EXCEEDED or OUT_OF_MEMORY
     peak_bytes: int | None
     budget_bytes: int
     message: str
@@ -94,7 +95,7 @@ class Dropped:
             if reason not in (MEMORY_EXCEEDED, OUT_OF_MEMORY):
                 raise SpecError(f"reason must be {MEMORY_EXCEEDED} or {OUT_OF_MEMORY}, got {reason!r}")
             peak = obj.get("peakBytes")
-            return cls(layout, reason, None if peak is None else int(peak), int(obj["budgetBytes"]),
+            return cls(layout, DecisionReason(reason), None if peak is None else int(peak), int(obj["budgetBytes"]),
                        str(obj.get("message", "")), float(obj.get("at", 0.0)))
         except KeyError as e:
             raise SpecError(f"{where}: field {e.args[0]!r} is missing") from None

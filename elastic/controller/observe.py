@@ -26,6 +26,7 @@ from elastic.metrics.sample import BacklogSource, MetricSample
 from elastic.model import GPU, Allocation, Layout, SpecError
 from elastic.parallel.memory_report import MeasuredMemory
 from elastic.phases import JobPhase
+from elastic.reasons import DecisionReason
 
 
 class Observing(ControllerState):
@@ -167,7 +168,7 @@ class Observing(ControllerState):
         msg = (f"{rt.name} recovered in place from {rt.recovery}: {rt.recovered_from} -> {rt.layout} on "
                f"{len(rt.gpus)} GPUs, training resumed (pause {rt.last_pause_seconds or 0.0:.2f} s)")
         log.warning("%s", msg)
-        db.record_decision(self.db, pool=self.pool, tick_at=_dt(now), reason="WorkerLost", message=msg,
+        db.record_decision(self.db, pool=self.pool, tick_at=_dt(now), reason=DecisionReason.WORKER_LOST, message=msg,
                            plan={"steps": [], "notes": [msg], "job": rt.name, "generation": rt.generation,
                                  "lost": rt.recovery}, inputs={})
 

@@ -24,12 +24,13 @@ from elastic.metrics.sample import MetricSample
 from elastic.model import Allocation, SpecError
 from elastic.parallel.memory_report import MeasuredMemory
 from elastic.phases import JobPhase
-from elastic.policy.types import ReplicaDecision
+from elastic.policy.types import Reason, ReplicaDecision
+from elastic.reasons import DecisionReason
 from elastic.scheduler.types import SchedulePlan
 
 #: replica-policy reasons that make a hold a different one (a fail-safe, an operator's pin); the
 #: others (within tolerance, stabilising, ...) drift with the load and would split runs for nothing
-_HOLD_REASONS = frozenset({"MetricsMissing", "Override"})
+_HOLD_REASONS = frozenset({Reason.METRICS_MISSING, Reason.OVERRIDE})
 
 
 def hold_digest(reason: str, message: str, plan: SchedulePlan, replicas: Mapping[str, ReplicaDecision]) -> str:
@@ -61,7 +62,7 @@ class Recording(Observing):
             "error": error,
             "jobs": {k: asdict(v) for k, v in plan.jobs.items()},
         }
-        reason = "ApplyFailed" if error else plan.reason
+        reason = DecisionReason.APPLY_FAILED if error else plan.reason
         message = f"{plan.message}; failed: {error}" if error else plan.message
         hold = None if (applied or error or any(st.action != "noop" for st in plan.steps)) else \
             hold_digest(reason, message, plan, replicas)
@@ -101,7 +102,7 @@ class Recording(Observing):
         backoff = None if b is None else {"failures": b.failures, "reason": b.reason,
                                           "nextAttemptAt": _dt(b.next_at).isoformat()}
         if self._backing_off(name, now) is not None and b is not None:
-            jd = replace(jd, reason="BackingOff",
+            jd = replace(jd, reason=DecisionReason.BACKING_OFF,
                          message=f"failed {b.failures} time(s) in a row ({b.reason[:200]}); next attempt at "
                                  f"{_dt(b.next_at).isoformat()}") if jd is not None else jd
         db.set_job_status(self.db, name, {
@@ -162,7 +163,7 @@ class Recording(Observing):
         if reason == "Steady" and not why:
             log.debug("holding: %s", message)
             return
-        fail_safe = any(str(d.reason) == "MetricsMissing" for d in replicas.values())
+        fail_safe = any(d.reason == Reason.METRICS_MISSING for d in replicas.values())
         log.info("holding (%s%s): %s; %s", reason, ", fail-safe" if fail_safe else "", message, "; ".join(why))
 
     def _record_allocations(self, alloc: Allocation, generation: int) -> None:

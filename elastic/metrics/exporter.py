@@ -38,13 +38,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from elastic import store as db
 from elastic.model import InferenceSpec, Layout, PoolSpec, SpecError
 from elastic.phases import JOB_PHASES, JobPhase
+from elastic.reasons import DecisionReason, TickReason
 from elastic.store.repo import MAX_PAGE
 
 GPU_STATES = ("inference", "training", "idle", "draining")
 TICK_OUTCOMES = ("acted", "standby", "paused", "unavailable")
 _TICK_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _RESHARD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-_OUTCOME = {"NotLeader": "standby", "Paused": "paused", "Unavailable": "unavailable"}
+_OUTCOME = {TickReason.NOT_LEADER: "standby", TickReason.PAUSED: "paused", TickReason.UNAVAILABLE: "unavailable"}
 _RUNNING_PHASES = (JobPhase.RUNNING,)
 MEMORY_COMPONENTS = ("weights", "gradients", "optimizer", "activations")
 
@@ -168,7 +169,7 @@ class Exporter:
             if outcome == "unavailable":
                 self.errors.labels(pool, "unavailable").inc()
             if tick.acted:
-                self.decisions.labels(pool, "ApplyFailed" if tick.error else tick.reason).inc()
+                self.decisions.labels(pool, DecisionReason.APPLY_FAILED if tick.error else tick.reason).inc()
                 if tick.error:
                     self.errors.labels(pool, "apply").inc()
                 for name, d in tick.replica_decisions.items():
@@ -354,7 +355,7 @@ class Exporter:
         newest = db.list_decisions(store, 1, newest_first=True)
         top = newest[0].id if newest else 0
         while self._recovery_cursor < top:
-            rows = db.list_decisions(store, MAX_PAGE, self._recovery_cursor, reason="WorkerLost", up_to_id=top)
+            rows = db.list_decisions(store, MAX_PAGE, self._recovery_cursor, reason=DecisionReason.WORKER_LOST, up_to_id=top)
             for d in rows:
                 # the job is in the decision's plan; older records only name it first in the message
                 job = str(d.plan.get("job") or d.message.split(" ", 1)[0])

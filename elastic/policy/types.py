@@ -33,6 +33,7 @@ class Reason(StrEnum):
     ACTIVATED = "Activated"  # left zero: metric above the activation threshold
     DEACTIVATED = "Deactivated"  # went to zero: metric at/below the activation threshold
     NO_METRIC = "NoMetric"  # spec has no metric: replicas only follow min/max
+    OVERRIDE = "Override"  # an operator pinned the replica count (the controller, not the policy)
 
 
 @dataclass(frozen=True)

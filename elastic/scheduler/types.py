@@ -15,12 +15,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Literal
 
 from elastic.model import GPU, Allocation, Plan, PlanStep, PoolSpec, SpecError
 
 
-class Reason:
+class Reason(StrEnum):
     """Machine-readable reason codes carried by every step and decision."""
 
     INFERENCE_DEMAND = "InferenceDemand"  # inference needs GPUs: scale up, shrink training
