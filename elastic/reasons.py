@@ -47,5 +47,7 @@ class ResourceReason(enum.StrEnum):
     WORKER_FAILED = "WorkerFailed"  # a training worker failed
     START_FAILED = "StartFailed"  # a training job's workers could not be started
     UNSCHEDULABLE = "Unschedulable"  # the pool cannot give the job its minimum
+    NO_NODES = "NoNodes"  # no schedulable node matches the pool's nodeSelector with GPUs
+    WAITING_FOR_MEMBERS = "WaitingForMembers"  # the pool waits until its services and jobs are registered
     POOL_NOT_FOUND = "PoolNotFound"  # the resource names a GPUPool that does not exist
     SCALE_TARGET_UNREADABLE = "ScaleTargetUnreadable"  # the service's scaleTargetRef cannot be read

@@ -53,6 +53,10 @@ class Pool:
     not_ready_since: dict[str, float] = field(default_factory=dict)  # service -> when its replicas fell short
     # job -> its start or grow running in the background, until a cycle reads its outcome
     growing: dict[str, Grow] = field(default_factory=dict)
+    # every InferenceService and ElasticTrainingJob of the pool that the API server lists has been
+    # registered (or refused) here: until then a cycle would plan without some of them (on start,
+    # Kopf resumes each kind from its own watch, in no set order)
+    synced: bool = False
 
 
 @dataclass

@@ -48,6 +48,8 @@ from elastic.backends.kubernetes import GPU_RESOURCE, JobTarget, KubernetesBacke
 from elastic.config import ControllerConfig, ControllerSettings
 from elastic.controller import Controller, TickResult, throughput_table
 from elastic.crds import (
+    GROUP,
+    VERSION,
     CRError,
     ElasticTrainingJobSpec,
     GPUPoolSpec,
@@ -389,9 +391,11 @@ class OperatorRuntime(Publishing):
                 return None
             if not nodes:
                 sel = ",".join(f"{k}={v}" for k, v in pool.cr.node_selector.items()) or "<none>"
-                self._pool_not_ready(pool, "NoNodes",
+                self._pool_not_ready(pool, ResourceReason.NO_NODES,
                                      f"spec.nodeSelector: no schedulable node matches {sel} with allocatable "
                                      "nvidia.com/gpu")
+                return None
+            if not pool.synced and not self._synced(pool):
                 return None
             # 2. build (a job backing off after a failed start sits this cycle out, one whose start
             #    failed in the background since the last cycle included)
@@ -472,6 +476,40 @@ class OperatorRuntime(Publishing):
                 pool.backoff.pop(job, None)
                 out[job] = (g, None)
         return out
+
+    def _synced(self, pool: Pool) -> bool:
+        """Whether every InferenceService and ElasticTrainingJob of ``pool`` that the API server
+        lists is registered or refused here; once it is, the pool is synced for good (a resource
+        created later is registered by its create handler). A restarted operator's first cycle
+        could otherwise plan without a service whose resume handler has not run yet, and start or
+        grow a job onto GPUs that service holds."""
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        api = client.CustomObjectsApi(self.api_client)
+        missing = []
+        try:
+            for plural in (SERVICES, JOBS):
+                for obj in api.list_cluster_custom_object(GROUP, VERSION, plural).get("items", []):
+                    meta, spec = obj.get("metadata") or {}, obj.get("spec") or {}
+                    if spec.get("pool") != pool.name or meta.get("deletionTimestamp"):
+                        continue
+                    key = (plural, meta.get("namespace"), meta.get("name"))
+                    with self._lock:
+                        known = key in self.members or key in self.rejected
+                    if not known:
+                        missing.append(f"{plural}/{key[1]}/{key[2]}")
+        except ApiException as e:
+            self._pool_not_ready(pool, TickReason.UNAVAILABLE,
+                                 f"cannot list the pool's services and jobs: HTTP {e.status} {e.reason}")
+            return False
+        if missing:
+            self._pool_not_ready(pool, ResourceReason.WAITING_FOR_MEMBERS,
+                                 f"waiting for {len(missing)} resource(s) of the pool to be registered: "
+                                 + ", ".join(sorted(missing)[:5]))
+            return False
+        pool.synced = True
+        return True
 
     def _members_of(self, pool: str) -> list[Member]:
         with self._lock:

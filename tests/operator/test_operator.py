@@ -212,3 +212,43 @@ def test_bad_input_sets_ready_false_naming_the_field_and_changes_nothing(emulato
         assert k.pods() == before_pods and k.replicas() == before_replicas
         assert not [p for p in emu.objects("pods", NS) if p["metadata"]["labels"].get("elastic.dev/job")]
         assert k.status("gpupools", "a", None)["trainingGPUs"] == 0
+
+
+def test_a_pool_waits_for_every_listed_service_and_job_before_its_first_cycle(emulator, tmp_path: Path) -> None:
+    """A restarted operator's Kopf resumes each kind from its own watch, in no set order. A pool
+    cycle before the InferenceService's resume would plan the pool without it (the job started on
+    GPUs the service holds); the pool waits until every service and job the API server lists for
+    it is registered, and says so in its Ready condition."""
+    emu, api = emulator
+    _seed(api)
+    k = Cluster(emu, api)
+    for plural, body in (("gpupools", POOL), ("inferenceservices", SERVICE), ("elastictrainingjobs", JOB)):
+        k.create(plural, body)
+    other = {**SERVICE, "metadata": {"name": "elsewhere"}, "spec": {**SERVICE["spec"], "pool": "b"}}
+    k.create("inferenceservices", other)  # another pool's: never waited for
+    source = InProcessSource(max_age=600)
+    source.set("ml/chat", 40.0, time.time())
+    settings = OperatorSettings(db_url=f"sqlite:///{tmp_path / 'operator.db'}", instance="operator-0",
+                                job_runtime="pods", api_port=0, wait_seconds=5.0)
+    rt = OperatorRuntime(settings, api_client=api_client(api.configuration.host, "operator"),
+                         source_factory=lambda spec, backend: source)
+    rt.start()
+    try:
+        pool, job, svc = (emu.get("gpupools", None, "a"), emu.get("elastictrainingjobs", NS, "train"),
+                          emu.get("inferenceservices", NS, "chat"))
+        rt.set_pool("a", pool["spec"], pool["metadata"]["uid"], 1)
+        rt.set_job(NS, "train", job["spec"], job["metadata"]["uid"], 1)  # the service's resume has not run
+        assert rt.tick_pool("a", force=True) is None
+        assert k.pods() == [] and k.replicas() == 1  # nothing planned without the service
+        ready = k.condition("gpupools", "a", "Ready", ns=None)
+        assert ready is not None and ready["status"] == "False" and ready["reason"] == "WaitingForMembers"
+        assert "inferenceservices/ml/chat" in ready["message"] and "elsewhere" not in ready["message"]
+        rt.set_service(NS, "chat", svc["spec"], svc["metadata"]["uid"], 1)
+        res = rt.tick_pool("a", force=True)
+        assert res is not None and res.error is None, res
+        # planned with the service (4 replicas' worth kept from training), not without it (8 for the job)
+        assert "scale_inference_up ml/chat" in res.applied and "training 4 GPUs" in res.message, res
+        wait_for("4 worker pods", lambda: len(k.pods()) == 4)
+        assert rt.pools["a"].synced
+    finally:
+        rt.stop()
