@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from elastic.backends.ray import wait_drained
+from elastic.metrics.scrape import scrape_sum
 from elastic.serve.loadgen import LoadGenerator
 from elastic.serve.profiles import ConstantProfile
 from tests.inference.conftest import BackgroundLoad
@@ -14,6 +15,14 @@ def _load_on(url: str, n: int, max_tokens: int) -> BackgroundLoad:
     gen = LoadGenerator([url], ConstantProfile(20.0), duration=n / 20.0 + 0.01, max_requests=n,
                         max_tokens=max_tokens, seed=3)
     return BackgroundLoad(gen)
+
+
+def _wait_running(url: str, n: int) -> None:
+    """Wait (bounded) until the replica at ``url`` reports ``n`` requests running."""
+    deadline = time.monotonic() + 30
+    while scrape_sum(url, ("vllm:num_requests_running",), timeout=10) != n:
+        assert time.monotonic() < deadline, f"{url} never ran {n} requests"
+        time.sleep(0.02)
 
 
 def test_wait_drained_returns_once_the_requests_are_done_and_none_is_cut(replicas) -> None:
@@ -35,10 +44,10 @@ def test_wait_drained_gives_up_at_its_timeout_and_names_the_busy_replica(replica
     busy = replicas.start(max_running=4, max_waiting=16, tokens_per_second=10.0)
     idle = replicas.start(max_running=4, max_waiting=16, tokens_per_second=10.0)
     load = _load_on(busy.url, 1, 60)  # ~6 s
-    time.sleep(0.3)
-    t0 = time.monotonic()
+    _wait_running(busy.url, 1)
     assert wait_drained([busy.url, idle.url], timeout=0.5) == [busy.url]
-    assert time.monotonic() - t0 < 3.0  # not the ~6 s its request runs
+    # it gave up at its timeout, not after the ~6 s its request runs: the request still runs
+    assert scrape_sum(busy.url, ("vllm:num_requests_running",), timeout=10) == 1
     busy.stop()  # cut: the load generator must see a failed, truncated request
     report = load.finish()
     assert [x.truncated for x in report.results] == [True]

@@ -6,6 +6,7 @@ One HTTP round trip at the end checks the wire and the ``/metrics`` endpoint.
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -662,20 +663,36 @@ def test_the_backends_runtime_reports_a_recovery_nobody_asked_for_once_it_is_don
     assert rt.last_pause_seconds == pytest.approx(0.25)
 
 
+def spy_beat_waits(c: Coordinator) -> tuple[threading.Semaphore, list[bool]]:
+    """Spies on the heartbeats' long poll (the coordinator's ``_alarm``): the semaphore is released as
+    a beat starts to wait, the list gets what each wait returned (True: woken by a notification,
+    False: it ran out its ``wait_s``), so a test tells "answered by the event" apart without a clock.
+    The beat still holds the lock when it is counted: what the test does next waits until it waits."""
+    alarm, waiting, ends = c._alarm, threading.Semaphore(0), []
+    real = alarm.wait
+
+    def wait(timeout: float | None = None) -> bool:
+        waiting.release()
+        ends.append(real(timeout))
+        return ends[-1]
+
+    alarm.wait = wait  # type: ignore[method-assign]
+    return waiting, ends
+
+
 def test_a_heartbeat_long_polls_and_tells_a_survivor_still_computing_to_give_its_step_up() -> None:
     c, clock, _ = started(workers=W4, layout="tp1.pp1.dp4", recover=True)
     # nothing to say: a beat without a generation or a wait answers at once, without interrupt
     assert "interrupt" not in call(c, "heartbeat", "w0")
     # w0 long-polls its beat while computing step 1; w3 dies meanwhile: w0 is answered at once
+    waiting, ends = spy_beat_waits(c)
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(call, c, "heartbeat", "w0", generation=1, wait_s=4.0)
-        time.sleep(0.2)
-        assert not fut.done()  # long-polling
-        t0 = time.monotonic()
+        assert waiting.acquire(timeout=30) and not fut.done()  # long-polling
         c.worker_lost("w3", "worker w3 exited with code -9")
-        out = fut.result(timeout=2)
-    assert out["interrupt"] == 1 and time.monotonic() - t0 < 1.0
-    assert call(c, "heartbeat", "w1", generation=1, wait_s=4.0)["interrupt"] == 1  # at once, no wait
+        out = fut.result(timeout=30)  # its wait ends by itself after 4 s: the spy says which ended it
+    assert out["interrupt"] == 1 and ends == [True]  # woken by the loss, not its wait running out
+    assert call(c, "heartbeat", "w1", generation=1, wait_s=4.0)["interrupt"] == 1 and ends == [True]  # no wait
     # the lost worker, a stale generation and a survivor that reported are not interrupted
     assert "interrupt" not in call(c, "heartbeat", "w0", generation=0)
     call(c, "broken", "w1", generation=1, step=1, applied=0, ready=None, dirty=False, local_apply=True)
@@ -1076,14 +1093,13 @@ def test_a_heartbeat_tells_the_members_of_a_posted_rescale_at_once_so_they_prepa
     c, clock, _ = started(workers=("w0", "w1"), lookahead_steps=0)
     call(c, "register", "w2")
     assert "pending" not in call(c, "heartbeat", "w0", generation=1, seen=0)  # nothing posted
+    waiting, ends = spy_beat_waits(c)
     with ThreadPoolExecutor(2) as pool:
         beats = [pool.submit(call, c, "heartbeat", w, generation=1, wait_s=4.0, seen=0) for w in ("w0", "w1")]
-        time.sleep(0.2)
-        assert not any(f.done() for f in beats)  # long-polling
-        t0 = time.monotonic()
+        assert all(waiting.acquire(timeout=30) for _ in beats) and not any(f.done() for f in beats)  # long-polling
         d = c.directive(2, "tp1.pp1.dp3", ["w0", "w1", "w2"])
-        outs = [f.result(timeout=2) for f in beats]
-    assert time.monotonic() - t0 < 1.0
+        outs = [f.result(timeout=30) for f in beats]  # their waits end by themselves after 4 s
+    assert ends == [True, True]  # both woken by the post, neither by its wait running out
     assert d.switch_step == 2  # step 1 in progress: the next boundary
     for out in outs:
         assert Directive.from_json(out["pending"]) == d and out["pending_seq"] >= 1
