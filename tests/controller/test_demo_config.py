@@ -360,6 +360,13 @@ def test_the_summary_and_its_goals_line_say_which_trainer_ran() -> None:
     ref = _summary(DemoRun(), report, 1.0, None, 10.0, 0.0)
     assert ref["trainer"] == REFERENCE and not ref["goals_met"]
     assert "gpu_utilization 0.0000 (MISSED: goal >= 0.90)" in _goals_line(ref)
+    # just under the goal: the figure rounds up to 0.9000, the goal is still missed
+    under = DemoRun(job="user-job", trainer="t")
+    # (1.19968 busy replica-GPUs + 6 training GPUs) / 8 = 0.89996
+    under.samples = [Sample(float(t), 1.0, 2, 1.19968, 6, 6, "tp1.pp1.dp6", t, 1.0, 1.0) for t in range(5)]
+    s = _summary(under, report, 1.0, None, 10.0, 0.0)
+    assert s["gpu_utilization"] == 0.9 and s["goals_met_each"] == {"gpu_utilization": False, "slo_attainment": True}
+    assert not s["goals_met"] and "gpu_utilization 0.9000 (MISSED: goal >= 0.90)" in _goals_line(s)
 
 
 def test_the_cli_refuses_job_options_without_a_job_and_an_unknown_entrypoint_without_a_model() -> None:

@@ -157,7 +157,10 @@ def test_members_prepare_a_rescale_beside_the_step_in_progress_not_in_the_pause(
     """No lookahead (the launcher's default): a rescale switches at the next step boundary, so the
     step loop hears of it only there. The members' heartbeats are told the moment it is posted and
     plan and allocate their receive buffers beside the step in progress; at the switch the step
-    loop takes them ready. Steps of ~1-2 s (120 micro-batches a replica) leave no doubt which it was."""
+    loop takes them ready. Steps of ~1-2 s (120 micro-batches a replica) leave no doubt which it was.
+    The shrink waits for the step's end (``give_up_step=False``): given up, it would switch at the
+    next micro-batch, which a member can reach before its own heartbeat's answer is read (all give
+    the step up together once any one asks)."""
     cfg = TrainConfig(model=load_model("tiny"), global_batch=240, micro_batch=1)
     opts = LaunchOptions(pg_timeout_s=90, heartbeat_timeout_s=60, join_timeout_s=120)
     assert opts.lookahead_steps == 0 and opts.shrink_lookahead_steps == 0
@@ -167,7 +170,7 @@ def test_members_prepare_a_rescale_beside_the_step_in_progress_not_in_the_pause(
         h.wait_step(1, timeout=120)
         grow = h.rescale("tp2.pp1.dp2", ["w0", "w1", "w2", "w3"], timeout=240)  # posted once w2, w3 are up
         h.wait_step(grow.switch_step + 1, timeout=120)
-        shrink = h.rescale("tp1.pp1.dp1", ["w0"], timeout=240)  # told to give the step in progress up, too
+        shrink = h.rescale("tp1.pp1.dp1", ["w0"], timeout=240, give_up_step=False)
         h.wait_step(shrink.switch_step + 1, timeout=120)
     finally:
         final = h.stop()
