@@ -1131,14 +1131,12 @@ def test_a_heartbeat_tells_the_members_of_a_posted_rescale_at_once_so_they_prepa
 
 
 
-@pytest.mark.parametrize("elapsed, explicit, asked", [(0.05, None, True), (0.2, None, False), (0.2, True, True)])
-def test_a_user_job_gives_a_shrinks_step_up_only_while_that_costs_less_than_waiting(elapsed, explicit, asked) -> None:
-    """A user job redoes a given-up step whole: three members 0.05 s into a 0.5 s step throw 0.15 s
-    away to save 0.45 s of waiting (given up); 0.2 s into it, 0.6 s to save 0.3 s (it waits),
-    unless the rescale asks for the step explicitly."""
+def _shrink_asks_for_the_step(config: dict, to: str, elapsed: float, **kwargs) -> bool:
+    """Three members train ``tp1.pp1.dp3`` in steps of 0.5 s (as reported); ``elapsed`` seconds into
+    step 3 a shrink to ``to`` on two of them is posted: whether the heartbeat asks for that step."""
     clock, reg = Clock(1000.0), CollectorRegistry()
-    c = Coordinator("job", {"kind": "user", "model": "tiny"}, registry=reg, clock=clock, heartbeat_interval_s=1.0,
-                    heartbeat_timeout_s=5.0, join_timeout_s=10.0, lookahead_steps=0, shrink_gives_up_step=True)
+    c = Coordinator("job", config, registry=reg, clock=clock, heartbeat_interval_s=1.0, heartbeat_timeout_s=5.0,
+                    join_timeout_s=10.0, lookahead_steps=0, shrink_gives_up_step=True)
     workers = ["w0", "w1", "w2"]
     for w in workers:
         call(c, "register", w)
@@ -1148,13 +1146,21 @@ def test_a_user_job_gives_a_shrinks_step_up_only_while_that_costs_less_than_wait
         call(c, "arrive", w, generation=1, digest="")
     for w in workers:
         call(c, "result", w, generation=1, ok=True, stats={})
-    for s in range(4):  # steps of 0.5 s each (as reported); step 3 begins now
+    for s in range(4):  # step 3 begins now
         run_step(c, workers, 1, s)
     clock.t += elapsed
-    d = c.directive(2, "tp1.pp1.dp2", ["w0", "w1"], **({"give_up_step": explicit} if explicit is not None else {}))
+    d = c.directive(2, to, ["w0", "w1"], **kwargs)
     assert d.switch_step == 4
-    beat = call(c, "heartbeat", "w0", generation=1)
-    assert ("give_up" in beat) == asked, beat
+    return "give_up" in call(c, "heartbeat", "w0", generation=1)
+
+
+@pytest.mark.parametrize("elapsed, explicit, asked", [(0.05, None, True), (0.2, None, False), (0.2, True, True)])
+def test_a_user_job_gives_a_shrinks_step_up_only_while_that_costs_less_than_waiting(elapsed, explicit, asked) -> None:
+    """A user job redoes a given-up step whole: three members 0.05 s into a 0.5 s step throw 0.15 s
+    away to save 0.45 s of waiting (given up); 0.2 s into it, 0.6 s to save 0.3 s (it waits),
+    unless the rescale asks for the step explicitly."""
+    kwargs = {"give_up_step": explicit} if explicit is not None else {}
+    assert _shrink_asks_for_the_step({"kind": "user", "model": "tiny"}, "tp1.pp1.dp2", elapsed, **kwargs) == asked
 
 
 @pytest.mark.parametrize("to, elapsed, asked", [
@@ -1166,22 +1172,4 @@ def test_a_user_job_gives_a_shrinks_step_up_only_while_that_costs_less_than_wait
 def test_the_reference_trainer_gives_a_step_up_for_another_split_only_while_that_pays(to, elapsed, asked) -> None:
     """The reference trainer keeps a given-up step's work only for a new layout of the same TP
     split and one pipeline stage; a shrink to another split weighs the step like a user job's."""
-    clock, reg = Clock(1000.0), CollectorRegistry()
-    c = Coordinator("job", {"model": "tiny"}, registry=reg, clock=clock, heartbeat_interval_s=1.0,
-                    heartbeat_timeout_s=5.0, join_timeout_s=10.0, lookahead_steps=0, shrink_gives_up_step=True)
-    workers = ["w0", "w1", "w2"]
-    for w in workers:
-        call(c, "register", w)
-    c.directive(1, "tp1.pp1.dp3", workers)
-    for w in workers:
-        call(c, "poll", w)
-        call(c, "arrive", w, generation=1, digest="")
-    for w in workers:
-        call(c, "result", w, generation=1, ok=True, stats={})
-    for s in range(4):  # steps of 0.5 s each (as reported); step 3 begins now
-        run_step(c, workers, 1, s)
-    clock.t += elapsed
-    d = c.directive(2, to, ["w0", "w1"])
-    assert d.switch_step == 4
-    beat = call(c, "heartbeat", "w0", generation=1)
-    assert ("give_up" in beat) == asked, beat
+    assert _shrink_asks_for_the_step({"model": "tiny"}, to, elapsed) == asked
