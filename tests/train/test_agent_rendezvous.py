@@ -66,6 +66,24 @@ def run_step(c: Coordinator, workers, gen: int, step: int, loss: float = 2.0) ->
     return [call(c, "step", w, generation=gen, step=step, result=res)["action"] for w in workers]
 
 
+def spy_waits(cond: threading.Condition) -> tuple[threading.Semaphore, list[bool]]:
+    """Spies on a long poll's condition (the coordinator's ``_alarm`` for heartbeats, ``_cv`` for the
+    rest): the semaphore is released as a request starts to wait, the list gets what each wait
+    returned (True: woken by a notification, False: it ran out its ``wait_s``), so a test tells
+    "answered by the event" apart without a clock. The request still holds the lock when it is
+    counted: what the test does next takes the lock, so it runs once the request waits."""
+    alarm, waiting, ends = cond, threading.Semaphore(0), []
+    real = alarm.wait
+
+    def wait(timeout: float | None = None) -> bool:
+        waiting.release()
+        ends.append(real(timeout))
+        return ends[-1]
+
+    alarm.wait = wait  # type: ignore[method-assign]
+    return waiting, ends
+
+
 def test_first_generation_starts_all_members_and_steps_aggregate_into_history_and_metrics() -> None:
     c, _, reg = started(_no_steps=True)
     assert c.status().phase == "starting"
@@ -383,24 +401,23 @@ def test_long_poll_answers_each_waiting_member_when_the_decision_falls() -> None
     run_step(c, ["w0", "w1"], 1, d.switch_step)
     with ThreadPoolExecutor(1) as pool:
         # w0 arrives first and holds its request open (wait_s) instead of polling
+        waiting, _ = spy_waits(c._cv)
         held = pool.submit(call, c, "arrive", "w0", generation=2, digest="d", wait_s=30)
-        time.sleep(0.2)
-        assert not held.done()
-        t0 = time.monotonic()
+        assert waiting.acquire(timeout=30) and not held.done()
         assert call(c, "arrive", "w1", generation=2, digest="d")["decision"] == "go"
-        assert held.result(timeout=10)["decision"] == "go"
-        assert time.monotonic() - t0 < 10  # answered by the decision, not by its 30 s timeout
+        # answered by the decision: a wait run out (capped at LONG_POLL_MAX_S) answers "wait"
+        assert held.result(timeout=30)["decision"] == "go"
 
 
 def test_long_poll_hands_a_waiting_joiner_its_directive_when_it_is_posted() -> None:
     c, _, _ = started()
     call(c, "register", "w2")
     with ThreadPoolExecutor(1) as pool:
+        waiting, _ = spy_waits(c._cv)
         held = pool.submit(call, c, "poll", "w2", wait_s=30)
-        time.sleep(0.2)
-        assert not held.done()
+        assert waiting.acquire(timeout=30) and not held.done()
         c.directive(2, "tp1.pp1.dp1", ["w2"])
-        out = held.result(timeout=10)
+        out = held.result(timeout=30)
     assert out["action"] == "join" and out["directive"]["generation"] == 2
 
 
@@ -441,11 +458,11 @@ def test_wait_resumed_answers_once_the_new_layout_has_begun_its_first_step_befor
         call(c, "result", w, generation=2, ok=True, stats={"bytes_sent": sent})
     clock.t += 0.25
     with ThreadPoolExecutor(1) as pool:
+        waiting, _ = spy_waits(c._cv)
         fut = pool.submit(c.wait_resumed, 2, 5.0)
-        time.sleep(0.2)
-        assert not fut.done()  # every part moved, the new layout not training yet
+        assert waiting.acquire(timeout=30) and not fut.done()  # every part moved, the new layout not training yet
         assert call(c, "step", "w0", generation=2, step=d.switch_step)["action"] == "go"
-        rec = fut.result(timeout=2)  # woken by the first step's begin, not by its timeout
+        rec = fut.result(timeout=30)  # woken by the first step's begin (its 5 s timeout would raise)
     assert (rec.ok, rec.bytes_moved, rec.leavers) == (None, 70, ["w1"])
     assert rec.pause_seconds == pytest.approx(1.25)
     with pytest.raises(TimeoutError):
@@ -663,29 +680,12 @@ def test_the_backends_runtime_reports_a_recovery_nobody_asked_for_once_it_is_don
     assert rt.last_pause_seconds == pytest.approx(0.25)
 
 
-def spy_beat_waits(c: Coordinator) -> tuple[threading.Semaphore, list[bool]]:
-    """Spies on the heartbeats' long poll (the coordinator's ``_alarm``): the semaphore is released as
-    a beat starts to wait, the list gets what each wait returned (True: woken by a notification,
-    False: it ran out its ``wait_s``), so a test tells "answered by the event" apart without a clock.
-    The beat still holds the lock when it is counted: what the test does next waits until it waits."""
-    alarm, waiting, ends = c._alarm, threading.Semaphore(0), []
-    real = alarm.wait
-
-    def wait(timeout: float | None = None) -> bool:
-        waiting.release()
-        ends.append(real(timeout))
-        return ends[-1]
-
-    alarm.wait = wait  # type: ignore[method-assign]
-    return waiting, ends
-
-
 def test_a_heartbeat_long_polls_and_tells_a_survivor_still_computing_to_give_its_step_up() -> None:
     c, clock, _ = started(workers=W4, layout="tp1.pp1.dp4", recover=True)
     # nothing to say: a beat without a generation or a wait answers at once, without interrupt
     assert "interrupt" not in call(c, "heartbeat", "w0")
     # w0 long-polls its beat while computing step 1; w3 dies meanwhile: w0 is answered at once
-    waiting, ends = spy_beat_waits(c)
+    waiting, ends = spy_waits(c._alarm)
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(call, c, "heartbeat", "w0", generation=1, wait_s=4.0)
         assert waiting.acquire(timeout=30) and not fut.done()  # long-polling
@@ -969,11 +969,11 @@ def test_a_shrink_that_gives_up_the_step_in_progress_switches_there_and_counts_t
     begun = clock.t  # step 1 was begun at this time (started())
     clock.t += 2.0
     with ThreadPoolExecutor(1) as pool:
+        waiting, _ = spy_waits(c._alarm)
         beat = pool.submit(call, c, "heartbeat", "w1", generation=1, wait_s=3.0)
-        time.sleep(0.2)
-        assert not beat.done()  # nothing to say yet
+        assert waiting.acquire(timeout=30) and not beat.done()  # nothing to say yet
         d = c.directive(2, "tp1.pp1.dp1", ["w0"], remap=False)
-        assert beat.result(timeout=2)["give_up"] == {"generation": 1, "step": 1}
+        assert beat.result(timeout=30)["give_up"] == {"generation": 1, "step": 1}
     assert d.switch_step == 2 and d.give_up_checks  # as posted: after the step in progress; engines check
     clock.t += 0.5
     out = [call(c, "step", w, generation=1, step=1, gave_up={"step": 1, "seconds": s})
@@ -1093,7 +1093,7 @@ def test_a_heartbeat_tells_the_members_of_a_posted_rescale_at_once_so_they_prepa
     c, clock, _ = started(workers=("w0", "w1"), lookahead_steps=0)
     call(c, "register", "w2")
     assert "pending" not in call(c, "heartbeat", "w0", generation=1, seen=0)  # nothing posted
-    waiting, ends = spy_beat_waits(c)
+    waiting, ends = spy_waits(c._alarm)
     with ThreadPoolExecutor(2) as pool:
         beats = [pool.submit(call, c, "heartbeat", w, generation=1, wait_s=4.0, seen=0) for w in ("w0", "w1")]
         assert all(waiting.acquire(timeout=30) for _ in beats) and not any(f.done() for f in beats)  # long-polling
