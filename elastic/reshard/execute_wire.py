@@ -24,6 +24,8 @@ from elastic.reshard.spec import Box
 from elastic.reshard.types import Message, ReshardPlan
 
 State = dict[tuple[str, str], torch.Tensor]
+"""``(tensor name, kind) -> local tensor`` with this rank's box shape (see elastic.reshard.spec): what a
+reshard moves, and what the trainer's engine and agent hand it."""
 Key = tuple[str, str]
 
 PACK_BELOW_BYTES = 256 * 1024

@@ -38,6 +38,7 @@ from torch import nn
 
 from elastic.model import Layout, ModelSpec, SpecError
 from elastic.parallel.planner import capped_micro_batch
+from elastic.reshard.execute_wire import State
 from elastic.reshard.spec import (
     FP32_KINDS,
     MIXED_KINDS,
@@ -56,9 +57,6 @@ from elastic.train.pipeline import P2PShape, interleaved_one_f_one_b, one_f_one_
 
 MEMORY_FIRST_STEPS = 2  # a new layout's first steps are measured: its peak is known at once
 MEMORY_EVERY = 100  # then every this many steps
-
-State = dict[tuple[str, str], torch.Tensor]
-"""``(tensor name, kind) -> local tensor`` with this rank's box shape (see elastic.reshard.spec)."""
 
 INIT_STD = 0.02
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16)

@@ -11,11 +11,10 @@ from typing import Any, Protocol
 import torch
 
 from elastic.model import Layout, ModelSpec, SpecError, load_model
+from elastic.reshard.execute_wire import State
 from elastic.train.rendezvous import Directive
 
 log = logging.getLogger(__name__)
-
-State = dict[tuple[str, str], torch.Tensor]
 
 
 class Engine(Protocol):
