@@ -48,7 +48,8 @@ class Publishing:
             runtimes[j.name] = rt
             training += len(rt.gpus) if rt else 0
         ok = res.error is None
-        self.status.set_condition(POOLS, None, pool.name, "Ready", ok, DecisionReason.APPLY_FAILED if not ok else res.reason,
+        self.status.set_condition(POOLS, None, pool.name, "Ready", ok,
+                                  DecisionReason.APPLY_FAILED if not ok else res.reason,
                                   res.message if ok else f"{res.message}; failed: {res.error}", pool.generation,
                                   extra={"nodes": len(nodes), "gpus": sum(nodes.values()), "inferenceGPUs": inference,
                                          "trainingGPUs": training, "leader": self.settings.instance,
@@ -61,7 +62,8 @@ class Publishing:
             kind, _, rest = a.partition(" ")
             workload, _, why = rest.partition(": ")
             if kind == "stop_failed_training" and (m := by_workload.get(workload)) is not None:
-                self.status.event(m.plural, m.namespace, m.name, m.uid, type_="Warning", reason=ResourceReason.WORKER_FAILED,
+                self.status.event(m.plural, m.namespace, m.name, m.uid, type_="Warning",
+                                  reason=ResourceReason.WORKER_FAILED,
                                   note=f"stopped, its GPUs back in pool {pool.name}: {why}", action="Stop")
         for step in (res.plan.steps if res.plan else ()):
             m = by_workload.get(step.workload)
@@ -73,10 +75,10 @@ class Publishing:
             if m.workload in pool.backoff and not starting:  # its next try, starting now, says how it goes
                 _, wait, why = pool.backoff[m.workload]
                 note = f"{why}; next try after a back-off of {wait:g} s"
-                if self.status.set_condition(m.plural, m.namespace, m.name, "Ready", False, ResourceReason.START_FAILED, note,
-                                             m.generation):
-                    self.status.event(m.plural, m.namespace, m.name, m.uid, type_="Warning", reason=ResourceReason.START_FAILED,
-                                      note=note, action="Start")
+                if self.status.set_condition(m.plural, m.namespace, m.name, "Ready", False,
+                                             ResourceReason.START_FAILED, note, m.generation):
+                    self.status.event(m.plural, m.namespace, m.name, m.uid, type_="Warning",
+                                      reason=ResourceReason.START_FAILED, note=note, action="Start")
                 self.status.patch(m.plural, m.namespace, m.name, {"phase": "BackOff", "worldSize": 0, "workers": []})
             elif m.workload in pool.unschedulable:
                 self.status.set_condition(m.plural, m.namespace, m.name, "Ready", False, ResourceReason.UNSCHEDULABLE,
@@ -180,7 +182,8 @@ class Publishing:
             conds = set_condition(conds, "Scheduled", jd.gpus > 0, jd.reason, jd.message, m.generation)
         ready = rt is None or rt.phase != JobPhase.FAILED
         was = next((c for c in conds if c.get("type") == "Ready"), {})
-        conds = set_condition(conds, "Ready", ready, ResourceReason.RECONCILED if ready else ResourceReason.WORKER_FAILED,
+        conds = set_condition(conds, "Ready", ready,
+                              ResourceReason.RECONCILED if ready else ResourceReason.WORKER_FAILED,
                               f"scheduled by pool {pool.name}" if ready else (rt.error or "a worker failed"),
                               m.generation)
         if not ready and was.get("reason") != ResourceReason.WORKER_FAILED:

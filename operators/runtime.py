@@ -197,8 +197,8 @@ class OperatorRuntime(Publishing):
                     old.growing
             self.pools[name] = pool
             waiting = [m for m in self.members.values() if m.pool == name] if old is None else []
-        self.status.set_condition(POOLS, None, name, "Ready", True, ResourceReason.ACCEPTED, "spec accepted; reconciling",
-                                  generation)
+        self.status.set_condition(POOLS, None, name, "Ready", True, ResourceReason.ACCEPTED,
+                                  "spec accepted; reconciling", generation)
         for m in waiting:  # registered before their pool existed: Ready=False/PoolNotFound until now
             self._pool_found(pool, m)
 

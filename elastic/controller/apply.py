@@ -116,7 +116,8 @@ class Applying(Leading, Deciding):
                 continue
             gpus = rt.gpus
             action_id = db.begin_action(self.db, pool=self.pool, kind="relayout_training", workload=spec.name,
-                                        payload={"gpus": [str(g) for g in gpus], "reason": DecisionReason.MEMORY_EXCEEDED,
+                                        payload={"gpus": [str(g) for g in gpus],
+                                                 "reason": DecisionReason.MEMORY_EXCEEDED,
                                                  "from": rt.layout, "to": str(to)}, now=_dt(now))
             try:
                 self._reshard_on_record(spec, rt, str(to), now,

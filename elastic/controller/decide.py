@@ -34,7 +34,8 @@ class Deciding(Observing):
             pin = self.overrides.get(s.name)
             if pin is not None and now < pin[1]:
                 # a pinned service has no forecast to lend by
-                decision = replace(decision, replicas=pin[0], reason=Reason.OVERRIDE, leaving=0, outlook=(),
+                decision = replace(decision, replicas=pin[0], reason=Reason.OVERRIDE, leaving=0,
+                                   outlook=(),
                                    message=f"pinned to {pin[0]} replicas by an operator (policy said {decision.replicas})")
             elif pin is not None:
                 del self.overrides[s.name]

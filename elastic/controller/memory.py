@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Final
+from typing import Any
 
 from elastic.controller.tables import trainer_choices
 from elastic.model import HardwareSpec, Layout, ModelSpec, SpecError
@@ -58,8 +58,7 @@ class Candidate:
     tokens_per_second: float
     memory_bytes: int
 
-MEMORY_EXCEEDED: Final = DecisionReason.MEMORY_EXCEEDED
-OUT_OF_MEMORY: Final = DecisionReason.OUT_OF_MEMORY
+_DROP_REASONS = (DecisionReason.MEMORY_EXCEEDED, DecisionReason.OUT_OF_MEMORY)  # why a layout is dropped
 #: what a worker's failure says when it ran out of memory (torch.OutOfMemoryError, the CUDA
 #: allocator's "CUDA out of memory", a host allocation's "DefaultCPUAllocator: can't allocate")
 OOM_MARKERS = ("outofmemoryerror", "out of memory", "can't allocate memory")
@@ -92,8 +91,8 @@ class Dropped:
         try:
             layout = Layout.parse(str(obj["layout"]))
             reason = obj["reason"]
-            if reason not in (MEMORY_EXCEEDED, OUT_OF_MEMORY):
-                raise SpecError(f"reason must be {MEMORY_EXCEEDED} or {OUT_OF_MEMORY}, got {reason!r}")
+            if reason not in _DROP_REASONS:
+                raise SpecError(f"reason must be {' or '.join(_DROP_REASONS)}, got {reason!r}")
             peak = obj.get("peakBytes")
             return cls(layout, DecisionReason(reason), None if peak is None else int(peak), int(obj["budgetBytes"]),
                        str(obj.get("message", "")), float(obj.get("at", 0.0)))
@@ -149,7 +148,7 @@ def check_measured(m: MeasuredMemory | None, budget: int, now: float,
     if predicted is not None:
         msg += ("; the planner predicted " + ", ".join(f"{c} {_gib(getattr(predicted, c))}" for c in COMPONENTS)
                 + f" ({_gib(predicted.total - predicted.reserve)} in all)")
-    return Dropped(m.layout, MEMORY_EXCEEDED, peak, budget, msg, now)
+    return Dropped(m.layout, DecisionReason.MEMORY_EXCEEDED, peak, budget, msg, now)
 
 
 def check_failure(layout: Layout | str | None, error: str | None, budget: int, now: float,
@@ -162,13 +161,14 @@ def check_failure(layout: Layout | str | None, error: str | None, budget: int, n
         return None
     lay = layout if isinstance(layout, Layout) else Layout.parse(layout)
     if measured is None or measured.layout != lay:
-        return Dropped(lay, OUT_OF_MEMORY, None, budget, f"{lay}: a worker ran out of memory ({error[:300]})", now)
+        return Dropped(lay, DecisionReason.OUT_OF_MEMORY, None, budget,
+                       f"{lay}: a worker ran out of memory ({error[:300]})", now)
     peak = measured_peak(measured)
     what = "GPU allocator peak" if measured.device_peak is not None else "measured tensors"
     msg = (f"{lay}: step {measured.step} ran out of memory on rank {measured.rank} (stage {measured.pp_rank}) at "
            f"{_gib(peak)} ({what}: " + ", ".join(f"{c} {_gib(getattr(measured, c))}" for c in COMPONENTS)
            + f"; the per-GPU budget the planner fitted it in is {_gib(budget)}) ({error[:300]})")
-    return Dropped(lay, OUT_OF_MEMORY, peak, budget, msg, now)
+    return Dropped(lay, DecisionReason.OUT_OF_MEMORY, peak, budget, msg, now)
 
 
 def alternatives(model: ModelSpec, hardware: HardwareSpec, gpus: int, *, gpus_per_node: int, global_batch: int,

@@ -106,7 +106,7 @@ class Observing(ControllerState):
                 else "it is re-planned without it" if rt.phase != JobPhase.FAILED else "it restarts on another layout")
         msg = f"{job}: layout {d.message}; dropped for the rest of the job's life, {then}"
         log.warning("%s", msg)
-        db.record_decision(self.db, pool=self.pool, tick_at=_dt(self.clock()), reason=mem.MEMORY_EXCEEDED,
+        db.record_decision(self.db, pool=self.pool, tick_at=_dt(self.clock()), reason=DecisionReason.MEMORY_EXCEEDED,
                            message=msg, plan={"steps": [], "notes": [msg], "job": job, "dropped": d.as_json(),
                                               "to": None if to is None else str(to)}, inputs={"memory": rt.memory})
 

@@ -26,6 +26,7 @@ from elastic.parallel.memory_report import MeasuredMemory
 from elastic.phases import JobPhase
 from elastic.policy.types import Reason, ReplicaDecision
 from elastic.reasons import DecisionReason
+from elastic.scheduler.types import Reason as ScheduleReason
 from elastic.scheduler.types import SchedulePlan
 
 #: replica-policy reasons that make a hold a different one (a fail-safe, an operator's pin); the
@@ -160,7 +161,7 @@ class Recording(Observing):
         why = [f"{st.workload} {st.reason}: {st.message}" for st in plan.steps if st.action == "noop"]
         why += [f"{name} {d.reason}: {d.message}" for name, d in sorted(replicas.items())
                 if str(d.reason) in _HOLD_REASONS]
-        if reason == "Steady" and not why:
+        if reason == ScheduleReason.STEADY and not why:
             log.debug("holding: %s", message)
             return
         fail_safe = any(d.reason == Reason.METRICS_MISSING for d in replicas.values())

@@ -355,7 +355,8 @@ class Exporter:
         newest = db.list_decisions(store, 1, newest_first=True)
         top = newest[0].id if newest else 0
         while self._recovery_cursor < top:
-            rows = db.list_decisions(store, MAX_PAGE, self._recovery_cursor, reason=DecisionReason.WORKER_LOST, up_to_id=top)
+            rows = db.list_decisions(store, MAX_PAGE, self._recovery_cursor, reason=DecisionReason.WORKER_LOST,
+                                     up_to_id=top)
             for d in rows:
                 # the job is in the decision's plan; older records only name it first in the message
                 job = str(d.plan.get("job") or d.message.split(" ", 1)[0])
