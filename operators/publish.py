@@ -152,7 +152,7 @@ class Publishing:
         assert self.status is not None
         jd = res.plan.jobs.get(m.workload) if res.plan else None
         extra: dict[str, Any] = {
-            "phase": rt.phase if rt else JobPhase.PENDING, "layout": (rt.layout or "") if rt else "",
+            "phase": rt.phase if rt else JobPhase.PENDING, "layout": str(rt.layout or "") if rt else "",
             "generation": rt.generation if rt else 0, "worldSize": len(rt.gpus) if rt else 0,
             "step": rt.step if rt else 0, "tokensPerSecond": rt.tokens_per_second if rt else 0.0,
             "loss": rt.loss if rt else None,
@@ -174,7 +174,7 @@ class Publishing:
             extra["droppedLayouts"] = dropped
         if rt is not None and rt.last_pause_seconds is not None:
             extra["lastReshard"] = {"seconds": rt.last_pause_seconds, "bytes": rt.last_bytes_moved or 0,
-                                    "toLayout": rt.layout or ""}
+                                    "toLayout": str(rt.layout or "")}
         conds = self.status.conditions(JOBS, m.namespace, m.name)
         from operators.status import set_condition
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from elastic.model import GPU, InferenceSpec, Layout, TrainingSpec, load_model
-from elastic.phases import RUNTIME_PHASES
+from elastic.phases import RUNTIME_PHASES, JobPhase
 
 
 class BackendError(RuntimeError):
@@ -39,11 +39,12 @@ class BackendUnavailable(BackendError):
 
 @dataclass(frozen=True)
 class JobRuntime:
-    """What a training job reports about itself."""
+    """What a training job reports about itself. A backend reads the layouts off its own text (the
+    coordinator's status, pod annotations) once, with :func:`layout_of`."""
 
     name: str
-    phase: str  # Pending | Running | Rescaling | Paused | Failed | Stopped
-    layout: str | None
+    phase: JobPhase
+    layout: Layout | None
     gpus: tuple[GPU, ...]
     generation: int = 0
     step: int = 0
@@ -54,7 +55,7 @@ class JobRuntime:
     last_bytes_moved: int | None = None
     # the job recovered on its own from a lost worker into ``generation``: what was lost, and why
     recovery: str = ""
-    recovered_from: str | None = None  # the layout before that recovery
+    recovered_from: Layout | None = None  # the layout before that recovery
     # the step its newest complete checkpoint continues at (-1: none yet); None: no checkpoints
     checkpoint_step: int | None = None
     # the current generation's worst rank's measured memory (``MeasuredMemory.as_json()``), as the
@@ -88,6 +89,11 @@ def checkpoint_through(handle: Any, job: str, wait_seconds: float) -> Checkpoint
     return CheckpointOutcome(job, int(ticket[0]), step)
 
 
+def layout_of(text: str | None) -> Layout | None:
+    """A layout as a backend reads it (the coordinator's status, a pod's annotation); None for none."""
+    return Layout.parse(text) if text else None
+
+
 def still_held(workers: dict[GPU, str], current: list[str]) -> dict[GPU, str]:
     """GPU -> worker, less the workers a job no longer has: after it recovered on its own from a lost
     worker, the dead one's GPU and those of survivors it did not keep are free (their processes ended)."""
@@ -107,11 +113,11 @@ def coordinator_runtime(job: str, st: Any, workers: dict[GPU, str], last: Rescal
                               bytes_planned=rec.planned_bytes, bytes_lower_bound=rec.lower_bound_bytes,
                               step=rec.switch_step)
     gpus = tuple(sorted(workers, key=lambda g: (g.node, g.index)))
-    return JobRuntime(job, RUNTIME_PHASES.get(st.phase, st.phase), st.layout, gpus, st.generation, max(st.step, 0),
+    return JobRuntime(job, RUNTIME_PHASES[st.phase], layout_of(st.layout), gpus, st.generation, max(st.step, 0),
                       st.loss, st.tokens_per_second or 0.0, st.error,
                       last.pause_seconds if last else None, last.bytes_moved if last else None,
                       recovery=rec.recovery if recovered else "",
-                      recovered_from=rec.from_layout if recovered else None,
+                      recovered_from=layout_of(rec.from_layout) if recovered else None,
                       checkpoint_step=getattr(st, "checkpoint_step", None), memory=getattr(st, "memory", None))
 
 

@@ -20,6 +20,7 @@ from elastic.backends.base import (
     checkpoint_through,
     coordinator_runtime,
     default_trainer_config,
+    layout_of,
     still_held,
 )
 from elastic.backends.kubernetes_names import (
@@ -38,7 +39,7 @@ from elastic.backends.kubernetes_names import (
     _Job,
     parse_gpu,
 )
-from elastic.model import GPU, Layout, TrainingSpec
+from elastic.model import GPU, Layout, SpecError, TrainingSpec
 from elastic.phases import CoordinatorPhase, JobPhase
 from elastic.train.launch import JobHandle, job_options
 from elastic.train.rendezvous import SECRET_ENV, RescaleCancelled
@@ -83,7 +84,7 @@ class _Training:
         ann = [p.metadata.annotations or {} for p in pods]
         gens = [int(a.get(ANN_GENERATION, 0)) for a in ann]
         gen = max(gens)
-        layouts = {a.get(ANN_LAYOUT) for a, g in zip(ann, gens, strict=True) if g == gen}
+        layouts = {_annotated_layout(p, a) for p, a, g in zip(pods, ann, gens, strict=True) if g == gen}
         gpus = tuple(sorted((parse_gpu(a[ANN_GPU]) for a in ann if ANN_GPU in a), key=lambda g: (g.node, g.index)))
         failed = [p.metadata.name for p in pods if p.status is not None and p.status.phase == "Failed"]
         phase = (JobPhase.FAILED if failed
@@ -119,7 +120,8 @@ class _Training:
         ann = [p.metadata.annotations or {} for p in pods]
         gpus = tuple(sorted({parse_gpu(a[ANN_GPU]) for a in ann if ANN_GPU in a}, key=lambda g: (g.node, g.index)))
         gen = max(int(a.get(ANN_GENERATION, 0)) for a in ann)
-        layouts = {a.get(ANN_LAYOUT) for a in ann if int(a.get(ANN_GENERATION, 0)) == gen}
+        layouts = {_annotated_layout(p, a) for p, a in zip(pods, ann, strict=True)
+                   if int(a.get(ANN_GENERATION, 0)) == gen}
         names = ", ".join(p.metadata.name for p in pods)
         return JobRuntime(job, JobPhase.FAILED, layouts.pop() if len(layouts) == 1 else None, gpus, gen,
                           error=f"worker pod(s) {names} run without their coordinator: the operator process that "
@@ -148,9 +150,10 @@ class _Training:
         before = j.handle.status()
         if before.phase == CoordinatorPhase.PAUSED:
             return RescaleOutcome(spec.name, before.layout, before.layout, before.generation, step=max(before.step, 0))
-        if not before.layout:
+        running = layout_of(before.layout)  # the coordinator's status is text
+        if running is None:
             raise BackendError(f"{spec.name}: cannot pause a job that is {before.phase}")
-        n = Layout.parse(before.layout).held().world_size
+        n = running.held().world_size
         base = self._job_target(spec.name).name
         keepers = [f"{base}-k{j.next_id + i}" for i in range(n)]  # the workers' counter: no name reused
         try:
@@ -201,7 +204,7 @@ class _Training:
             self.delete_worker_service(spec.name)
             with self._lock:
                 self._jobs.pop(spec.name, None)
-            return RescaleOutcome(spec.name, before.layout if before else None, None,
+            return RescaleOutcome(spec.name, _text_of(before), None,
                                   before.generation if before else 0, total_seconds=time.perf_counter() - t0)
         assert layout is not None
         gen = (before.generation + 1) if before else 1
@@ -215,7 +218,7 @@ class _Training:
                 name = f"{self._job_target(spec.name).name}-w{next_id}"
                 next_id += 1
             self.apply_worker_pod(spec, name, g, layout, gen, env={})
-        out = RescaleOutcome(spec.name, before.layout if before else None, str(layout), gen,
+        out = RescaleOutcome(spec.name, _text_of(before), str(layout), gen,
                              total_seconds=time.perf_counter() - t0)
         with self._lock:
             self._jobs.setdefault(spec.name, _Job()).last = out
@@ -489,6 +492,21 @@ def user_code_env(spec: TrainingSpec) -> dict[str, str]:
     if spec.entrypoint is None:
         return {}
     return {"ELASTIC_ENTRYPOINT": spec.entrypoint, "ELASTIC_ARGS": json.dumps(list(spec.args))}
+
+
+def _text_of(rt: JobRuntime | None) -> str | None:
+    """A runtime's layout as a ``RescaleOutcome`` (the reshard history's record) writes it."""
+    return str(rt.layout) if rt is not None and rt.layout is not None else None
+
+
+def _annotated_layout(pod: Any, ann: dict[str, str]) -> Layout | None:
+    """The layout a worker pod's annotation names; None without one, or with one edited out of shape (the
+    annotation is best effort: the coordinator, not the pod, is what the job runs by)."""
+    try:
+        return layout_of(ann.get(ANN_LAYOUT))
+    except SpecError as e:
+        log.warning("pod %s: annotation %s: %s; its layout is not known", pod.metadata.name, ANN_LAYOUT, e)
+        return None
 
 
 def _worker_index(pod: str) -> int:

@@ -45,6 +45,7 @@ from elastic.backends.base import (
     RescaleOutcome,
     checkpoint_through,
     coordinator_runtime,
+    layout_of,
     still_held,
 )
 from elastic.backends.ray_jobs import (
@@ -79,7 +80,7 @@ class _Job:
     handle: Any
     workers: dict[GPU, str] = field(default_factory=dict)  # GPU -> worker id
     next_id: int = 0
-    phase: str = JobPhase.RUNNING
+    phase: JobPhase = JobPhase.RUNNING
     error: str | None = None
     last: RescaleOutcome | None = None
     keepers: list[str] = field(default_factory=list)  # paused: who holds the state (no GPU)
@@ -522,9 +523,10 @@ class RayBackend:
         before = j.handle.status()
         if before.phase == CoordinatorPhase.PAUSED:
             return RescaleOutcome(spec.name, before.layout, before.layout, before.generation, step=max(before.step, 0))
-        if not before.layout:
+        running = layout_of(before.layout)  # the coordinator's status is text
+        if running is None:
             raise BackendError(f"{spec.name}: cannot pause a job that is {before.phase}")
-        n = Layout.parse(before.layout).held().world_size
+        n = running.held().world_size
         keepers = [f"{spec.name}-k{j.next_id + i}" for i in range(n)]
         # keepers take ids from the same counter: a name is never reused within the job. Recorded
         # before the directive: a controller that dies mid-pause leaves them on record for its successor

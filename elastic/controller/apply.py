@@ -118,7 +118,7 @@ class Applying(Leading, Deciding):
             action_id = db.begin_action(self.db, pool=self.pool, kind="relayout_training", workload=spec.name,
                                         payload={"gpus": [str(g) for g in gpus],
                                                  "reason": DecisionReason.MEMORY_EXCEEDED,
-                                                 "from": rt.layout, "to": str(to)}, now=_dt(now))
+                                                 "from": str(rt.layout), "to": str(to)}, now=_dt(now))
             try:
                 self._reshard_on_record(spec, rt, str(to), now,
                                         partial(self._act, self.backend.set_job_gpus, spec, gpus, to))
@@ -207,8 +207,8 @@ class Applying(Leading, Deciding):
         """Free every GPU of a job and keep its state off-GPU (keepers); recorded as a reshard to
         ``paused:<layout the keepers hold>``, with its bytes and seconds."""
         before = self.backend.job_runtime(spec.name)
-        to = (paused_tag(Layout.parse(before.layout).held())
-              if before is not None and before.layout and before.phase != JobPhase.PAUSED else None)
+        to = (paused_tag(before.layout.held())
+              if before is not None and before.layout is not None and before.phase != JobPhase.PAUSED else None)
         self._reshard_on_record(spec, before, to, now, lambda: self._act(cast(Pauses, self.backend).pause_job, spec))
 
     def _reshard_on_record(self, spec: Any, before: JobRuntime | None, to_layout: str | None, now: float,

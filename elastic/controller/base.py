@@ -82,14 +82,16 @@ def _call_within(fn: Callable[[], Any], timeout: float, what: str, error: type[E
     return box["value"]
 
 
-def paused_tag(held: Layout | str) -> str:
+def paused_tag(held: Layout) -> str:
     """How the reshard history names a pause: the layout its keepers hold, marked ``paused:``."""
     return f"paused:{held}"
 
 
 def _recorded_layout(rt: JobRuntime) -> str | None:
-    """The layout as the reshard history writes it (a paused job's with its ``paused:`` mark)."""
-    return paused_tag(rt.layout) if rt.phase == JobPhase.PAUSED and rt.layout else rt.layout
+    """The layout as the reshard history and a job's status write it (a paused job's with its ``paused:`` mark)."""
+    if rt.layout is None:
+        return None
+    return paused_tag(rt.layout) if rt.phase == JobPhase.PAUSED else str(rt.layout)
 
 
 class ControllerState:

@@ -52,7 +52,8 @@ class Deciding(Observing):
             for s in self.cfg.services)
         jobs = tuple(
             JobState(j.name, self._table(j.name, now, previous), j.min_gpus, j.max_gpus, j.priority,
-                     layout=(runtimes[j.name].layout if _trains(runtimes[j.name]) else None),
+                     # the co-scheduler's tables and plans name layouts as text (``JobState.layout``)
+                     layout=_layout_text(runtimes[j.name]),
                      last_rescale_at=self.last_rescale.get(j.name),
                      # the job's own last pause: a grow must repay it (and the shrink back) before the
                      # services' outlook needs the GPUs again
@@ -76,6 +77,11 @@ class Deciding(Observing):
 
 def _trains(rt: JobRuntime | None) -> bool:
     return rt is not None and rt.phase != JobPhase.PAUSED
+
+
+def _layout_text(rt: JobRuntime | None) -> str | None:
+    """The layout a training job runs, as the co-scheduler's ``JobState`` takes it; None when it does not train."""
+    return str(rt.layout) if rt is not None and _trains(rt) and rt.layout is not None else None
 
 
 def _job_status(rt: JobRuntime | None) -> str:

@@ -151,7 +151,7 @@ def check_measured(m: MeasuredMemory | None, budget: int, now: float,
     return Dropped(m.layout, DecisionReason.MEMORY_EXCEEDED, peak, budget, msg, now)
 
 
-def check_failure(layout: Layout | str | None, error: str | None, budget: int, now: float,
+def check_failure(layout: Layout | None, error: str | None, budget: int, now: float,
                   measured: MeasuredMemory | None = None) -> Dropped | None:
     """``layout`` dropped when a worker running it failed out of memory (``error`` is the job's
     failure reason, what it lost a worker to, or why it waits for another layout); None for any
@@ -159,16 +159,15 @@ def check_failure(layout: Layout | str | None, error: str | None, budget: int, n
     trainer reports it), named in the message as the peak when it is of ``layout``."""
     if layout is None or not error or not any(k in error.lower() for k in OOM_MARKERS):
         return None
-    lay = layout if isinstance(layout, Layout) else Layout.parse(layout)
-    if measured is None or measured.layout != lay:
-        return Dropped(lay, DecisionReason.OUT_OF_MEMORY, None, budget,
-                       f"{lay}: a worker ran out of memory ({error[:300]})", now)
+    if measured is None or measured.layout != layout:
+        return Dropped(layout, DecisionReason.OUT_OF_MEMORY, None, budget,
+                       f"{layout}: a worker ran out of memory ({error[:300]})", now)
     peak = measured_peak(measured)
     what = "GPU allocator peak" if measured.device_peak is not None else "measured tensors"
-    msg = (f"{lay}: step {measured.step} ran out of memory on rank {measured.rank} (stage {measured.pp_rank}) at "
+    msg = (f"{layout}: step {measured.step} ran out of memory on rank {measured.rank} (stage {measured.pp_rank}) at "
            f"{_gib(peak)} ({what}: " + ", ".join(f"{c} {_gib(getattr(measured, c))}" for c in COMPONENTS)
            + f"; the per-GPU budget the planner fitted it in is {_gib(budget)}) ({error[:300]})")
-    return Dropped(lay, DecisionReason.OUT_OF_MEMORY, peak, budget, msg, now)
+    return Dropped(layout, DecisionReason.OUT_OF_MEMORY, peak, budget, msg, now)
 
 
 def alternatives(model: ModelSpec, hardware: HardwareSpec, gpus: int, *, gpus_per_node: int, global_batch: int,
@@ -216,14 +215,13 @@ def without_dropped(table: Table, dropped: Iterable[Layout],
     return out
 
 
-def relayout_target(running: str | None, gpus: int, dropped: Iterable[Layout], table: Table) -> Layout | None:
+def relayout_target(running: Layout | None, gpus: int, dropped: Iterable[Layout], table: Table) -> Layout | None:
     """Where a job running ``running`` on ``gpus`` GPUs moves in place: the table's layout of the same
     count when ``running`` was dropped and that count has another layout; None otherwise (it is not
     dropped, or the count has none left and the co-scheduler gives the job fewer GPUs)."""
     if running is None or not gpus:
         return None
-    lay = Layout.parse(running)
-    if lay not in set(dropped) or gpus not in table:
+    if running not in set(dropped) or gpus not in table:
         return None
-    to = Layout.parse(table[gpus][0])
-    return None if to == lay else to
+    to = Layout.parse(table[gpus][0])  # the table holds text (the scheduler's ``JobState.table``)
+    return None if to == running else to

@@ -161,7 +161,7 @@ class Observing(ControllerState):
         if not any(ev.generation == rt.generation
                    for ev in db.list_reshards(self.db, job=rt.name, limit=5, newest_first=True)):
             rid = db.start_reshard(self.db, job=rt.name, pool=self.pool, generation=rt.generation,
-                                   from_layout=rt.recovered_from or "", to_layout=rt.layout or "",
+                                   from_layout=str(rt.recovered_from or ""), to_layout=str(rt.layout or ""),
                                    bytes_planned=rt.last_bytes_moved or 0, bytes_lower_bound=0, now=_dt(now))
             db.finish_reshard(self.db, rid, bytes_moved=rt.last_bytes_moved, pause_seconds=rt.last_pause_seconds,
                               now=_dt(now))

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from elastic.config import ControllerConfig
-from elastic.model import HardwareSpec, Layout, ModelSpec, SpecError, load_hardware
+from elastic.model import HardwareSpec, ModelSpec, SpecError, load_hardware
 
 
 def throughput_table(model: ModelSpec, hardware: HardwareSpec, max_gpus: int, *, gpus_per_node: int,
@@ -35,8 +35,7 @@ def throughput_table(model: ModelSpec, hardware: HardwareSpec, max_gpus: int, *,
     if not allowed_tp and not allowed_pp and not zero and not replicate_optimizer:
         best = best_by_gpu_count(model, hardware, max_gpus, gpus_per_node=gpus_per_node, global_batch=global_batch,
                                  **opts)
-        out = {n: (str(p.layout), p.tokens_per_second) for n, p in best.items()}
-        return {n: v for n, v in out.items() if Layout.parse(v[0]).world_size == n}
+        return {n: (str(p.layout), p.tokens_per_second) for n, p in best.items() if p.layout.world_size == n}
     out = {}
     for n in range(1, max_gpus + 1):
         for p in feasible_layouts(model, n, hardware, gpus_per_node=gpus_per_node, global_batch=global_batch,

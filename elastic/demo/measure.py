@@ -102,8 +102,8 @@ def _summary(run: DemoRun, report: Any, slo: float, rt: Any, day: float, warmup:
 def _layouts(run: DemoRun) -> list[str]:
     out: list[str] = []
     for x in run.samples:
-        if x.layout and (not out or out[-1] != x.layout):
-            out.append(x.layout)
+        if x.layout and (not out or out[-1] != str(x.layout)):
+            out.append(str(x.layout))
     return out
 
 

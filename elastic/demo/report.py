@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic.demo.config import GPUS
 from elastic.demo.samples import DemoRun, Sample
+
+if TYPE_CHECKING:
+    from elastic.model import Layout
 
 
 def _write_timeline(run: DemoRun, path: str, results: list[Any] | None = None, slo: float = 1.0) -> None:
@@ -49,18 +52,18 @@ def _table(run: DemoRun, ctl: Any, minutes: float) -> Any:
         x = run.samples[-1]
         hour = (3 + 24 * (x.t - run.warmup) / (minutes * 60)) % 24
         last = run.reshards[-1] if run.reshards else None
-        t.add_row(f"{int(hour):02d}:{int(hour % 1 * 60):02d}", f"{x.rate:.1f}", str(x.replicas), x.layout or "-",
+        t.add_row(f"{int(hour):02d}:{int(hour % 1 * 60):02d}", f"{x.rate:.1f}", str(x.replicas), str(x.layout or "-"),
                   str(x.training_gpus), str(x.step), f"{x.loss:.3f}" if x.loss is not None else "-",
                   f"{x.tokens_per_second:.0f}",
                   f"{last['from']}→{last['to']} {last['pause_seconds'] or 0:.2f}s" if last else "-")
     return t
 
 
-def layout_segments(run: DemoRun) -> list[tuple[float, float, str]]:
+def layout_segments(run: DemoRun) -> list[tuple[float, float, Layout]]:
     """The training layout over the run: (start, end, layout) in seconds of the day (the warm-up
     before 0), one per stretch on one layout; stretches without a layout (a job not running) are left out."""
     s = run.samples
-    out: list[tuple[float, float, str]] = []
+    out: list[tuple[float, float, Layout]] = []
     for x, nxt in zip(s, [*s[1:], None], strict=True):
         end = (nxt.t if nxt is not None else x.t) - run.warmup
         if not x.layout:
@@ -110,7 +113,7 @@ def _figure(run: DemoRun) -> Any:
     strip.set_ylabel("layout", rotation=0, ha="right", va="center")
     strip.set_xlabel("seconds into the compressed day (03:00 at 0; the shaded warm-up is not counted)")
     if order:
-        strip.legend(handles=[Patch(color=color[lay], label=lay) for lay in order], loc="upper center",
+        strip.legend(handles=[Patch(color=color[lay], label=str(lay)) for lay in order], loc="upper center",
                      bbox_to_anchor=(0.5, -0.9), ncol=min(len(order), 5), fontsize=8, frameon=False)
     for kt, victim in run.kills:
         if victim:
@@ -124,11 +127,11 @@ def _figure(run: DemoRun) -> Any:
     return fig
 
 
-def _name_stretches(fig: Any, strip: Any, segments: list[tuple[float, float, str]]) -> None:
+def _name_stretches(fig: Any, strip: Any, segments: list[tuple[float, float, Layout]]) -> None:
     """Each stretch's layout name, centred in it, where it fits with a margin (measured once drawn)."""
     renderer = fig.canvas.get_renderer()
     for a, b, lay in segments:
-        text = strip.text((a + b) / 2, 0.5, lay, ha="center", va="center", fontsize=7, color="white", clip_on=True)
+        text = strip.text((a + b) / 2, 0.5, str(lay), ha="center", va="center", fontsize=7, color="white", clip_on=True)
         box = text.get_window_extent(renderer)
         left, right = (strip.transData.transform((x, 0.5))[0] for x in (a, b))
         if box.width + 4 > right - left:

@@ -33,7 +33,7 @@ from elastic.demo.measure import (
     utilization_bound,
 )
 from elastic.demo.report import _plot, _table, _write_timeline
-from elastic.demo.samples import DemoRun, Sample, _world_size
+from elastic.demo.samples import DemoRun, Sample
 from elastic.phases import CoordinatorPhase, JobPhase
 
 log = logging.getLogger("elastic.demo")
@@ -262,7 +262,8 @@ def _sample_loop(backend: Any, ctl: Any, profile: Any, t0: float, run: DemoRun, 
         # GPUs stepping: the coordinator's current layout (the old one until the switch step, the new
         # one from there: a grow's joiners train, a shrink's leavers do not, before the backend's books
         # say so); the pause itself is subtracted from the reshard records in the summary
-        tbusy = _world_size(rt.layout) if rt and rt.phase in (JobPhase.RUNNING, JobPhase.RESCALING) else 0
+        tbusy = (rt.layout.world_size if rt and rt.layout and rt.phase in (JobPhase.RUNNING, JobPhase.RESCALING)
+                 else 0)
         _note_loss(run.losses, rt)
         run.samples.append(Sample(t, rate_at(profile, t), len(urls), busy, tg, tbusy, rt.layout if rt else None,
                                   rt.step if rt else 0, rt.loss if rt else None,

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic.demo.config import (
     JOB,
     REFERENCE,
 )
+
+if TYPE_CHECKING:
+    from elastic.model import Layout
 
 log = logging.getLogger("elastic.demo")
 
@@ -22,7 +25,7 @@ class Sample:
     inference_busy: float
     training_gpus: int
     training_busy: int
-    layout: str | None
+    layout: Layout | None
     step: int
     loss: float | None
     tokens_per_second: float
@@ -46,7 +49,8 @@ class DemoRun:
     trainer: str = REFERENCE
 
 
-def _world_size(layout: str | None) -> int:
+def _world_size(text: str | None) -> int:
+    """The GPUs of a layout as a reshard record (a store row) names it; 0 for none."""
     from elastic.model import Layout
 
-    return Layout.parse(layout).world_size if layout else 0
+    return Layout.parse(text).world_size if text else 0

@@ -171,7 +171,7 @@ def test_rescale_pins_a_layout_by_name_or_gpu_count_and_unpins(env: Env) -> None
     assert "pretrain: pinned to tp2.pp1.dp2" in res.stdout and "tokens/s" in res.stdout
     assert env.ctl.pinned["pretrain"][4][0] == "tp2.pp1.dp2"
     env.tick(10.0)
-    assert env.backend.jobs["pretrain"].layout == "tp2.pp1.dp2"
+    assert str(env.backend.jobs["pretrain"].layout) == "tp2.pp1.dp2"
     # --gpus N pins what the controller's own table picks for N GPUs
     expected = job_throughput_tables(load_config(data=CONFIG))["pretrain"][3][0]
     res = cli(env, "rescale", "pretrain", "--gpus", "3", token=ADMIN)

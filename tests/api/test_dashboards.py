@@ -83,10 +83,9 @@ def test_configmap_is_in_sync_with_the_dashboards() -> None:
 def _measured(rt) -> dict:
     """What a trainer reports of its worst rank's step on ``rt``'s layout (1 GiB a component: well
     under an H100's budget), as the fake backend's ``JobRuntime.memory``."""
-    from elastic.model import Layout
     from elastic.parallel.memory_report import MeasuredMemory
 
-    layout = Layout.parse(rt.layout)
+    layout = rt.layout
     gib = 1024**3
     return MeasuredMemory(model="gpt-1.3b", layout=layout, rank=0, pp_rank=0, step=rt.step, dtype="bfloat16",
                           micro_batch=1, grad_accum=64 // layout.dp, weights=gib, gradients=gib, optimizer=gib,
@@ -104,7 +103,7 @@ def _drive(env, stop: threading.Event) -> None:
     while not stop.is_set():
         env.source.set("chat", loads[i % len(loads)], time.time())
         rt = env.backend.jobs.get("pretrain")
-        if rt is not None and rt.layout and (rt.memory or {}).get("layout") != rt.layout:
+        if rt is not None and rt.layout and (rt.memory or {}).get("layout") != str(rt.layout):
             env.backend.jobs["pretrain"] = replace(rt, memory=_measured(rt))
         res = env.ctl.tick()
         env.exporter.observe_tick(res, env.ctl)

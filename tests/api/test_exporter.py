@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from elastic import store as db
+from elastic.model import Layout
+from elastic.phases import JobPhase
 
 from .conftest import Env
 
@@ -48,7 +50,7 @@ def test_layout_info_follows_the_current_layout_only(env: Env) -> None:
     env.tick(40.0)
     m = _samples(env)
     rows = [lab for lab, v in m["elastic_training_layout_info"] if lab["job"] == "pretrain"]
-    layout = env.backend.jobs["pretrain"].layout
+    layout = str(env.backend.jobs["pretrain"].layout)
     assert len(rows) == 1 and f"tp{rows[0]['tp']}.pp{rows[0]['pp']}.dp{rows[0]['dp']}" in layout
     assert _one(m, "elastic_job_world_size", job="pretrain") == len(env.backend.jobs["pretrain"].gpus)
 
@@ -114,15 +116,15 @@ def test_a_recovery_in_place_is_counted_once_and_the_job_phase_is_exported(env: 
     assert _one(m, "elastic_job_phase", job="pretrain", phase="Recovering") == 0
     # the trainer is recovering from a lost worker on its own: the phase says so
     before = env.backend.jobs["pretrain"]
-    env.backend.jobs["pretrain"] = replace(before, phase="Recovering")
+    env.backend.jobs["pretrain"] = replace(before, phase=JobPhase.RECOVERING)
     env.tick(10.0)
     m = _samples(env)
     assert _one(m, "elastic_job_phase", job="pretrain", phase="Recovering") == 1
     assert _one(m, "elastic_job_phase", job="pretrain", phase="Running") == 0
     # ... and resumed on its survivors: the controller records it (WorkerLost), the exporter counts it
     kept = before.gpus[: len(before.gpus) // 2]
-    env.backend.jobs["pretrain"] = replace(before, phase="Running", gpus=kept, generation=before.generation + 1,
-                                           layout=f"tp1.pp1.dp{len(kept)}", recovered_from=before.layout,
+    env.backend.jobs["pretrain"] = replace(before, phase=JobPhase.RUNNING, gpus=kept, generation=before.generation + 1,
+                                           layout=Layout(1, 1, len(kept)), recovered_from=before.layout,
                                            recovery="lost pretrain-w1 (worker exited with code -9)",
                                            last_pause_seconds=0.1, last_bytes_moved=0)
     for _ in range(3):

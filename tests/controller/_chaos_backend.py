@@ -32,6 +32,7 @@ from typing import Any
 
 from elastic.backends.base import BackendError, JobRuntime, RescaleOutcome
 from elastic.model import GPU, InferenceSpec, Layout, TrainingSpec
+from elastic.phases import JobPhase
 
 HOLD_LIMIT = 60.0  # a hold never outlives the test that set it
 
@@ -128,7 +129,8 @@ class ChaosBackend:
         rt = self._read()["jobs"].get(job)
         if rt is None:
             return None
-        return JobRuntime(job, "Running", rt["layout"], tuple(_gpu(g) for g in rt["gpus"]), rt["generation"])
+        return JobRuntime(job, JobPhase.RUNNING, Layout.parse(rt["layout"]), tuple(_gpu(g) for g in rt["gpus"]),
+                          rt["generation"])
 
     def set_job_gpus(self, spec: TrainingSpec, gpus: tuple[GPU, ...], layout: Layout | None) -> RescaleOutcome:
         self._fenced()
@@ -151,7 +153,7 @@ class ChaosBackend:
                 state["jobs"].pop(spec.name, None)
 
         self._change("job", spec.name, gpus, apply)
-        return RescaleOutcome(spec.name, before.layout if before else None, str(layout) if gpus else None, gen,
+        return RescaleOutcome(spec.name, str(before.layout) if before else None, str(layout) if gpus else None, gen,
                               pause_seconds=0.01, bytes_moved=1000 * len(gpus), bytes_planned=1000 * len(gpus),
                               bytes_lower_bound=1000 * len(gpus))
 

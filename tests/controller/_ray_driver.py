@@ -55,7 +55,7 @@ def main(config: str, db_url: str, address: str, load_file: str, owner: str, shr
             "event": "tick", "t": time.time(), "reason": res.reason, "acted": res.acted, "applied": res.applied,
             "error": res.error, "ready": served.controller.ready, "leader": served.controller.is_leader,
             "service_gpus": [str(g) for g in backend.service_gpus("chat")],
-            "job": None if rt is None else {"layout": rt.layout, "generation": rt.generation, "step": rt.step,
+            "job": None if rt is None else {"layout": str(rt.layout), "generation": rt.generation, "step": rt.step,
                                             "gpus": [str(g) for g in rt.gpus], "phase": rt.phase},
             "ray_gpus_free": ray.available_resources().get("GPU", 0.0), "named_actors": sorted(named),
         }), flush=True)

@@ -17,6 +17,7 @@ from elastic.backends.base import (
     RescaleOutcome,
 )
 from elastic.model import GPU, InferenceSpec, Layout, SpecError, TrainingSpec
+from elastic.phases import JobPhase
 
 
 class FakeBackend:
@@ -83,7 +84,7 @@ class FakeBackend:
         checkpoint, complete at once when waited for."""
         self.ping()
         rt = self.jobs.get(job)
-        if rt is None or rt.phase != "Running":
+        if rt is None or rt.phase != JobPhase.RUNNING:
             raise BackendError(f"training job {job} is not running here; only a running job can save a checkpoint")
         if rt.checkpoint_step is None:
             raise SpecError(f"job {job} has no checkpoint settings; give it checkpoint.dir to save one")
@@ -103,10 +104,11 @@ class FakeBackend:
         """The job's GPUs are freed; it keeps its layout (as ``tp.pp.dp1``), generation and step."""
         self.ping()
         before = self.jobs[spec.name]
-        held = str(Layout.parse(before.layout).held())
+        assert before.layout is not None
+        held = before.layout.held()
         self.calls.append(("pause", spec.name, 0))
-        self.jobs[spec.name] = JobRuntime(spec.name, "Paused", held, (), before.generation + 1, before.step)
-        return RescaleOutcome(spec.name, before.layout, held, before.generation + 1, pause_seconds=0.02,
+        self.jobs[spec.name] = JobRuntime(spec.name, JobPhase.PAUSED, held, (), before.generation + 1, before.step)
+        return RescaleOutcome(spec.name, str(before.layout), str(held), before.generation + 1, pause_seconds=0.02,
                               bytes_moved=500, bytes_planned=500, bytes_lower_bound=500, step=before.step)
 
     def set_job_gpus(self, spec: TrainingSpec, gpus: tuple[GPU, ...], layout: Layout | None) -> RescaleOutcome:
@@ -116,14 +118,19 @@ class FakeBackend:
         self.calls.append(("job", spec.name, len(gpus)))
         if not gpus:
             self.jobs.pop(spec.name, None)
-            return RescaleOutcome(spec.name, before.layout if before else None, None, 0)
-        if before is not None and before.phase == "Paused":
+            return RescaleOutcome(spec.name, _text(before), None, 0)
+        if before is not None and before.phase == JobPhase.PAUSED:
             self.calls.append(("resume", spec.name, len(gpus)))
         assert layout is not None and layout.world_size == len(gpus), (layout, len(gpus))
         gen = (before.generation + 1) if before else 0
         step = before.step if before else 0
-        self.jobs[spec.name] = JobRuntime(spec.name, "Running", str(layout), tuple(gpus), gen, step,
+        self.jobs[spec.name] = JobRuntime(spec.name, JobPhase.RUNNING, layout, tuple(gpus), gen, step,
                                           checkpoint_step=step if spec.checkpoint else None)
-        return RescaleOutcome(spec.name, before.layout if before else None, str(layout), gen, pause_seconds=0.01,
+        return RescaleOutcome(spec.name, _text(before), str(layout), gen, pause_seconds=0.01,
                               bytes_moved=1000 * len(gpus), bytes_planned=1000 * len(gpus),
                               bytes_lower_bound=1000 * len(gpus), step=step)
+
+
+def _text(rt: JobRuntime | None) -> str | None:
+    """A runtime's layout as a ``RescaleOutcome`` writes it."""
+    return str(rt.layout) if rt is not None and rt.layout is not None else None

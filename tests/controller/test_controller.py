@@ -8,7 +8,7 @@ from elastic import store as db
 from elastic.config import load_config
 from elastic.controller import Controller
 from elastic.metrics import InProcessSource
-from elastic.model import SpecError
+from elastic.model import Layout, SpecError
 from tests.fakes import Clock, tick
 
 from .fake_backend import FakeBackend
@@ -298,7 +298,7 @@ def test_a_job_at_its_minimum_is_paused_with_its_state_kept_and_resumes_at_the_s
             "Paused", f"paused:{paused.layout}", 0, 123)
         ev = db.list_reshards(store, job="pretrain")[-1]
         assert (ev.from_layout, ev.to_layout, ev.status, ev.bytes_moved) == (
-            running.layout, f"paused:{paused.layout}", "done", 500)
+            str(running.layout), f"paused:{paused.layout}", "done", 500)
 
         backend.calls.clear()
         _tick(ctl, source, clock, 10.0)  # traffic falls: inference drains, the job resumes where it paused
@@ -306,7 +306,7 @@ def test_a_job_at_its_minimum_is_paused_with_its_state_kept_and_resumes_at_the_s
         assert resumed.phase == "Running" and len(resumed.gpus) >= 4 and resumed.step == 123
         assert [c[0] for c in backend.calls].count("resume") == 1, backend.calls
         ev = db.list_reshards(store, job="pretrain")[-1]
-        assert (ev.from_layout, ev.to_layout, ev.status) == (f"paused:{paused.layout}", resumed.layout, "done")
+        assert (ev.from_layout, ev.to_layout, ev.status) == (f"paused:{paused.layout}", str(resumed.layout), "done")
     finally:
         store.dispose()
 
@@ -344,14 +344,14 @@ def test_a_job_that_recovered_from_a_lost_worker_is_put_on_record_once_and_grown
         assert len(before.gpus) == 6
         # the trainer lost a worker and resumed on the survivors by itself (no action of ours)
         kept = before.gpus[:3]
-        backend.jobs["pretrain"] = replace(before, layout="tp1.pp3.dp1", gpus=kept, generation=before.generation + 1,
+        backend.jobs["pretrain"] = replace(before, layout=Layout.parse("tp1.pp3.dp1"), gpus=kept, generation=before.generation + 1,
                                            recovery="lost pretrain-w5 (worker exited with code -9)",
                                            recovered_from=before.layout, last_bytes_moved=0, last_pause_seconds=0.2)
         _tick(ctl, source, clock, 10.0)
         _tick(ctl, source, clock, 10.0)
         lost = [d for d in db.list_decisions(store, limit=50, pool="p") if d.reason == "WorkerLost"]
         assert len(lost) == 1 and "recovered in place from lost pretrain-w5" in lost[0].message
-        evs = [e for e in db.list_reshards(store, job="pretrain") if e.from_layout == before.layout
+        evs = [e for e in db.list_reshards(store, job="pretrain") if e.from_layout == str(before.layout)
                and e.to_layout == "tp1.pp3.dp1"]
         assert len(evs) == 1 and evs[0].status == "done" and evs[0].pause_seconds == pytest.approx(0.2)
         assert len(backend.jobs["pretrain"].gpus) == 6  # the freed GPUs were lent to it again

@@ -12,6 +12,7 @@ from elastic import store as db
 from elastic.config import load_config
 from elastic.controller import Controller
 from elastic.metrics import InProcessSource
+from elastic.phases import JobPhase
 
 from .fake_backend import FakeBackend
 
@@ -44,7 +45,7 @@ def test_failed_job_is_reclaimed_with_its_reason_and_restarted(db_url: str, load
     source.set("chat", 10.0, t[0])
     assert ctl.tick().error is None and backend.jobs["pretrain"].gpus
     # 1. a worker dies: the backend reports the job Failed, still "holding" its GPUs
-    backend.jobs["pretrain"] = replace(backend.jobs["pretrain"], phase="Failed", error="worker w3 exited with code -9")
+    backend.jobs["pretrain"] = replace(backend.jobs["pretrain"], phase=JobPhase.FAILED, error="worker w3 exited with code -9")
     backend.calls.clear()
     t[0] += 30
     source.set("chat", load_after, t[0])

@@ -12,7 +12,8 @@ from elastic.backends.base import JobRuntime
 from elastic.config import load_config
 from elastic.controller import Controller
 from elastic.metrics import InProcessSource
-from elastic.model import GPU
+from elastic.model import GPU, Layout
+from elastic.phases import JobPhase
 
 from .fake_backend import FakeBackend
 
@@ -23,8 +24,8 @@ CONFIG = {
     "jobs": [{"name": "job", "model": "tiny", "min_gpus": 1, "max_gpus": 8, "global_batch": 840}],
 }
 G = [GPU("n0", i) for i in range(8)]
-OLD = JobRuntime("job", "Running", "tp1.pp1.dp4", tuple(G[4:8]), generation=1, step=50)
-NEW = replace(OLD, layout="tp1.pp1.dp3", gpus=tuple(G[5:8]), generation=2, step=52,
+OLD = JobRuntime("job", JobPhase.RUNNING, Layout.parse("tp1.pp1.dp4"), tuple(G[4:8]), generation=1, step=50)
+NEW = replace(OLD, layout=Layout.parse("tp1.pp1.dp3"), gpus=tuple(G[5:8]), generation=2, step=52,
               last_pause_seconds=0.4, last_bytes_moved=123_456)
 
 

@@ -19,6 +19,7 @@ from elastic.demo import (
     demo_config,
     utilization_bound,
 )
+from elastic.model import Layout
 from elastic.serve.profiles import diurnal_rate
 
 
@@ -132,8 +133,7 @@ def test_a_recovery_is_counted_apart_from_the_rescales_and_not_subtracted_twice(
     from elastic.demo import DemoRun, Sample, _summary, day_offset
 
     run = DemoRun(warmup=0.0)
-    run.samples = [Sample(float(t), 1.0, 1, 1.0, 2, 2, "tp1.pp1.dp2" if t else "tp1.pp1.dp1", t, 1.0, 1.0)
-                   for t in range(11)]
+    run.samples = [Sample(float(t), 1.0, 1, 1.0, 2, 2, Layout(1, 1, 2 if t else 1), t, 1.0, 1.0) for t in range(11)]
     run.reshards = [
         {"id": 1, "generation": 2, "from": "tp1.pp1.dp1", "to": "tp1.pp1.dp2", "status": "done", "pause_seconds": 0.5},
         {"id": 2, "generation": 3, "from": "tp1.pp1.dp2", "to": "tp1.pp1.dp1", "status": "done", "pause_seconds": 3.0},
@@ -162,18 +162,21 @@ def test_training_counts_the_gpus_of_the_layout_that_steps_not_the_backends_book
 
     from elastic.demo import DemoRun, _sample_loop
 
-    rt = SimpleNamespace(gpus=("g0", "g1"), layout=layout, phase=phase, step=5, loss=1.0, tokens_per_second=9.0)
+    rt = SimpleNamespace(gpus=("g0", "g1"), layout=Layout.parse(layout), phase=phase, step=5, loss=1.0,
+                         tokens_per_second=9.0)
     backend = SimpleNamespace(service_targets=lambda s: [], draining_targets=lambda s: [], job_runtime=lambda j: rt)
     run, stop = DemoRun(), threading.Event()
     t = threading.Thread(target=_sample_loop, args=(backend, None, None, 0.0, run, stop, lambda p, t: 1.0, 13.0),
                          kwargs={"every": 0.01})
     t.start()
-    while not run.samples:
+    deadline = time.monotonic() + 30
+    while not run.samples and t.is_alive() and time.monotonic() < deadline:
         time.sleep(0.01)
     stop.set()
     t.join(5)
+    assert run.samples, "the sampler took no sample (it raised, or never ran)"
     x = run.samples[0]
-    assert (x.training_gpus, x.training_busy, x.layout) == (2, busy, layout)
+    assert (x.training_gpus, x.training_busy, x.layout) == (2, busy, Layout.parse(layout))
 
 
 def test_the_demo_job_keeps_a_full_optimizer_copy_per_replica_when_a_worker_is_to_be_killed() -> None:
@@ -298,7 +301,7 @@ def test_every_gpu_count_the_planner_gives_the_user_job_splits_its_global_batch(
     from elastic.backends.base import default_trainer_config
     from elastic.controller import job_throughput_tables
     from elastic.demo import demo_config
-    from elastic.model import Layout, load_model
+    from elastic.model import load_model
     from elastic.torch.data import rank_micro_batches
     from elastic.train.userjob import from_spec
 

@@ -7,6 +7,7 @@ import itertools
 
 from elastic.demo.report import _figure, _plot, layout_segments
 from elastic.demo.samples import DemoRun, Sample
+from elastic.model import Layout
 
 
 def _run(layouts: list[tuple[float, str | None]], warmup: float = 40.0) -> DemoRun:
@@ -19,14 +20,15 @@ def _run(layouts: list[tuple[float, str | None]], warmup: float = 40.0) -> DemoR
         lay = [x for a, x in layouts if a <= day][-1] if day >= layouts[0][0] else layouts[0][1]
         gpus = int(lay.split(".dp")[1].split(".")[0]) if lay else 0
         run.samples.append(Sample(t=t, rate=5.0, replicas=8 - max(gpus, 1), inference_busy=1.0, training_gpus=gpus,
-                                  training_busy=gpus, layout=lay, step=int(t), loss=1.0, tokens_per_second=1.0))
+                                  training_busy=gpus, layout=Layout.parse(lay) if lay else None, step=int(t), loss=1.0,
+                                  tokens_per_second=1.0))
         t += 1.0
     return run
 
 
 def test_segments_follow_the_layout_and_leave_out_stretches_without_one() -> None:
     run = _run([(-40, "tp1.pp1.dp7.z1"), (10, "tp1.pp1.dp6.z1"), (20, None), (25, "tp1.pp2.dp1")])
-    assert [(a, b, lay) for a, b, lay in layout_segments(run)] == [
+    assert [(a, b, str(lay)) for a, b, lay in layout_segments(run)] == [
         (-40.0, 10.0, "tp1.pp1.dp7.z1"), (10.0, 20.0, "tp1.pp1.dp6.z1"), (25.0, 55.0, "tp1.pp2.dp1")]
 
 
@@ -48,8 +50,8 @@ def test_no_two_layout_names_overlap_and_each_sits_in_its_stretch(tmp_path) -> N
         x = text.get_position()[0]
         a, b, lay = next(s for s in segments if s[0] <= x <= s[1])
         left, right = (strip.transData.transform((v, 0.5))[0] for v in (a, b))
-        assert text.get_text() == lay and left <= box.x0 and box.x1 <= right
+        assert text.get_text() == str(lay) and left <= box.x0 and box.x1 <= right
     legend = [t.get_text() for t in strip.get_legend().get_texts()]
-    assert legend == list(dict.fromkeys(lay for _, _, lay in segments))
+    assert legend == list(dict.fromkeys(str(lay) for _, _, lay in segments))
     _plot(run, str(tmp_path / "t.png"), None, None)
     assert (tmp_path / "t.png").stat().st_size > 10_000

@@ -21,6 +21,7 @@ from elastic.controller import memory as mem
 from elastic.metrics import InProcessSource
 from elastic.model import GPU, Layout, SpecError, TrainingSpec, load_hardware, load_model
 from elastic.parallel.memory_report import MeasuredMemory
+from elastic.phases import JobPhase
 from tests.fakes import Clock, tick
 
 from .fake_backend import FakeBackend
@@ -84,7 +85,7 @@ def test_the_message_sets_the_planners_prediction_beside_what_was_measured() -> 
     ("", False),
 ])
 def test_a_worker_out_of_memory_drops_its_layout(error, dropped) -> None:
-    d = mem.check_failure("tp2.pp1.dp2", error, BUDGET, now=1.0)
+    d = mem.check_failure(Layout.parse("tp2.pp1.dp2"), error, BUDGET, now=1.0)
     assert (d is not None) == dropped
     if d is not None:
         assert (d.layout, d.reason, d.peak_bytes) == (Layout.parse("tp2.pp1.dp2"), "OutOfMemory", None)
@@ -94,12 +95,12 @@ def test_a_worker_out_of_memory_drops_its_layout(error, dropped) -> None:
 def test_an_out_of_memory_failure_names_what_the_rank_held_when_it_failed() -> None:
     error = "OutOfMemory: OutOfMemoryError: out of memory: saving 45056 bytes for backward would hold 4397584 bytes"
     small = replace(measured("tp1.pp2.dp1", each=1024**2), activations=3 * 1024**2)  # 6 MiB in all, on CPU
-    d = mem.check_failure("tp1.pp2.dp1", error, BUDGET, 2.0, small)
+    d = mem.check_failure(Layout.parse("tp1.pp2.dp1"), error, BUDGET, 2.0, small)
     assert d is not None and (d.reason, d.peak_bytes) == ("OutOfMemory", 6 * 1024**2)
     assert d.message.startswith("tp1.pp2.dp1: step 3 ran out of memory on rank 0 (stage 0) at 6.00 MiB")
     assert "activations 3.00 MiB" in d.message and "74.00 GiB" in d.message and "45056 bytes" in d.message
     # a measurement of another layout (an older one) is not this failure's: no peak is claimed
-    other = mem.check_failure("tp2.pp1.dp1", error, BUDGET, 2.0, small)
+    other = mem.check_failure(Layout.parse("tp2.pp1.dp1"), error, BUDGET, 2.0, small)
     assert other is not None and other.peak_bytes is None and "a worker ran out of memory" in other.message
 
 
@@ -138,9 +139,9 @@ def test_a_replacement_needing_more_memory_than_the_dropped_layout_is_never_take
 def test_relayout_target_moves_only_a_job_on_a_dropped_layout_with_another_of_its_count() -> None:
     dropped = {Layout.parse("tp1.pp1.dp4")}
     table = {4: ("tp1.pp2.dp2", 280.0)}
-    assert mem.relayout_target("tp1.pp1.dp4", 4, dropped, table) == Layout.parse("tp1.pp2.dp2")
-    assert mem.relayout_target("tp1.pp2.dp2", 4, dropped, table) is None  # not dropped
-    assert mem.relayout_target("tp1.pp1.dp4", 4, dropped, {}) is None  # none of its count: fewer GPUs
+    assert mem.relayout_target(Layout.parse("tp1.pp1.dp4"), 4, dropped, table) == Layout.parse("tp1.pp2.dp2")
+    assert mem.relayout_target(Layout.parse("tp1.pp2.dp2"), 4, dropped, table) is None  # not dropped
+    assert mem.relayout_target(Layout.parse("tp1.pp1.dp4"), 4, dropped, {}) is None  # none of its count: fewer GPUs
     assert mem.relayout_target(None, 0, dropped, table) is None
 
 
@@ -212,7 +213,7 @@ def test_a_layout_over_budget_is_left_in_place_and_never_picked_again(env) -> No
     # 1. one replica at its target: the job runs the planner's 6-GPU layout
     _tick(ctl, source, clock, 10.0)
     rt = backend.jobs["pretrain"]
-    assert (rt.layout, len(rt.gpus)) == ("tp1.pp3.dp2.z1", 6)
+    assert (str(rt.layout), len(rt.gpus)) == ("tp1.pp3.dp2.z1", 6)
     # 2. its worst rank's measured step peaked at 76 GiB, over the 74 GiB budget
     over = measured("tp1.pp3.dp2.z1", peak=76 * GiB, step=rt.step)
     backend.jobs["pretrain"] = replace(rt, step=rt.step + 5, memory=over.as_json())
@@ -220,7 +221,7 @@ def test_a_layout_over_budget_is_left_in_place_and_never_picked_again(env) -> No
     # 3. in place: the same GPUs, the same step, the next generation, on a layout the planner
     # predicts to need less memory (not tp1.pp3.dp2: without ZeRO-1 it needs more)
     after = backend.jobs["pretrain"]
-    assert after.layout == "tp2.pp3.dp1", res.applied
+    assert str(after.layout) == "tp2.pp3.dp1", res.applied
     assert (after.gpus, after.step, after.generation) == (rt.gpus, rt.step + 5, rt.generation + 1)
     assert any(a.startswith("relayout_training pretrain: tp1.pp3.dp2.z1 -> tp2.pp3.dp1") for a in res.applied)
     # 4. on record: the decision names the layout, the peak and the budget; the reshard; the status
@@ -244,7 +245,7 @@ def test_a_layout_over_budget_is_left_in_place_and_never_picked_again(env) -> No
     _tick(ctl, source, clock, 40.0)
     assert len(backend.jobs["pretrain"].gpus) == 4
     _tick(ctl, source, clock, 10.0)
-    assert backend.jobs["pretrain"].layout == "tp2.pp3.dp1"
+    assert str(backend.jobs["pretrain"].layout) == "tp2.pp3.dp1"
     assert backend.layouts.count("tp1.pp3.dp2.z1") == 1  # its first start, never again
     # 6. a restarted controller reads the dropped layout back from the job's status
     again = Controller(cfg, backend, store, {"chat": source}, owner="ctl-a", clock=clock)
@@ -262,7 +263,7 @@ def test_a_measurement_within_budget_changes_nothing(env) -> None:
     ctl, backend, source, clock, store, _ = env
     _tick(ctl, source, clock, 10.0)
     rt = backend.jobs["pretrain"]
-    backend.jobs["pretrain"] = replace(rt, memory=measured(rt.layout, peak=70 * GiB).as_json())
+    backend.jobs["pretrain"] = replace(rt, memory=measured(str(rt.layout), peak=70 * GiB).as_json())
     res = _tick(ctl, source, clock, 10.0)
     assert backend.jobs["pretrain"].generation == rt.generation and not res.applied
     assert not [d for d in db.list_decisions(store, limit=50, pool="p") if d.reason == "MemoryExceeded"]
@@ -274,14 +275,14 @@ def test_a_job_that_failed_out_of_memory_restarts_on_another_layout(env) -> None
     ctl, backend, source, clock, store, _ = env
     _tick(ctl, source, clock, 10.0)
     rt = backend.jobs["pretrain"]
-    backend.jobs["pretrain"] = replace(rt, phase="Failed",
+    backend.jobs["pretrain"] = replace(rt, phase=JobPhase.FAILED,
                                        error="worker w3: OutOfMemoryError: CUDA out of memory. Tried to allocate 4 GiB")
     backend.layouts.clear()
     # reaped (its GPUs return) and, as the plan already counted it as not running, started afresh
     # in the same tick: on the re-planned layout of its count
     res = _tick(ctl, source, clock, 10.0)
     assert any(a.startswith("stop_failed_training pretrain") for a in res.applied), res.applied
-    assert backend.layouts == ["tp2.pp3.dp1"] and backend.jobs["pretrain"].layout == "tp2.pp3.dp1"
+    assert backend.layouts == ["tp2.pp3.dp1"] and str(backend.jobs["pretrain"].layout) == "tp2.pp3.dp1"
     [d] = [d for d in db.list_decisions(store, limit=50, pool="p") if d.reason == "MemoryExceeded"]
     assert "tp1.pp3.dp2.z1: a worker ran out of memory" in d.message and "OutOfMemoryError" in d.message
     assert [x["reason"] for x in db.get_job(store, "pretrain").status["droppedLayouts"]] == ["OutOfMemory"]
@@ -301,18 +302,18 @@ def test_a_jobs_memory_limit_is_its_budget_and_the_planner_fits_it_under_it(db_u
         ctl = Controller(cfg, backend, store, {"chat": source}, owner="ctl-a", clock=clock)
         _tick(ctl, source, clock, 10.0)
         rt = backend.jobs["pretrain"]
-        assert (rt.layout, len(rt.gpus)) == ("tp1.pp7.dp1", 7)  # the limit leaves a 7-GPU layout
+        assert (str(rt.layout), len(rt.gpus)) == ("tp1.pp7.dp1", 7)  # the limit leaves a 7-GPU layout
         planned = mem.alternatives(GPT, H100, 6, gpus_per_node=4, **cfg.jobs[0].planner_options())
         reserve = H100.memory_bytes - BUDGET
         assert planned and all(c.memory_bytes - reserve <= limit for c in planned)
         assert Layout.parse("tp1.pp3.dp2.z1") not in {c.layout for c in planned}
         assert ctl._budget("pretrain") == limit
-        over = replace(rt, step=rt.step + 1, memory=measured(rt.layout, peak=9 * GiB).as_json())
+        over = replace(rt, step=rt.step + 1, memory=measured(str(rt.layout), peak=9 * GiB).as_json())
         assert ctl.memory_status("pretrain", over)["budgetBytes"] == limit  # what the job's status shows
         backend.jobs["pretrain"] = over
         _tick(ctl, source, clock, 10.0)
         status = db.get_job(store, "pretrain").status
-        assert [x["layout"] for x in status["droppedLayouts"]] == [rt.layout]
+        assert [x["layout"] for x in status["droppedLayouts"]] == [str(rt.layout)]
         assert status["droppedLayouts"][0]["budgetBytes"] == limit
     finally:
         store.dispose()

@@ -228,7 +228,7 @@ def test_a_killed_training_worker_is_recovered_in_place_recorded_and_grown_back(
     try:
         _tick(ctl, source, clock, 10.0)
         rt0 = backend.job_runtime("tiny-job")
-        assert rt0.layout == "tp1.pp1.dp4" and len(rt0.gpus) == 4
+        assert str(rt0.layout) == "tp1.pp1.dp4" and len(rt0.gpus) == 4
         handle = backend.jobs["tiny-job"].handle
         handle.wait_step(rt0.step + 3, timeout=120)
         victim = sorted(handle.actors)[1]
@@ -274,7 +274,7 @@ def test_a_job_no_replica_can_recover_is_restarted_by_the_controller_from_its_ch
     try:
         _tick(ctl, source, clock, 10.0)
         rt0 = backend.job_runtime("tiny-job")
-        assert rt0.layout == "tp1.pp1.dp4.z1", rt0.layout
+        assert str(rt0.layout) == "tp1.pp1.dp4.z1", rt0.layout
         handle = backend.jobs["tiny-job"].handle
         deadline = time.monotonic() + 120
         while (ref := ck.latest(root)) is None or ref.step < 4:

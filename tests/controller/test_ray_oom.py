@@ -129,7 +129,7 @@ def test_a_layout_that_runs_out_of_memory_is_dropped_and_the_job_moves_in_place_
         # 4. it trains on: later ticks leave it there, the status carries the drop and the new peak
         tick()
         rt = backend.job_runtime(JOB)
-        assert (rt.phase, rt.layout) == ("Running", "tp2.pp1.dp1")
+        assert (rt.phase, str(rt.layout)) == ("Running", "tp2.pp1.dp1")
         status = db.get_job(store, JOB).status
         assert [(x["layout"], x["reason"], x["peakBytes"]) for x in status["droppedLayouts"]] == [
             ("tp1.pp2.dp1", "OutOfMemory", peak)]

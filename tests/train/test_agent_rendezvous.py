@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from prometheus_client import CollectorRegistry
 
-from elastic.model import SpecError
+from elastic.model import Layout, SpecError
 from elastic.train.rendezvous import (
     Coordinator,
     Directive,
@@ -675,8 +675,8 @@ def test_the_backends_runtime_reports_a_recovery_nobody_asked_for_once_it_is_don
     run_step(c, ["w0"], 2, 2)
     st = c.status()
     rt = coordinator_runtime("job", st, still_held(gpus, st.workers), None)
-    assert (rt.phase, rt.layout, rt.gpus, rt.generation) == ("Running", "tp1.pp1.dp1", (GPU("n0", 0),), 2)
-    assert "lost w1" in rt.recovery and rt.recovered_from == "tp1.pp1.dp2"
+    assert (rt.phase, rt.layout, rt.gpus, rt.generation) == ("Running", Layout.parse("tp1.pp1.dp1"), (GPU("n0", 0),), 2)
+    assert "lost w1" in rt.recovery and rt.recovered_from == Layout.parse("tp1.pp1.dp2")
     assert rt.last_pause_seconds == pytest.approx(0.25)
 
 
