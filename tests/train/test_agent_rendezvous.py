@@ -717,6 +717,47 @@ def test_a_loss_without_a_surviving_copy_fails_the_job(layout, workers, why) -> 
     assert metric(reg, "elastic_training_failed") == 1
 
 
+@pytest.mark.parametrize("lost, workers, error", [
+    # tp2.pp1.dp2: w0 (tp0, dp0), w1 (tp1, dp0), w2 (tp0, dp1), w3 (tp1, dp1)
+    (("w1", "w2"), ["w0", "w3"], None),  # two broken replicas make one whole: each keeps its shard
+    (("w1", "w3"), None, "no survivor holds tp rank 1, pp rank 0"),  # both copies of tp rank 1 gone
+])
+def test_a_recovery_takes_one_survivor_of_every_shard_or_fails_naming_the_shard_none_holds(lost, workers, error):
+    c, _, _ = started(workers=W4, layout="tp2.pp1.dp2", recover=True)
+    for w in lost:
+        c.worker_lost(w, f"worker {w} exited with code -9")
+    for w in sorted(set(W4) - set(lost)):
+        call(c, "broken", w, generation=1, step=1, applied=0, ready=None, dirty=False, local_apply=True)
+    st = c.status()
+    if error is not None:
+        assert st.phase == "failed" and error in st.error, st.error
+        assert c.rescale_record(2) is None  # nothing posted that the survivors could not fill
+        return
+    d = call(c, "step", "w0", generation=1, step=1)["directive"]
+    assert (d["layout"], d["workers"]) == ("tp2.pp1.dp1", workers)  # in the new rank order: tp0, then tp1
+
+
+def test_recovery_candidates_put_intact_replicas_first_and_members_keep_their_shards() -> None:
+    from elastic.train.rendezvous.state import recovery_candidates, recovery_members
+
+    old = Layout.parse("tp2.pp2.dp3")  # rank = t + 2 * (d + 3 * p)
+    ranks = {f"w{r}": r for r in range(12)}
+    survivors = {w: r for w, r in ranks.items() if w not in ("w0", "w9")}  # replica 0 lost (t0, p0), replica 1 (t1, p1)
+    cand, missing = recovery_candidates(old, survivors)
+    assert missing == []
+    # replica 2 (w4, w5, w10, w11) is the intact one: its workers come first for every shard
+    assert cand == {(0, 0): ["w4", "w2"], (1, 0): ["w5", "w1", "w3"], (0, 1): ["w10", "w6", "w8"],
+                    (1, 1): ["w11", "w7"]}
+    two = recovery_members(old, Layout.parse("tp2.pp2.dp2"), cand)
+    assert two == ["w4", "w5", "w2", "w1", "w10", "w11", "w6", "w7"]
+    new = Layout.parse("tp2.pp2.dp2")
+    for pos, w in enumerate(two):  # each member's new coordinate is the one of the shard it holds
+        t, _, p = new.coords(pos)
+        assert old.coords(ranks[w])[0::2] == (t, p)
+    assert recovery_candidates(old, {w: r for w, r in survivors.items() if r % 2 == 0})[1] == [
+        "tp rank 1, pp rank 0", "tp rank 1, pp rank 1"]
+
+
 def test_recovery_refuses_inconsistent_or_unlost_states_and_gives_silent_survivors_up() -> None:
     # every worker reports back alive: no worker was lost, a retry would repeat the fault
     c, _, _ = started(workers=W4, layout="tp1.pp2.dp2", recover=True)

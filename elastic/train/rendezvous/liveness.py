@@ -8,7 +8,7 @@ from typing import Any
 
 from elastic.model import Layout, SpecError
 from elastic.train.rendezvous.messages import Directive, RescaleRecord, StepRecord
-from elastic.train.rendezvous.state import _Gen, _Pending, _Recovery
+from elastic.train.rendezvous.state import _Gen, _Pending, _Recovery, recovery_candidates, recovery_members
 
 log = logging.getLogger(__name__)
 
@@ -346,22 +346,23 @@ class _Liveness:
         return r, ""
 
     def _recovery_members(self, old: Layout, survivors: list[str]) -> tuple[list[str], Layout | None, list[str]]:
-        """The most replicas the survivors fill whose layout the validator accepts; intact replicas first."""
+        """The most replicas the survivors fill whose layout the validator accepts; intact replicas
+        first. A replica slot takes one survivor of every model-parallel coordinate, from whichever
+        broken replicas hold them; with a coordinate that no survivor holds, none."""
         cur = self._current
         assert cur is not None
-        per = old.tp * old.pp
-        by_replica: dict[int, list[str]] = {}
-        for w in survivors:
-            by_replica.setdefault(old.coords(cur.ranks[w])[1], []).append(w)
-        ordered = [w for _, ws in sorted(by_replica.items(), key=lambda kv: (len(kv[1]) < per, kv[0])) for w in ws]
+        candidates, missing = recovery_candidates(old, {w: cur.ranks[w] for w in survivors})
+        if missing:
+            return [], None, [f"no survivor holds {', '.join(missing)} of {old} (every worker that held it was "
+                              "lost); the state cannot be rebuilt from the survivors"]
         refusals: list[str] = []
         gb, mb = self.config.get("global_batch"), int(self.config.get("micro_batch") or 1)
-        for dp in range(len(survivors) // per, 0, -1):
-            members = ordered[:per * dp]
+        for dp in range(min(len(ws) for ws in candidates.values()), 0, -1):
             # an interleaved pipeline needs a micro-batch count that pp divides: where the smaller dp
             # leaves none, the same stages run without interleaving
             for vpp in dict.fromkeys((old.vpp, 1)):
                 lay = Layout(old.tp, old.pp, dp, vpp=vpp)
+                members = recovery_members(old, lay, candidates)
                 try:
                     if self.validator is not None:
                         self.validator(lay, members)
@@ -374,7 +375,7 @@ class _Liveness:
                     refusals.append(f"{lay}: {e}")
                     continue
                 return members, lay, refusals
-        return [], None, refusals or [f"fewer than tp*pp={per} survivors"]
+        return [], None, refusals
 
     def _h_exit(self, b: dict[str, Any]) -> dict[str, Any]:
         """A worker exits on purpose (stop, finish, abandoned joiner): stop watching it."""
