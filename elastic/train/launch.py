@@ -554,8 +554,14 @@ class JobHandle(ABC):
             for w in self.coordinator.lost_workers():
                 if w not in killed and w in self._live():
                     log.warning("job %s: killing worker %s, given up for lost", self.job, w)
+                    self._dump_stacks(w)
                     self._kill(w)
                     killed.add(w)
+
+    def _dump_stacks(self, worker: str) -> None:
+        """Have a worker about to be killed as lost write where its threads are to its log (a frozen
+        worker's stack is the one clue to why it froze); a no-op where the launcher cannot signal it."""
+        return None
 
 
 class ProcessJobHandle(JobHandle):
@@ -585,6 +591,19 @@ class ProcessJobHandle(JobHandle):
             return None
         return f"exited with signal {-code}" if code < 0 else f"exited with code {code}"
 
+    def _dump_stacks(self, worker: str) -> None:
+        import signal
+
+        p = self.procs.get(worker)
+        if p is None or p.poll() is not None:
+            return
+        try:
+            p.send_signal(signal.SIGUSR1)  # elastic.train.worker: every thread's stack to its stderr
+        except OSError:
+            return
+        # the dump comes from the worker's signal handler; a SIGKILL sent at once may land first
+        time.sleep(STACK_DUMP_GRACE_S)
+
     def _kill(self, worker: str) -> None:
         p = self.procs.get(worker)
         if p is not None and p.poll() is None:
@@ -596,6 +615,10 @@ class ProcessJobHandle(JobHandle):
 
     def pid(self, worker: str) -> int:
         return self.procs[worker].pid
+
+
+STACK_DUMP_GRACE_S = 0.5
+"""How long a lost worker is given to write its stacks before it is killed (diagnostics only)."""
 
 
 def gpu_workers(workers: Sequence[str], keepers: set[str]) -> list[str]:

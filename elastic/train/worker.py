@@ -22,6 +22,10 @@ Environment:
 
 Exit codes: 0 stopped/finished/left, 1 the job failed (reason posted to the coordinator),
 2 bad configuration, 3 coordinator unreachable.
+
+``SIGUSR1`` writes every thread's Python stack to stderr and the worker goes on (where nothing
+else handles that signal): the launcher sends it to a worker it gives up for lost before
+killing it, so a stuck worker's log says where it was stuck.
 """
 
 from __future__ import annotations
@@ -128,6 +132,7 @@ class _EnvCheckedAgent(WorkerAgent):
 
 def main(env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
+    _stacks_on_sigusr1()
     if env.get("ELASTIC_ENTRYPOINT"):
         _nice(env)
         from elastic.torch.run import main as run_user
@@ -154,6 +159,19 @@ def main(env: Mapping[str, str] | None = None) -> int:
     except SpecError as e:
         print(f"elastic.train.worker {worker} (job {job}): {e}", file=sys.stderr)
         return 2
+
+
+def _stacks_on_sigusr1() -> None:
+    """``SIGUSR1``: every thread's stack to stderr (faulthandler writes it from the signal handler,
+    so it comes even while the main thread is blocked inside a collective's C++ code)."""
+    import faulthandler
+    import signal
+
+    try:
+        if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
+    except (ValueError, OSError, AttributeError):  # not the main thread, or no such signal here
+        pass
 
 
 def _nice(env: Mapping[str, str]) -> None:
