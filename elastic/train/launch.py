@@ -533,6 +533,7 @@ class JobHandle(ABC):
         for w in pending:
             log.warning("job %s: worker %s did not exit within %.0f s; killing it", self.job, w, timeout)
             if kill:
+                self._dump_stacks(w)
                 self._kill(w)
         with self._lock:
             self._gone.update(workers)
@@ -559,8 +560,9 @@ class JobHandle(ABC):
                     killed.add(w)
 
     def _dump_stacks(self, worker: str) -> None:
-        """Have a worker about to be killed as lost write where its threads are to its log (a frozen
-        worker's stack is the one clue to why it froze); a no-op where the launcher cannot signal it."""
+        """Have a worker about to be killed as stuck (given up for lost, or not gone when it was to
+        leave) write where its threads are to its log (a frozen worker's stack is the one clue to
+        why it froze); a no-op where the launcher cannot signal it."""
         return None
 
 
