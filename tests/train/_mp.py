@@ -13,6 +13,7 @@ tensor from all ranks' pieces while checking replicas are bitwise equal.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import socket
@@ -123,11 +124,16 @@ def make_cfg(model: str = "tiny", dtype: str = "float64", global_batch: int = 4,
                        weight_decay=weight_decay, dtype=DTYPES[dtype])
 
 
-def reference_losses(cfg: TrainConfig, steps: int) -> list[float]:
+def reference_losses(cfg: TrainConfig, steps: int, *, one_micro_batch: bool = False) -> list[float]:
     """The single-process run (tp1.pp1.dp1) every parallel run must follow.
 
     One intra-op thread: on a busy 2-core machine two threads spinning against each other
-    make these tiny matmuls 30x slower."""
+    make these tiny matmuls 30x slower. ``one_micro_batch``: each step's samples in one
+    micro-batch, the same maths up to float rounding, several times faster than hundreds of
+    tiny micro-batches; only for a model without per-micro-batch terms (a mixture of experts'
+    auxiliary loss is one)."""
+    if one_micro_batch:
+        cfg = dataclasses.replace(cfg, micro_batch=cfg.global_batch)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
