@@ -168,7 +168,8 @@ def _stacks_on_sigusr1() -> None:
     import signal
 
     try:
-        if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
+        # only where nothing handles it (None: a handler installed outside Python, e.g. by a host runtime)
+        if signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
             faulthandler.register(signal.SIGUSR1, all_threads=True)
     except (ValueError, OSError, AttributeError):  # not the main thread, or no such signal here
         pass
