@@ -118,9 +118,9 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     env = os.environ if env is None else env
     argv = sys.argv[1:] if argv is None else list(argv)
     from elastic.logs import setup_from_env
-    from elastic.train.worker import _stacks_on_sigusr1
+    from elastic.train.worker import stacks_on_sigusr1
 
-    _stacks_on_sigusr1()  # a worker given up for lost says where it was stuck (see elastic.train.worker)
+    stacks_on_sigusr1()  # a worker given up for lost says where it was stuck (see elastic.train.worker)
 
     try:
         setup_from_env(env=env)  # ELASTIC_LOG_LEVEL / ELASTIC_LOG_FORMAT, as the controller logs

@@ -132,7 +132,7 @@ class _EnvCheckedAgent(WorkerAgent):
 
 def main(env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
-    _stacks_on_sigusr1()
+    stacks_on_sigusr1()
     if env.get("ELASTIC_ENTRYPOINT"):
         _nice(env)
         from elastic.torch.run import main as run_user
@@ -161,7 +161,7 @@ def main(env: Mapping[str, str] | None = None) -> int:
         return 2
 
 
-def _stacks_on_sigusr1() -> None:
+def stacks_on_sigusr1() -> None:
     """``SIGUSR1``: every thread's stack to stderr (faulthandler writes it from the signal handler,
     so it comes even while the main thread is blocked inside a collective's C++ code)."""
     import faulthandler

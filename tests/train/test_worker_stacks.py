@@ -13,8 +13,8 @@ import time
 # thread beside it, as the heartbeat is
 _STUCK = """
 import sys, threading, time
-from elastic.train.worker import _stacks_on_sigusr1
-_stacks_on_sigusr1()
+from elastic.train.worker import stacks_on_sigusr1
+stacks_on_sigusr1()
 threading.Thread(target=lambda: time.sleep(120), name="beat", daemon=True).start()
 print("ready", flush=True)
 time.sleep(120)
