@@ -458,6 +458,7 @@ ENV_DOCS: dict[str, str] = {
     "ELASTIC_FAULT_EXCHANGE": "Tests only: inject a fault at a point of a rescale's exchange.",
     "ELASTIC_FAULT_SLOW_LEAVE": "Tests only: slow a leaver down.",
     "ELASTIC_FAULT_SLOW_CHECKPOINT": "Tests only: slow a checkpoint write down.",
+    "ELASTIC_FAULT_HOLD_STEP": "Tests only: a file; while it exists, a worker does not end the step it computed.",
 }
 
 

@@ -72,10 +72,11 @@ def _pids_under(marker: str) -> list[int]:
 
 
 @pytest.fixture
-def ray_cluster(request):
+def ray_cluster(request, tmp_path: Path):
     """A private single-node Ray cluster on loopback; its temp dir keeps other Ray users from finding it.
-    Indirect parameter: extra environment for the cluster (its workers inherit it)."""
-    extra = getattr(request, "param", None) or {}
+    Indirect parameter: extra environment for the cluster (its workers inherit it); ``{tmp}`` in a
+    value is the test's ``tmp_path``."""
+    extra = {k: v.format(tmp=tmp_path) for k, v in (getattr(request, "param", None) or {}).items()}
     temp = tempfile.mkdtemp(prefix="erc", dir="/tmp")
     port = _free_port()
     proc = subprocess.Popen(
@@ -151,13 +152,15 @@ def _job_gpus(t: dict) -> int:
     return len(t["job"]["gpus"]) if t.get("job") else 0
 
 
-# finish: the shrink's members finish the step in progress (the kill lands while they compute it).
+# finish: the shrink's members finish the step in progress; the test holds them inside it
+# (ELASTIC_FAULT_HOLD_STEP: a step that does not end while the file exists), so the kill lands while
+# the shrink waits for the step's boundary, however fast the steps are.
 # give-up: they give it up at the next micro-batch (the backends' default), so the new layout runs
 # within a fraction of a second; the leaver then takes 4 s to go (ELASTIC_FAULT_SLOW_LEAVE, a node slow
 # to let its GPU go), and the kill lands while the shrink waits for it: the restarted controller finds
 # the new generation training and the old worker still holding its GPU.
 @pytest.mark.parametrize("ray_cluster,give_up", [
-    pytest.param({}, False, id="finish"),
+    pytest.param({"ELASTIC_FAULT_HOLD_STEP": "{tmp}/hold-step"}, False, id="finish"),
     pytest.param({"ELASTIC_FAULT_SLOW_LEAVE": "4"}, True, id="give-up"),
 ], indirect=["ray_cluster"])
 def test_controller_killed_mid_shrink_restarts_and_the_job_carries_on(ray_cluster, give_up: bool,
@@ -171,6 +174,9 @@ def test_controller_killed_mid_shrink_restarts_and_the_job_carries_on(ray_cluste
         # 1. steady state: 1 replica, the job on its maximum of 4 GPUs, training
         a.wait(lambda t: _job_gpus(t) == 4 and t["job"]["step"] >= 3, 300, "the job on 4 GPUs at step 3")
         # 2. load rises: the controller begins shrinking the job 4 -> 3 to make room for replicas
+        hold = tmp_path / "hold-step"
+        if not give_up:
+            hold.touch()  # the step in progress does not end until the controller is dead
         load.write_text("50")
         store = db.Store.from_url(db_url)
         deadline = time.monotonic() + 120
@@ -182,6 +188,7 @@ def test_controller_killed_mid_shrink_restarts_and_the_job_carries_on(ray_cluste
         a.kill()
         before = a.ticks()[-1]
         assert any(x.kind == "shrink_training" for x in db.open_actions(store, "crash")), "kill came too late"
+        hold.unlink(missing_ok=True)
         gen_before, step_before = before["job"]["generation"], before["job"]["step"]
         # 4. restart: it adopts the actors, reconciles, and finishes the move to 5 replicas + 3 workers
         b = Driver(tmp_path, "b", ray_cluster, db_url, load, give_up)

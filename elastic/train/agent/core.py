@@ -101,6 +101,10 @@ class WorkerAgent(_Transition, _Comms):
         # "<seconds>": a leaver whose bytes have landed waits that long before it goes (a node slow to
         # let its GPU go); the crash test lands a controller's kill while a shrink waits for its leaver
         self._slow_leave = float(os.environ.get("ELASTIC_FAULT_SLOW_LEAVE", "") or 0.0)
+        # "<file>": while that file exists, a worker that computed a step waits before it reports it (at
+        # most _HOLD_STEP_MAX_S): a test holds the job inside a step, so a controller's kill lands while
+        # a shrink waits for the step's boundary however fast the steps are
+        self._hold_step = os.environ.get("ELASTIC_FAULT_HOLD_STEP", "")
 
     # ---- entry ----------------------------------------------------------------------------
     def run(self) -> int:
@@ -169,6 +173,8 @@ class WorkerAgent(_Transition, _Comms):
     def _train(self, step: int) -> int:
         last: dict[str, Any] | None = None
         while True:
+            if self._hold_step and last is not None:
+                _hold_while(self._hold_step)  # the step just computed does not end (a test's fault)
             held = isinstance(self.engine, HeldState) or self._broken
             gave_up, self._gave_up = self._gave_up, None
             asked_at = time.monotonic()
@@ -332,3 +338,13 @@ class WorkerAgent(_Transition, _Comms):
         self._writing, self._writing_step = self._writer.submit(write), step
         if final:
             self._writing.result()
+
+
+_HOLD_STEP_MAX_S = 300.0
+
+
+def _hold_while(path: str) -> None:
+    """``ELASTIC_FAULT_HOLD_STEP``: wait while ``path`` exists, bounded so a forgotten file cannot hang a job."""
+    deadline = time.monotonic() + _HOLD_STEP_MAX_S
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
