@@ -892,6 +892,45 @@ def test_a_survivor_blocked_in_a_groups_rendezvous_is_waited_for_until_its_timeo
     assert out["action"] == "switch" and out["directive"]["workers"] == ["w0", "w1"], out
 
 
+@pytest.mark.parametrize("layout, rendezvous_timeout_s, reports_after, outcome", [
+    # tp2.pp1.dp2 (w0: tp0 dp0, w1: tp1 dp0, w2: tp0 dp1, w3: tp1 dp1), w3 lost: w1 holds the only
+    # copy of tp rank 1 left, and its step is stuck in a collective until pg_timeout_s
+    ("tp2.pp1.dp2", 60.0, 40, ["w0", "w1"]),  # waited for beyond recovery_timeout_s: it reports, the job recovers
+    ("tp2.pp1.dp2", 60.0, None, "failed"),  # it never reports: given up at rendezvous_timeout_s + recovery_timeout_s
+    ("tp2.pp1.dp2", None, None, "failed"),  # no timeout known for its collectives: given up at recovery_timeout_s
+    # tp1.pp1.dp4: every survivor holds everything; the stuck one is not waited for
+    ("tp1.pp1.dp4", 60.0, None, ["w0", "w2"]),
+])
+def test_a_beating_survivor_stuck_in_a_collective_is_waited_for_only_while_it_holds_a_shard_no_other_has(
+        layout, rendezvous_timeout_s, reports_after, outcome) -> None:
+    c, clock, _ = started(workers=W4, layout=layout, recover=True, rendezvous_timeout_s=rendezvous_timeout_s)
+    c.worker_lost("w3", "worker w3 exited with code -9")
+    for w in ("w0", "w2"):
+        call(c, "broken", w, generation=1, step=1, applied=0, ready=None, dirty=False, local_apply=True)
+    waited = 0
+    for second in range(80):  # recovery_timeout_s is 5 s here
+        if c.status().phase != "recovering" or c.rescale_record(2) is not None:
+            break
+        if second == reports_after:  # its collective timed out: it reports what it holds
+            call(c, "broken", "w1", generation=1, step=1, applied=0, ready=None, dirty=False, local_apply=True)
+            continue
+        clock.t += 1.0
+        waited += 1
+        for w in ("w0", "w1", "w2"):  # w1's heartbeat thread beats on while its step is stuck
+            call(c, "heartbeat", w, generation=1)
+        c.tick()
+    if outcome == "failed":
+        st = c.status()
+        assert st.phase == "failed" and "no survivor holds tp rank 1, pp rank 0" in st.error, st.error
+        assert "w1" in c.lost
+        assert waited == (66 if rendezvous_timeout_s else 6)  # past 60 + 5 s, or past 5 s
+        return
+    d = call(c, "step", "w0", generation=1, step=1)["directive"]
+    assert d["workers"] == outcome, d
+    assert ("w1" in c.lost) == ("w1" not in outcome)
+    assert waited == (reports_after if reports_after is not None else 6)
+
+
 def test_a_survivor_that_stops_beating_in_a_rendezvous_is_given_up_as_before() -> None:
     c, clock, _ = started(recover=True, rendezvous_timeout_s=60.0)
     for w in ("w2", "w3"):

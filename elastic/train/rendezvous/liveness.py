@@ -411,7 +411,8 @@ class _Liveness:
                         self._lost_locked(w, f"worker {w} silent for {now - self._seen[w]:.1f} s during a recovery "
                                              f"(> {quiet:g} s: {2.5:g} heartbeats)")
             if (rec is not None and not rec.posted and now - rec.started_at > self.recovery_timeout_s
-                    and not self._in_rendezvous_locked(rec, cur, now)):
+                    and not self._in_rendezvous_locked(rec, cur, now)
+                    and not self._awaits_a_needed_survivor_locked(rec, cur, now)):
                 self._maybe_post_recovery_locked(timed_out=True)
 
     def _in_rendezvous_locked(self, rec: _Recovery, cur: _Gen | None, now: float) -> bool:
@@ -425,6 +426,28 @@ class _Liveness:
         quiet = 2.5 * self.heartbeat_interval_s
         return any(self._building.get(w) is not None and now - self._seen.get(w, float("-inf")) <= quiet
                    for w in cur.ranks if w not in rec.lost and w not in rec.reports)
+
+    def _awaits_a_needed_survivor_locked(self, rec: _Recovery, cur: _Gen | None, now: float) -> bool:
+        """A silent survivor still beats and holds shards that no survivor that reported holds: its
+        step is blocked in a collective that cutting its connections did not break (gloo leaves some
+        blocked until their timeout) and it reports once that collective times out. Giving it up
+        would lose the only copy of its shards and fail the job; wait for it up to
+        ``rendezvous_timeout_s`` (its pg_timeout_s, + the recovery timeout) instead. A survivor whose
+        shards others hold is not waited for: the job recovers without it."""
+        if self.rendezvous_timeout_s is None or cur is None:
+            return False
+        if now - rec.started_at > self.rendezvous_timeout_s + self.recovery_timeout_s:
+            return False
+        quiet = 2.5 * self.heartbeat_interval_s
+        beating = [w for w in cur.ranks if w not in rec.lost and w not in rec.reports
+                   and now - self._seen.get(w, float("-inf")) <= quiet]
+        if not beating:
+            return False
+        old = Layout.parse(cur.layout)
+        reported = {w: cur.ranks[w] for w in rec.reports if w in cur.ranks}
+        _, without = recovery_candidates(old, reported)
+        _, with_them = recovery_candidates(old, {**reported, **{w: cur.ranks[w] for w in beating}})
+        return len(with_them) < len(without)
 
     def _check_deadline_locked(self) -> None:
         p = self._pending
