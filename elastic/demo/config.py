@@ -139,9 +139,9 @@ def _demo_corpus() -> Any:
 def _service_config(minutes: float, tick_seconds: float) -> dict[str, Any]:
     return {
         "pool": {"name": "local", "nodes": 1, "gpus_per_node": GPUS, "hardware": "h100-80g",
-                 # a compressed day: rescale at most every few ticks, and only for a real gain
-                 # (2 ticks: a GPU a replica gave back within 6 s of the last rescale idled until then,
-                 # 4.5 s once in a run; a grow costs its members ~0.1 s of pause)
+                 # a compressed day: rescale at most every other tick, and only for a real gain. A longer
+                 # interval leaves a GPU that a replica gave back idle until it ends; a grow costs its
+                 # members a fraction of a second of pause
                  "rescale_interval_seconds": 2 * tick_seconds, "gain_threshold": 0.05},
         "services": [{
             "name": SERVICE, "gpus_per_replica": 1, "min_replicas": 1, "max_replicas": 6, "priority": 100,
@@ -149,40 +149,34 @@ def _service_config(minutes: float, tick_seconds: float) -> dict[str, Any]:
             # gauge jitters by +-sqrt(load), and holding its peaks holds replicas nobody needs
             # (a longer mean keeps a replica long after the load fell; a shorter one, with a shorter
             # scale-down window, scales down on dips that are undone seconds later)
-            # noiseMargin 0.5: a scale-down to n replicas needs load + 0.5 sqrt(load) <= 13 n. The plateau's
-            # 70 requests then need a 3 s mean <= 61 to drop to five (a dip of 2 sigma of one reading, not
-            # 1); the evening's steps (57, 44, 31, 18 requests on 5, 4, 3, 2 replicas) pass 0.7-1.4 sigma
-            # above their load. In the replay over 12 seeds: dips at the plateau 0.08 a day against 0.67.
+            # noiseMargin 0.5: a scale-down to n replicas needs load + 0.5 sqrt(load) <= 13 n, so the
+            # plateau drops a replica only on a dip of two standard deviations of one reading, while the
+            # evening's step-downs still pass with room to spare.
             "metric": {"preset": "vllm-requests", "target": TARGET, "windowSeconds": max(3, 1.5 * tick_seconds),
                        "noiseMargin": 0.5},
             # a leaving replica hands its requests off (the balancer resumes them on the replicas that
             # stay) when the window lets it go, and its GPU goes to training within a second; it serves
-            # until then. (Before: drained 6 s ahead, out of the balancer, its requests counting for nothing.)
+            # until then instead of idling out of the balancer while it drains.
             "drain_ahead_seconds": 0.0, "handoff": True,
-            # the trend forecast: a line through the running-requests gauge, 3 s ahead. Over 12 s (6
-            # readings) its extrapolation was as noisy as one reading (+-sqrt(load)) and started a replica
-            # on a jitter about once a minute, night and evening included (each then held for the scale-down
-            # window, training shrunk and grown back); over 20 s (10 readings) it is ~0.6x as noisy and
-            # still sees the morning ramp, with fewer reshards and a better SLO than over 12 s.
-            # Over 30 s (15 readings) the line is steadier still: the night's and the evening's jitter
-            # start no replica, and the ramp's scale-ups come a few seconds later, on the load itself.
-            # After an evening step the line still runs above the load for ~6 s (it falls, but the points
-            # before the step pull it up) and holds a replica a tick or two longer; ignoring a falling line
-            # (with a 4 s window) lets a 2-sigma dip right after the step drain the third replica and
-            # its requests miss their TTFT on the two left, so the line is kept as it is.
+            # the trend forecast: a line through the running-requests gauge, a few seconds ahead. A line
+            # over few readings extrapolates the gauge's jitter and starts replicas nobody needs (each then
+            # held for the scale-down window while training shrinks and grows back); over 30 s (15
+            # readings) the night's and the evening's jitter start no replica and the morning ramp is still
+            # seen. After an evening step the line runs above the load for a few seconds and holds a
+            # replica a tick or two longer; that is kept, since ignoring a falling line lets a dip right
+            # after the step drain a replica whose requests then miss their TTFT on those left.
             # startup_seconds, the forecast's horizon: from a decision to the replica serving (a shrink
             # at the next micro-batch, a spare's lease) plus a tick; several seconds on a loaded machine's ramp
             "startup_seconds": 5.0, "forecast": "trend", "forecast_window_seconds": max(30.0, 15 * tick_seconds),
             "behavior": {
                 "scaleUp": {"stabilizationWindowSeconds": 0,
                             "policies": [{"type": "Pods", "value": 2, "periodSeconds": 1}]},
-                # 4 s: longer than a scale-up takes to land (a shrink that gives its step up, 0.2-0.4 s,
-                # then the replica on the GPU handed over with its lease, 0.2-0.4 s; 1.5-2.3 s in all
-                # before the handover), so a replica started for a ramp is not drained on the next dip
-                # before the ramp arrives. The window counts from when a scale-up landed
-                # (policy.replicas.landed). A longer window holds a replica 2 s longer at each evening
-                # step-down; a shorter one drains the evening's third replica on a dip and its requests
-                # miss their TTFT on the two left
+                # longer than a scale-up takes to land (a shrink that gives its step up, then the replica
+                # on the GPU handed over with its lease), so a replica started for a ramp is not drained
+                # on the next dip before the ramp arrives. The window counts from when a scale-up landed
+                # (policy.replicas.landed). A longer one holds a replica longer at each evening
+                # step-down; a shorter one drains a replica on a dip and its requests miss their TTFT on
+                # those left
                 "scaleDown": {"stabilizationWindowSeconds": int(max(4, 2 * tick_seconds)),
                               "policies": [{"type": "Pods", "value": 1, "periodSeconds": 1}]},
             },
