@@ -63,6 +63,20 @@ class JobRuntime:
     # yet, or a job that does not measure (a user's training loop)
     memory: dict[str, Any] | None = None
 
+    @property
+    def recorded_layout(self) -> str | None:
+        """The layout as text where it is stored or published (the reshard history, a job's status, a
+        ``RescaleOutcome``): a paused job's with its ``paused:`` mark (:func:`paused_tag`); None when
+        the job reports none. The one place a runtime's layout becomes text."""
+        if self.layout is None:
+            return None
+        return paused_tag(self.layout) if self.phase == JobPhase.PAUSED else str(self.layout)
+
+
+def paused_tag(held: Layout) -> str:
+    """How the reshard history names a pause: the layout its keepers hold, marked ``paused:``."""
+    return f"paused:{held}"
+
 
 @dataclass(frozen=True)
 class CheckpointOutcome:

@@ -204,7 +204,7 @@ class _Training:
             self.delete_worker_service(spec.name)
             with self._lock:
                 self._jobs.pop(spec.name, None)
-            return RescaleOutcome(spec.name, _text_of(before), None,
+            return RescaleOutcome(spec.name, (before.recorded_layout if before else None), None,
                                   before.generation if before else 0, total_seconds=time.perf_counter() - t0)
         assert layout is not None
         gen = (before.generation + 1) if before else 1
@@ -218,7 +218,7 @@ class _Training:
                 name = f"{self._job_target(spec.name).name}-w{next_id}"
                 next_id += 1
             self.apply_worker_pod(spec, name, g, layout, gen, env={})
-        out = RescaleOutcome(spec.name, _text_of(before), str(layout), gen,
+        out = RescaleOutcome(spec.name, (before.recorded_layout if before else None), str(layout), gen,
                              total_seconds=time.perf_counter() - t0)
         with self._lock:
             self._jobs.setdefault(spec.name, _Job()).last = out
@@ -492,11 +492,6 @@ def user_code_env(spec: TrainingSpec) -> dict[str, str]:
     if spec.entrypoint is None:
         return {}
     return {"ELASTIC_ENTRYPOINT": spec.entrypoint, "ELASTIC_ARGS": json.dumps(list(spec.args))}
-
-
-def _text_of(rt: JobRuntime | None) -> str | None:
-    """A runtime's layout as a ``RescaleOutcome`` (the reshard history's record) writes it."""
-    return str(rt.layout) if rt is not None and rt.layout is not None else None
 
 
 def _annotated_layout(pod: Any, ann: dict[str, str]) -> Layout | None:

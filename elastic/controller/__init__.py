@@ -53,8 +53,9 @@ parts' names, private helpers included. A test that patches a helper patches it 
 up: ``_call_within`` in ``lease`` (backend reads) and in ``observe`` (metric reads).
 """
 
+from elastic.backends.base import paused_tag
 from elastic.controller.apply import _bytes as _bytes
-from elastic.controller.base import Backoff, TickResult, log, paused_tag
+from elastic.controller.base import Backoff, TickResult, log
 from elastic.controller.base import _call_within as _call_within
 from elastic.controller.base import _dt as _dt
 from elastic.controller.base import _recorded_layout as _recorded_layout

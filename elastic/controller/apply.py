@@ -23,10 +23,19 @@ from functools import partial
 from typing import Any, cast
 
 from elastic import store as db
-from elastic.backends.base import BackendError, Drains, GrowCancelled, JobRuntime, Pauses, RescaleOutcome
-from elastic.controller.base import _dt, _recorded_layout, log, paused_tag
+from elastic.backends.base import (
+    BackendError,
+    Drains,
+    GrowCancelled,
+    JobRuntime,
+    Pauses,
+    RescaleOutcome,
+    paused_tag,
+)
+from elastic.controller.base import _dt, _recorded_layout, log
 from elastic.controller.decide import Deciding
 from elastic.controller.lease import Leading
+from elastic.controller.observe import Observed
 from elastic.model import GPU, Allocation, Layout, PlanStep
 from elastic.phases import JobPhase
 from elastic.policy import landed as policy_landed
@@ -39,7 +48,7 @@ from elastic.scheduler.types import SchedulePlan
 class Applying(Leading, Deciding):
     """Carries out a plan's steps on the backend, in order, and records the reshards they cause."""
 
-    def _reap_failed(self, now: float, failed: dict[str, JobRuntime]) -> tuple[list[str], str | None]:
+    def _reap_failed(self, now: float, failed: dict[str, JobRuntime], obs: Observed) -> tuple[list[str], str | None]:
         """Stop each failed job so its GPUs return to the pool; the failure reason goes on record."""
         done: list[str] = []
         specs = {j.name: j for j in self.cfg.jobs}
@@ -54,15 +63,18 @@ class Applying(Leading, Deciding):
             except BackendError as e:
                 db.finish_action(self.db, action_id, error=str(e), now=_dt(self.clock()))
                 return done, f"stop_failed_training {name}: {e}"
+            finally:
+                obs.acted(name)
             db.finish_action(self.db, action_id, now=_dt(self.clock()))
             self.last_rescale.pop(name, None)
             self._failed_start(name, why, now)
             done.append(f"stop_failed_training {name}: {why}")
         return done, None
 
-    def _apply(self, now: float, plan: SchedulePlan) -> tuple[list[str], str | None]:
+    def _apply(self, now: float, plan: SchedulePlan, obs: Observed) -> tuple[list[str], str | None]:
         applied: list[str] = []
         specs = {s.name: s for s in self.cfg.services} | {j.name: j for j in self.cfg.jobs}
+        job_names = {j.name for j in self.cfg.jobs}
         for step in plan.steps:
             if step.action == "noop":
                 continue
@@ -76,21 +88,25 @@ class Applying(Leading, Deciding):
                 # would leave again; the tick then plans once more from what the job really holds.
                 if self._act(self.backend.cancel_grow, step.workload):
                     self._wait_grow(step.workload)
+                    obs.acted(step.workload)
                     applied.append(f"cancel_grow {step.workload} (joiners dismissed before their directive; "
                                    f"{step.action} re-planned)")
                     log.info("called off the grow of %s: %s needs its GPUs", step.workload, step.action)
                     self._replan = True
                     return applied, None
                 self._wait_grow(step.workload)  # past its directive: a shrink waits for the grow to land
+                obs.acted(step.workload)
             action_id = db.begin_action(self.db, pool=self.pool, kind=step.action, workload=step.workload,
                                         payload={"gpus": [str(g) for g in gpus], "reason": step.reason},
                                         now=_dt(now))
+            before = obs.runtime(step.workload) if step.workload in job_names else None
+            obs.acted(step.workload)  # whatever comes of it, the job is read again at its next use
             if step.action == "grow_training" and self.async_grow:
-                self._grow_async(step, specs[step.workload], gpus, now, action_id)
+                self._grow_async(step, specs[step.workload], gpus, now, action_id, before)
                 applied.append(f"{step.action} {step.workload} (started)")
                 continue
             try:
-                self._apply_step(step, specs[step.workload], gpus, now)
+                self._apply_step(step, specs[step.workload], gpus, now, before)
             except BackendError as e:
                 if step.action == "grow_training" and not isinstance(e, GrowCancelled):
                     self._failed_start(step.workload, str(e), now)
@@ -101,7 +117,7 @@ class Applying(Leading, Deciding):
             applied.append(f"{step.action} {step.workload}")
         return applied, None
 
-    def _relayout(self, now: float, plan: SchedulePlan) -> tuple[list[str], str | None]:
+    def _relayout(self, now: float, plan: SchedulePlan, obs: Observed) -> tuple[list[str], str | None]:
         """Move each job whose running layout was dropped for its memory, and which this tick's plan
         left on the GPUs it holds, in place to the re-planned layout of the same GPU count (a plan that
         resized it already took a layout of the re-planned table). Recorded as an action and a reshard."""
@@ -110,10 +126,11 @@ class Applying(Leading, Deciding):
         for spec in self.cfg.jobs:
             if spec.name in resized or self._grow_in_flight(spec.name):
                 continue
-            rt = self.backend.job_runtime(spec.name)
+            rt = obs.runtime(spec.name)
             to = self._relayout_target(spec.name, rt)
             if rt is None or to is None:
                 continue
+            obs.acted(spec.name)
             gpus = rt.gpus
             action_id = db.begin_action(self.db, pool=self.pool, kind="relayout_training", workload=spec.name,
                                         payload={"gpus": [str(g) for g in gpus],
@@ -132,7 +149,7 @@ class Applying(Leading, Deciding):
         return applied, None
 
     def _drain_ahead(self, now: float, nodes: dict[str, int], failed: dict[str, JobRuntime], plan: SchedulePlan,
-                     replicas: dict[str, ReplicaDecision]) -> list[str]:
+                     replicas: dict[str, ReplicaDecision], obs: Observed) -> list[str]:
         """Take out of the load balancer the replicas a scale-down the policy sees coming will remove
         (``ReplicaDecision.leaving``; 0 while an operator pins the count), so it finds them drained and
         their GPUs go to training at once.
@@ -155,7 +172,7 @@ class Applying(Leading, Deciding):
             gpus: tuple[GPU, ...] = ()
             if d.leaving > 0 and s.name not in scaled:
                 if alloc is None:  # what every workload holds after this tick's steps
-                    alloc, runtimes = self._observe_jobs(set(failed))
+                    alloc, runtimes = self._observe_jobs(obs, set(failed))
                 fewer = {**replicas, s.name: replace(d, replicas=d.replicas - d.leaving)}
                 try:
                     keep = set(schedule(self._snapshot(now, nodes, alloc, fewer, runtimes)).allocation.gpus_of(s.name))
@@ -179,21 +196,23 @@ class Applying(Leading, Deciding):
                                                       else "every replica back in the load balancer"))
         return out
 
-    def _apply_step(self, step: PlanStep, spec: Any, gpus: tuple[GPU, ...], now: float) -> None:
+    def _apply_step(self, step: PlanStep, spec: Any, gpus: tuple[GPU, ...], now: float,
+                    before: JobRuntime | None) -> None:
+        """Carry out one plan step. ``before``: the job as the tick last saw it (None for a service,
+        or a job that runs nothing), which the reshard history starts from."""
         if step.action in ("scale_inference_up", "scale_inference_down"):
             self._act(self.backend.set_service_gpus, spec, gpus)
             if step.action == "scale_inference_up":
                 self._landed(spec.name, len(gpus) // spec.gpus_per_replica)
             return
         if step.action == "pause_training" and self._can_pause:
-            self._pause(spec, now)
+            self._pause(spec, now, before)
             return
         layout = None
         target = step.target
         if gpus:
             text = getattr(target, "layout_after", None) or self._throughput[spec.name][len(gpus)][0]
             layout = Layout.parse(text)
-        before = self.backend.job_runtime(spec.name)
         to = str(layout) if before is not None and layout is not None else None
         self._reshard_on_record(spec, before, to, now, lambda: self._act(self.backend.set_job_gpus, spec, gpus, layout))
 
@@ -203,10 +222,9 @@ class Applying(Leading, Deciding):
         if st is not None:
             self.policy_state[service] = policy_landed(st, self.clock(), replicas)
 
-    def _pause(self, spec: Any, now: float) -> None:
+    def _pause(self, spec: Any, now: float, before: JobRuntime | None) -> None:
         """Free every GPU of a job and keep its state off-GPU (keepers); recorded as a reshard to
         ``paused:<layout the keepers hold>``, with its bytes and seconds."""
-        before = self.backend.job_runtime(spec.name)
         to = (paused_tag(before.layout.held())
               if before is not None and before.layout is not None and before.phase != JobPhase.PAUSED else None)
         self._reshard_on_record(spec, before, to, now, lambda: self._act(cast(Pauses, self.backend).pause_job, spec))
@@ -244,12 +262,15 @@ class Applying(Leading, Deciding):
         if g is not None:
             g[0].join()
 
-    def _grow_async(self, step: PlanStep, spec: Any, gpus: tuple[GPU, ...], now: float, action_id: int) -> None:
+    def _grow_async(self, step: PlanStep, spec: Any, gpus: tuple[GPU, ...], now: float, action_id: int,
+                    before: JobRuntime | None) -> None:
+        """``_apply_step`` of a grow in its own thread. ``before`` is the tick's view of the job when the
+        grow begins (nothing else acts on a job while its grow is in flight)."""
         errors: list[str] = []
 
         def run() -> None:
             try:
-                self._apply_step(step, spec, gpus, now)
+                self._apply_step(step, spec, gpus, now, before)
                 db.finish_action(self.db, action_id, now=_dt(self.clock()))
             except db.LeaseLost as e:  # the new leader recovers this grow from the DB and the backend
                 log.warning("grow of %s stopped: %s", spec.name, e)

@@ -19,8 +19,7 @@ from typing import Any
 from elastic.backends.base import Backend, Capabilities, JobRuntime
 from elastic.config import ControllerConfig
 from elastic.metrics.sample import MetricSource
-from elastic.model import GPU, HardwareSpec, Layout
-from elastic.phases import JobPhase
+from elastic.model import GPU, HardwareSpec
 from elastic.policy.types import PolicyState, ReplicaDecision
 from elastic.scheduler.types import SchedulePlan
 from elastic.store import FencedStore, InterventionRecord, Store
@@ -82,16 +81,10 @@ def _call_within(fn: Callable[[], Any], timeout: float, what: str, error: type[E
     return box["value"]
 
 
-def paused_tag(held: Layout) -> str:
-    """How the reshard history names a pause: the layout its keepers hold, marked ``paused:``."""
-    return f"paused:{held}"
-
-
-def _recorded_layout(rt: JobRuntime) -> str | None:
-    """The layout as the reshard history and a job's status write it (a paused job's with its ``paused:`` mark)."""
-    if rt.layout is None:
-        return None
-    return paused_tag(rt.layout) if rt.phase == JobPhase.PAUSED else str(rt.layout)
+def _recorded_layout(rt: JobRuntime | None) -> str | None:
+    """``rt.recorded_layout``, None for no runtime: the layout text the reshard history and a job's
+    status write (the co-scheduler's view, ``decide._training_layout``, is this less paused jobs)."""
+    return rt.recorded_layout if rt is not None else None
 
 
 class ControllerState:

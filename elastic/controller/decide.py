@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from elastic.backends.base import JobRuntime
+from elastic.controller.base import _recorded_layout
 from elastic.controller.observe import Observing
 from elastic.metrics.sample import MetricSample
 from elastic.model import Allocation
@@ -53,7 +54,7 @@ class Deciding(Observing):
         jobs = tuple(
             JobState(j.name, self._table(j.name, now, previous), j.min_gpus, j.max_gpus, j.priority,
                      # the co-scheduler's tables and plans name layouts as text (``JobState.layout``)
-                     layout=_layout_text(runtimes[j.name]),
+                     layout=_training_layout(runtimes[j.name]),
                      last_rescale_at=self.last_rescale.get(j.name),
                      # the job's own last pause: a grow must repay it (and the shrink back) before the
                      # services' outlook needs the GPUs again
@@ -79,9 +80,11 @@ def _trains(rt: JobRuntime | None) -> bool:
     return rt is not None and rt.phase != JobPhase.PAUSED
 
 
-def _layout_text(rt: JobRuntime | None) -> str | None:
-    """The layout a training job runs, as the co-scheduler's ``JobState`` takes it; None when it does not train."""
-    return str(rt.layout) if rt is not None and _trains(rt) and rt.layout is not None else None
+def _training_layout(rt: JobRuntime | None) -> str | None:
+    """The layout a job trains on, as the co-scheduler's ``JobState.layout`` takes it: the recorded
+    layout (``base._recorded_layout``) of a job that trains; None for a paused one, whose keepers hold
+    its state on no GPU (the record's ``paused:`` layout is not one the co-scheduler can run)."""
+    return _recorded_layout(rt) if _trains(rt) else None
 
 
 def _job_status(rt: JobRuntime | None) -> str:

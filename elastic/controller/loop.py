@@ -272,39 +272,40 @@ class Controller(Applying, Recording):
             self.recover()
         if self.paused:
             return TickResult(now, False, TickReason.PAUSED, "controller paused by an operator")
-        # 1. observe
+        # 1. observe: every job once; the rest of the tick works from this view (``Observed``)
         nodes = self._bounded("backend inventory", self.backend.inventory)
+        obs = self._observe()
         # a failed job's workers are gone or stuck: its GPUs are reclaimed in step 3a, so the
         # plan already treats it as not running (it starts afresh when GPUs allow)
         # (a job whose start or grow is in flight is stopped by that thread if it failed: not reaped twice)
         failed = {j.name: rt for j in self.cfg.jobs if not self._grow_in_flight(j.name)
-                  and (rt := self.backend.job_runtime(j.name)) is not None and rt.phase == JobPhase.FAILED}
-        previous, runtimes = self._observe_jobs(set(failed))
+                  and (rt := obs.runtime(j.name)) is not None and rt.phase == JobPhase.FAILED}
+        previous, runtimes = self._observe_jobs(obs, set(failed))
         samples = {s.name: self._sample(s.name, now) for s in self.cfg.services}
         backlogs = {s.name: self._backlog(s.name, now) for s in self.cfg.services if samples[s.name] is not None}
         # 2. decide
         replica_decisions = self._decide_replicas(now, previous, samples, backlogs)
         plan = schedule(self._snapshot(now, nodes, previous, replica_decisions, runtimes))
         # 3. apply: 3a. reclaim failed jobs, 3b. the plan's ordered steps, 3c. relayouts off dropped layouts
-        applied, error = self._reap_failed(now, failed)
+        applied, error = self._reap_failed(now, failed, obs)
         if error is None:
-            steps, error = self._apply(now, plan)
+            steps, error = self._apply(now, plan, obs)
             applied += steps
         if error is None and self._replan:
             # a grow was called off: plan again from what the job really holds, same replica
             # decisions (the policy is stateful and has spoken for this tick)
             self._replan = False
-            previous, runtimes = self._observe_jobs(set(failed))
+            previous, runtimes = self._observe_jobs(obs, set(failed))
             plan = schedule(self._snapshot(now, nodes, previous, replica_decisions, runtimes))
-            steps, error = self._apply(now, plan)
+            steps, error = self._apply(now, plan, obs)
             applied += steps
         if error is None:
             # 3c. a job left on a layout dropped for its memory moves in place to the next of its count
-            steps, error = self._relayout(now, plan)
+            steps, error = self._relayout(now, plan, obs)
             applied += steps
         if error is None:
             # 3d. drain ahead of the scale-downs the policy's windows are about to let through
-            applied += self._drain_ahead(now, nodes, failed, plan, replica_decisions)
+            applied += self._drain_ahead(now, nodes, failed, plan, replica_decisions, obs)
         # 4. record
-        self._record(now, plan, replica_decisions, samples, applied, error)
+        self._record(now, plan, replica_decisions, samples, applied, error, obs)
         return TickResult(now, True, plan.reason, plan.message, plan, replica_decisions, applied, error)

@@ -1,6 +1,10 @@
 """Step 1 of a tick, observe: what each workload holds, each job's runtime, each service's metric;
 and the backoff of jobs whose start or grow failed.
 
+Each job's runtime is read once a tick (``Observed``), and again only after the tick acted on it:
+on Ray and Kubernetes every read is a round trip, and the steps of one tick must not each see a
+different state of a job that moves between them.
+
 A job whose start or grow fails backs off exponentially (``start_backoff_seconds`` doubling up to
 ``start_backoff_max_seconds``): the co-scheduler does not give it more GPUs until the next attempt.
 A job that recovered from a lost worker on its own is put on record once. A metric source that
@@ -15,7 +19,7 @@ restarted controller (or the next leader) keeps them; the decide step plans the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from elastic import store as db
@@ -29,22 +33,68 @@ from elastic.phases import JobPhase
 from elastic.reasons import DecisionReason
 
 
+class Observed:
+    """Each job's runtime as one tick sees it. Step 1 reads every job once (``read``: the backend's
+    ``job_runtime``, a round trip on Ray and Kubernetes); every later step of the tick asks here, so
+    the whole tick works from one view of each job. A job is read again, once, at its next use:
+
+    * after the tick acted on it (a start, rescale, stop, pause or relayout: ``acted``), so nothing
+      downstream (the reshard history, the job's status) sees it as it was before the action;
+    * after its grow, in flight in its own thread when step 1 read it (``in_flight``), has ended:
+      that read caught the job mid-grow; while the grow goes on, the tick holds the GPUs it reserved.
+
+    Used on the tick's thread only: a grow in its own thread reads the backend itself."""
+
+    def __init__(self, read: Callable[[str], JobRuntime | None], jobs: Iterable[str],
+                 in_flight: Callable[[str], bool]) -> None:
+        self._read = read
+        self._in_flight = in_flight
+        self._moving: set[str] = set()  # read while a grow of ours was in flight
+        self._stale: set[str] = set()
+        self._runtimes: dict[str, JobRuntime | None] = {}
+        for job in jobs:
+            if in_flight(job):  # asked before the read: a grow that ends after it is caught at the next use
+                self._moving.add(job)
+            self._runtimes[job] = read(job)
+
+    def runtime(self, job: str) -> JobRuntime | None:
+        """``job``'s runtime: step 1's read, or one after this tick's last action on it (or after its grow)."""
+        if job in self._moving and not self._in_flight(job):
+            self._moving.discard(job)
+            self._stale.add(job)
+        if job in self._stale:
+            self._stale.discard(job)
+            self._runtimes[job] = self._read(job)
+        return self._runtimes[job]
+
+    def acted(self, job: str) -> None:
+        """This tick acted on ``job``: read it again at its next use. A name that is not an observed
+        job (a service) is ignored."""
+        if job in self._runtimes:
+            self._stale.add(job)
+
+
 class Observing(ControllerState):
     """Reads the backend and the metric sources; keeps the backoff of failed starts and the layouts
     each job ran out of memory on."""
 
-    def _observe_jobs(self, failed: set[str]) -> tuple[Allocation, dict[str, JobRuntime | None]]:
-        """What every workload holds, and each job's runtime (None: not running, or failed)."""
-        runtimes = {j.name: None if j.name in failed else self.backend.job_runtime(j.name) for j in self.cfg.jobs}
+    def _observe(self) -> Observed:
+        """Step 1's read of every job: one ``job_runtime`` call each."""
+        return Observed(self.backend.job_runtime, [j.name for j in self.cfg.jobs], self._grow_in_flight)
+
+    def _observe_jobs(self, obs: Observed, failed: set[str]) -> tuple[Allocation, dict[str, JobRuntime | None]]:
+        """What every workload holds, and each job's runtime (None: not running, or failed), from the
+        tick's observation ``obs``."""
+        runtimes = {j.name: None if j.name in failed else obs.runtime(j.name) for j in self.cfg.jobs}
         for name, rt in runtimes.items():
             if rt is not None and rt.recovery and self._recoveries_seen.get(name) != rt.generation:
                 self._record_recovery(rt)
         for name in failed:  # its runtime says what it failed with: out of memory drops its layout
-            self._check_memory(name, self.backend.job_runtime(name))
+            self._check_memory(name, obs.runtime(name))
         for name, rt in runtimes.items():
             self._check_memory(name, rt)
         self._forgive(runtimes, self.clock())
-        return self._observed_allocation(exclude=failed), runtimes
+        return self._observed_allocation(obs, exclude=failed), runtimes
 
     # ---- never out of memory --------------------------------------------------------------------
     def _budget(self, job: str) -> int:
@@ -194,7 +244,10 @@ class Observing(ControllerState):
                 del self.backoff[job]
                 log.info("job %s has run %g s since its last failure: its backoff is over", job, cap)
 
-    def _observed_allocation(self, exclude: set[str] | None = None) -> Allocation:
+    def _observed_allocation(self, obs: Observed | None = None, exclude: set[str] | None = None) -> Allocation:
+        """What every workload holds: each job as ``obs`` (a tick's observation) has it; without one
+        (outside a tick: crash recovery, a caller's check), each job read from the backend."""
+        runtime = self.backend.job_runtime if obs is None else obs.runtime
         hold: dict[str, tuple[GPU, ...]] = {}
         for s in self.cfg.services:
             g = self.backend.service_gpus(s.name)
@@ -206,7 +259,7 @@ class Observing(ControllerState):
             if self._grow_in_flight(j.name):
                 hold[j.name] = self._growing[j.name][1]  # reserved for the joiners starting now
                 continue
-            rt = self.backend.job_runtime(j.name)
+            rt = runtime(j.name)
             if rt and rt.gpus:
                 hold[j.name] = rt.gpus
         return Allocation(hold)

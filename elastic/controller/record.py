@@ -19,7 +19,7 @@ from typing import Any
 from elastic import store as db
 from elastic.controller import memory as mem
 from elastic.controller.base import _dt, _recorded_layout, log
-from elastic.controller.observe import Observing
+from elastic.controller.observe import Observed, Observing
 from elastic.metrics.sample import MetricSample
 from elastic.model import Allocation, SpecError
 from elastic.parallel.memory_report import MeasuredMemory
@@ -48,7 +48,10 @@ class Recording(Observing):
     """Writes what a tick decided and did to the store, and logs it."""
 
     def _record(self, now: float, plan: SchedulePlan, replicas: dict[str, ReplicaDecision],
-                samples: dict[str, MetricSample | None], applied: list[str], error: str | None) -> None:
+                samples: dict[str, MetricSample | None], applied: list[str], error: str | None,
+                obs: Observed) -> None:
+        """Write the tick to the store. What each job holds and its status come from ``obs``: step 1's
+        read for a job the tick left alone, a read after the action for one it acted on."""
         inputs = {
             "metrics": {k: (None if v is None else {"value": v.value, "stale": v.stale}) for k, v in samples.items()},
             "replicas": {k: {"current": d.current, "desired": d.replicas, "leaving": d.leaving, "reason": str(d.reason),
@@ -73,14 +76,14 @@ class Recording(Observing):
             db.drop_expired_overrides(self.db, self.pool, now=_dt(now))
             self._expired_overrides = False
         self._log_decision(reason, message, plan, replicas, applied, error, hold)
-        self._record_allocations(self._observed_allocation(), generation=int(now))
+        self._record_allocations(self._observed_allocation(obs), generation=int(now))
         for name, d in replicas.items():
             with self._vanished("service", name):
                 db.set_service_status(self.db, name, {
                     "currentReplicas": d.current, "desiredReplicas": d.replicas, "observedValue": d.metric,
                     "leavingReplicas": d.leaving, "reason": str(d.reason), "message": d.message}, now=_dt(now))
         for j in self.cfg.jobs:
-            rt = self.backend.job_runtime(j.name)
+            rt = obs.runtime(j.name)
             jd = plan.jobs.get(j.name)
             with self._vanished("job", j.name):
                 self._set_job_status(j.name, rt, jd, now)
@@ -108,7 +111,7 @@ class Recording(Observing):
                                  f"{_dt(b.next_at).isoformat()}") if jd is not None else jd
         db.set_job_status(self.db, name, {
             "backoff": backoff,
-            "phase": rt.phase if rt else JobPhase.PENDING, "layout": _recorded_layout(rt) if rt else None,
+            "phase": rt.phase if rt else JobPhase.PENDING, "layout": _recorded_layout(rt),
             "generation": rt.generation if rt else 0, "step": rt.step if rt else 0,
             "loss": rt.loss if rt else None, "tokensPerSecond": rt.tokens_per_second if rt else 0.0,
             "worldSize": len(rt.gpus) if rt else 0,
