@@ -6,6 +6,7 @@ Real store (SQLite and PostgreSQL), the real controller, the fake backend at our
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 
 from rich.console import Console
@@ -30,16 +31,23 @@ def test_a_run_waits_out_a_dead_runs_lease_then_hands_its_own_back(db_url: str) 
     db.upgrade(db_url)
     store = db.Store.from_url(db_url)
     try:
-        # a demo killed with -9 a moment ago: its lease runs 1.5 s more (from before t0: no lead before t0 + 1.5 s)
-        t0 = time.monotonic()
-        assert db.acquire_lease(store, "p", "demo-dead", 1.5, now=datetime.now(UTC))
+        # a demo killed with -9 a moment ago left its lease behind: the new run finds it held and says whose
+        assert db.acquire_lease(store, "p", "demo-dead", 60.0, now=datetime.now(UTC))
         ctl = _controller(store, "demo-new", lease_seconds=5.0)
         console = Console(record=True, width=200)
-        res = _first_tick(ctl, console, wait_s=30.0, tick_seconds=0.2)
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(_first_tick, ctl, console, 30.0, 0.2)
+            deadline = time.monotonic() + 30.0
+            while "lease held by demo-dead" not in console.export_text(clear=False):
+                assert not fut.done() and time.monotonic() < deadline, "the new run never said whose lease it waits for"
+                time.sleep(0.02)
+            # the dead run's lease has 1.5 s left from here (its last renewal): the new run waits it out
+            t0 = time.monotonic()
+            assert db.acquire_lease(store, "p", "demo-dead", 1.5, now=datetime.now(UTC))
+            res = fut.result(timeout=60)
         waited = time.monotonic() - t0
         assert ctl.is_leader and res.reason != "NotLeader", res
         assert 1.0 < waited < 15.0, waited  # the dead run's remaining lease (1.5 s), far from the 30 s wait cap
-        assert "lease held by demo-dead" in console.export_text()
         # the end of a run hands the lease back: the next run leads on its first tick
         ctl.release_lease()
         nxt = _controller(store, "demo-next", lease_seconds=60.0)
