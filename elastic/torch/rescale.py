@@ -311,6 +311,7 @@ class RescaleMixin:
         try:
             mesh = DeviceMesh(self.opts.device.split(":")[0], torch.arange(len(d.workers)).reshape(ml.shape),
                               mesh_dim_names=ml.names)
+            bound_gloo_timeouts(mesh.get_all_groups(), self.opts.pg_timeout_s)
             self.world = World(ml, mesh, new_ranks[self.worker], generation=d.generation, device=self.opts.device,
                                dp_name=self.config.get("mesh_dims", {}).get("dp"))
             if self.build is None:
@@ -460,6 +461,27 @@ class _Restore:
     workers: tuple[str, ...]
     store_host: str
     store_port: int
+
+
+def bound_gloo_timeouts(groups: Any, seconds: float) -> None:
+    """Give the gloo groups of a generation's mesh the job's ``pg_timeout_s``. torch builds a
+    ``DeviceMesh``'s groups with its own default (30 minutes on gloo), not the default group's: a
+    collective that cutting the connections cannot fail (a send gloo had queued when its connection
+    broke) then blocks its survivor for that long, past any recovery; with ``pg_timeout_s`` it raises
+    within the time the coordinator waits for a survivor that holds the only copy of a shard. NCCL
+    groups keep their own timeout (their watchdog ends the process when one passes)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=seconds)
+    for g in groups:
+        try:
+            backend = g._get_backend(torch.device("cpu"))
+        except RuntimeError:  # no CPU backend on this group
+            continue
+        if isinstance(backend, dist.ProcessGroupGloo):
+            backend._set_default_timeout(timeout)
 
 
 def _recovery_ranks(d: Any) -> dict[str, int]:

@@ -208,12 +208,18 @@ class _Sockets:
     A collective blocked on a peer that is alive but broke out of its own collective (its
     neighbour in the ring died) waits for the group's timeout: gloo's ``shutdown()`` and
     ``abort()`` leave the connections open, and destroying the groups does not close them
-    while anything still references them (DTensors, FSDP, a traceback). Shutting the sockets
-    down makes every read and write on them fail at once, on both ends: the blocked collective
-    raises, and the process reports to the coordinator. The sockets are told apart by when they
-    were opened (while the generation's groups were built) and by their peer (not the
-    coordinator's HTTP port nor the store's). Linux only (``/proc/self/fd``); elsewhere nothing
-    is cut and a blocked peer waits for its timeout.
+    while anything still references them (DTensors, FSDP, a traceback). Shutting a socket's
+    read side makes gloo's next read on it end (EOF): gloo fails every receive waiting on that
+    connection and closes it, and the peer's reads end too. The blocked collectives on both
+    ends raise, and each process reports to the coordinator.
+
+    Only the read side: with the write side shut as well, this process's next send on the
+    socket fails with EPIPE, which gloo leaves queued without failing it (a send waiting in a
+    connection's queue is not failed when the connection breaks), so a collective that sent
+    after the cut hung until its timeout. The sockets are told apart by when they were opened
+    (while the generation's groups were built) and by their peer (not the coordinator's HTTP
+    port nor the store's). Linux only (``/proc/self/fd``); elsewhere nothing is cut and a
+    blocked peer waits for its timeout.
     """
 
     def __init__(self) -> None:
@@ -262,6 +268,6 @@ class _Sockets:
                 if os.readlink(f"/proc/self/fd/{fd}") != link:
                     continue  # closed, and the number reused by another socket
                 with socket.socket(fileno=os.dup(fd)) as s:
-                    s.shutdown(socket.SHUT_RDWR)
+                    s.shutdown(socket.SHUT_RD)
             except OSError:
                 pass
