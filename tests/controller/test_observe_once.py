@@ -25,20 +25,14 @@ from elastic.phases import JobPhase
 from tests.fakes import Clock, tick
 
 from .fake_backend import FakeBackend
+from .test_controller import CONFIG as BASE_CONFIG
 
 # 8 GPUs: one chat replica at load 10 leaves 7 for the two jobs ("first" before "second" by
 # priority); each step of 10 in load takes one more GPU for chat, off the lower-priority job first
-CONFIG = {
-    "pool": {"name": "p", "nodes": 2, "gpus_per_node": 4, "hardware": "h100-80g",
-             "rescale_interval_seconds": 0, "gain_threshold": 0.0},
-    "services": [{"name": "chat", "gpus_per_replica": 1, "min_replicas": 1, "max_replicas": 6,
-                  "metric": {"preset": "vllm-running", "target": 10},
-                  "behavior": {"scaleDown": {"stabilizationWindowSeconds": 0}}}],
-    "jobs": [{"name": "first", "model": "gpt-1.3b", "min_gpus": 1, "max_gpus": 4, "global_batch": 64,
-              "priority": 10},
-             {"name": "second", "model": "gpt-1.3b", "min_gpus": 1, "max_gpus": 4, "global_batch": 64}],
-    "controller": {"tick_seconds": 1},
-}
+CONFIG = {**BASE_CONFIG,
+          "jobs": [{"name": "first", "model": "gpt-1.3b", "min_gpus": 1, "max_gpus": 4, "global_batch": 64,
+                    "priority": 10},
+                   {"name": "second", "model": "gpt-1.3b", "min_gpus": 1, "max_gpus": 4, "global_batch": 64}]}
 JOBS = ("first", "second")
 
 
