@@ -411,29 +411,22 @@ class _Liveness:
                         self._lost_locked(w, f"worker {w} silent for {now - self._seen[w]:.1f} s during a recovery "
                                              f"(> {quiet:g} s: {2.5:g} heartbeats)")
             if (rec is not None and not rec.posted and now - rec.started_at > self.recovery_timeout_s
-                    and not self._in_rendezvous_locked(rec, cur, now)
-                    and not self._awaits_a_needed_survivor_locked(rec, cur, now)):
+                    and not self._waits_for_a_blocked_survivor_locked(rec, cur, now)):
                 self._maybe_post_recovery_locked(timed_out=True)
 
-    def _in_rendezvous_locked(self, rec: _Recovery, cur: _Gen | None, now: float) -> bool:
-        """A silent survivor still beats and builds groups: it is blocked in gloo's rendezvous with a
-        lost peer (lost between the roll call and its own part of it) and reports once the
-        rendezvous times out; wait for it up to ``rendezvous_timeout_s`` (+ the recovery timeout)."""
-        if self.rendezvous_timeout_s is None or cur is None:
-            return False
-        if now - rec.started_at > self.rendezvous_timeout_s + self.recovery_timeout_s:
-            return False
-        quiet = 2.5 * self.heartbeat_interval_s
-        return any(self._building.get(w) is not None and now - self._seen.get(w, float("-inf")) <= quiet
-                   for w in cur.ranks if w not in rec.lost and w not in rec.reports)
+    def _waits_for_a_blocked_survivor_locked(self, rec: _Recovery, cur: _Gen | None, now: float) -> bool:
+        """Whether the recovery waits past ``recovery_timeout_s`` for a silent survivor that still beats
+        (its heartbeat has its own thread) and is blocked where only gloo's timeout frees it; it
+        reports once that times out, within ``rendezvous_timeout_s`` (its pg_timeout_s). Waited for,
+        up to that + the recovery timeout:
 
-    def _awaits_a_needed_survivor_locked(self, rec: _Recovery, cur: _Gen | None, now: float) -> bool:
-        """A silent survivor still beats and holds shards that no survivor that reported holds: its
-        step is blocked in a collective that cutting its connections did not break (gloo leaves some
-        blocked until their timeout) and it reports once that collective times out. Giving it up
-        would lose the only copy of its shards and fail the job; wait for it up to
-        ``rendezvous_timeout_s`` (its pg_timeout_s, + the recovery timeout) instead. A survivor whose
-        shards others hold is not waited for: the job recovers without it."""
+        * one that builds groups: blocked in gloo's rendezvous with a peer lost between the roll call
+          and its own part of it;
+        * one that holds shards no survivor that reported holds: its step is blocked in a collective
+          that cutting its connections did not break (a send gloo had queued when its connection
+          broke). Giving it up would lose the only copy of its shards and fail the job; one whose
+          shards others hold is not waited for, the job recovers without it.
+        """
         if self.rendezvous_timeout_s is None or cur is None:
             return False
         if now - rec.started_at > self.rendezvous_timeout_s + self.recovery_timeout_s:
@@ -441,6 +434,8 @@ class _Liveness:
         quiet = 2.5 * self.heartbeat_interval_s
         beating = [w for w in cur.ranks if w not in rec.lost and w not in rec.reports
                    and now - self._seen.get(w, float("-inf")) <= quiet]
+        if any(self._building.get(w) is not None for w in beating):
+            return True
         if not beating:
             return False
         old = Layout.parse(cur.layout)
