@@ -16,6 +16,8 @@ Environment:
   bytes have landed; ``0`` returns from :func:`main` instead (a Ray actor, whose process Ray ends).
 * ``ELASTIC_ENGINE_FACTORY`` (optional, ``module:function``): an engine other than
   ``elastic.train.engine.TrainEngine`` that implements :class:`elastic.train.agent.Engine`.
+* The fault-injection variables of :mod:`elastic.train.agent.faults` (tests and chaos drills only):
+  read here, once, into the agent's :class:`~elastic.train.agent.Faults`.
 * ``ELASTIC_ENTRYPOINT`` (optional; ``module:function`` or a script path, arguments as a JSON list
   in ``ELASTIC_ARGS``): the worker of a *user* job, which runs the user's own loop under
   ``elastic.torch.Manager`` (:mod:`elastic.torch.run`) instead of the reference trainer.
@@ -37,7 +39,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from elastic.model import SpecError
-from elastic.train.agent import AgentOptions, EngineFactory, WorkerAgent, config_dtype, config_model
+from elastic.train.agent import AgentOptions, EngineFactory, Faults, WorkerAgent, config_dtype, config_model
 
 # env name -> job config key; checked against the coordinator's config
 _CHECKED = {
@@ -148,12 +150,13 @@ def main(env: Mapping[str, str] | None = None) -> int:
     try:
         job, worker, url = (_require(env, n) for n in _REQUIRED)
         opts = options_from_env(env)
+        faults = Faults.from_env(env)
         factory = load_factory(env["ELASTIC_ENGINE_FACTORY"]) if env.get("ELASTIC_ENGINE_FACTORY") else None
     except SpecError as e:
         print(f"elastic.train.worker: {e}", file=sys.stderr)
         return 2
     _nice(env)
-    agent = _EnvCheckedAgent(env, worker=worker, url=url, engine_factory=factory, options=opts)
+    agent = _EnvCheckedAgent(env, worker=worker, url=url, engine_factory=factory, options=opts, faults=faults)
     try:
         return agent.run()
     except SpecError as e:

@@ -83,11 +83,17 @@ rank owns after that step and writes them in a background thread
 result (``checkpoint_error``), never fails the job. A first generation that the coordinator starts from a
 checkpoint (``Directive.resume``) reads its boxes out of it instead of initialising them.
 
+Fault injection (tests and chaos drills): the agent takes a :class:`Faults` (``faults=``; the
+default :data:`NO_FAULTS` injects none) and asks it at its fault points: die at a point of a
+rescale, slow checkpoint writes, a slow leaver, a step held while a file exists
+(:mod:`elastic.train.agent.faults`; a worker process reads them from its environment at start).
+
 What it must not do: choose layouts, compute maths (the engine does), or keep running
 after its coordinator is gone.
 """
 
 from elastic.train.agent.core import WorkerAgent
+from elastic.train.agent.faults import NO_FAULTS, Faults
 from elastic.train.agent.options import (
     FAILED_JOB_GRACE_S,
     AgentOptions,
@@ -115,9 +121,11 @@ from elastic.train.agent.support import (
 
 __all__ = [
     "FAILED_JOB_GRACE_S",
+    "NO_FAULTS",
     "AgentOptions",
     "Engine",
     "EngineFactory",
+    "Faults",
     "HeldState",
     "State",
     "WorkerAgent",

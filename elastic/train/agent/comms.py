@@ -185,8 +185,7 @@ class _Comms:
     def _leave(self) -> None:
         """A leaver's bytes have landed: free everything at once (the launcher sees the process go)."""
         log.info("worker %s: left at generation %d", self.worker, self.generation)
-        if self._slow_leave > 0:
-            time.sleep(self._slow_leave)  # fault injection (ELASTIC_FAULT_SLOW_LEAVE): slow to go
+        self.faults.before_leaving()  # a test's fault: a node slow to let its GPU go
         self._exit_notice()
         if not self.opts.exit_on_leave:
             return None  # the host ends the process (Ray: the handle ray.kill()s the actor)

@@ -16,6 +16,7 @@ import torch
 from elastic.model import Layout, SpecError
 from elastic.train import checkpoint
 from elastic.train.agent.comms import _Comms
+from elastic.train.agent.faults import NO_FAULTS, Faults
 from elastic.train.agent.options import (
     _REASK_S,
     AgentOptions,
@@ -39,9 +40,10 @@ class WorkerAgent(_Transition, _Comms):
     """Runs one worker until the job stops, this worker leaves, or something fails."""
 
     def __init__(self, worker: str, url: str, *, engine_factory: EngineFactory | None = None,
-                 options: AgentOptions | None = None) -> None:
+                 options: AgentOptions | None = None, faults: Faults = NO_FAULTS) -> None:
         self.worker = worker
         self.opts = options or AgentOptions()
+        self.faults = faults  # tests' and chaos drills' faults (elastic.train.agent.faults); none by default
         self.client = RendezvousClient(url, worker, retry_s=self.opts.coordinator_timeout_s)
         self.factory = engine_factory or functools.partial(default_engine_factory, timeout_s=self.opts.pg_timeout_s)
         self.config: dict[str, Any] = {}
@@ -88,23 +90,6 @@ class WorkerAgent(_Transition, _Comms):
         # a group's roll call (elastic.train.abortable) asks the coordinator on a line of its own
         # whether the generation it is for was given up (a peer lost: recovered or rolled back)
         self._asker: RendezvousClient | None = None
-        # fault injection for tests and chaos drills: "<worker>:<generation>:<where>" makes that worker
-        # die (os._exit, as a lost node) in that rescale: "group" before it joins the reshard group,
-        # "rendezvous" after that group's roll call, before its own part of gloo's rendezvous,
-        # "exchange" inside the exchange, "commit" just after its part of it, "init_pg" after the commit
-        # before it joins the new default group, "engine" once its new engine is built (its peers are
-        # then in the first step)
-        self._fault = os.environ.get("ELASTIC_FAULT_EXCHANGE", "")
-        # "<worker>:<seconds>": that worker's checkpoint writes take that much longer (a slow disk)
-        slow = os.environ.get("ELASTIC_FAULT_SLOW_CHECKPOINT", "")
-        self._slow_write = float(slow.split(":", 1)[1]) if slow.startswith(f"{worker}:") else 0.0
-        # "<seconds>": a leaver whose bytes have landed waits that long before it goes (a node slow to
-        # let its GPU go); the crash test lands a controller's kill while a shrink waits for its leaver
-        self._slow_leave = float(os.environ.get("ELASTIC_FAULT_SLOW_LEAVE", "") or 0.0)
-        # "<file>": while that file exists, a worker that computed a step waits before it reports it (at
-        # most _HOLD_STEP_MAX_S): a test holds the job inside a step, so a controller's kill lands while
-        # a shrink waits for the step's boundary however fast the steps are
-        self._hold_step = os.environ.get("ELASTIC_FAULT_HOLD_STEP", "")
 
     # ---- entry ----------------------------------------------------------------------------
     def run(self) -> int:
@@ -173,8 +158,8 @@ class WorkerAgent(_Transition, _Comms):
     def _train(self, step: int) -> int:
         last: dict[str, Any] | None = None
         while True:
-            if self._hold_step and last is not None:
-                _hold_while(self._hold_step)  # the step just computed does not end (a test's fault)
+            if last is not None:
+                self.faults.hold_step()  # the step just computed does not end while held (a test's fault)
             held = isinstance(self.engine, HeldState) or self._broken
             gave_up, self._gave_up = self._gave_up, None
             asked_at = time.monotonic()
@@ -325,8 +310,7 @@ class WorkerAgent(_Transition, _Comms):
 
         def write() -> None:
             try:
-                if self._slow_write:
-                    time.sleep(self._slow_write)
+                time.sleep(self.faults.checkpoint_write_delay(self.worker))
                 checkpoint.write_rank(root, step, spec, rank, pieces, job=job)
                 self._written = (step, gen)
                 if rank == 0:
@@ -339,12 +323,3 @@ class WorkerAgent(_Transition, _Comms):
         if final:
             self._writing.result()
 
-
-_HOLD_STEP_MAX_S = 300.0
-
-
-def _hold_while(path: str) -> None:
-    """``ELASTIC_FAULT_HOLD_STEP``: wait while ``path`` exists, bounded so a forgotten file cannot hang a job."""
-    deadline = time.monotonic() + _HOLD_STEP_MAX_S
-    while os.path.exists(path) and time.monotonic() < deadline:
-        time.sleep(0.05)

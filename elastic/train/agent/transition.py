@@ -26,7 +26,6 @@ from elastic.train.agent.options import (
 from elastic.train.agent.support import (
     HeldState,
     _early_alloc_budget,
-    _hard_exit,
     _is_comm_error,
     _kept_contributors,
     _Phases,
@@ -209,7 +208,7 @@ class _Transition:
             return self._exchange_broke(d, snapshot, broke)
         if txn:
             # 2b. the commit: every member has its new bytes (and still its old ones)
-            self._maybe_die(d, "commit")
+            self.faults.at(self.worker, d.generation, "commit")
             verdict, why = self._exchanged(d)
             clock.mark("commit")
             if verdict == "rollback":
@@ -234,7 +233,7 @@ class _Transition:
             if new_pg is not None:
                 new_pg.result()
             elif not keep_default and not d.hold:
-                self._maybe_die(d, "init_pg")
+                self.faults.at(self.worker, d.generation, "init_pg")
                 self._init_default_group(d, layout, rank)
             clock.mark("init_pg")
             if d.hold:  # a keeper: hold the state as received, build nothing, step nothing
@@ -244,7 +243,7 @@ class _Transition:
 
                 # the engine's own groups (TP, DP, PP) hold a roll call each, given up on a lost peer
                 with abortable_groups(self._aborter(d), self.opts.pg_timeout_s,
-                                      before=lambda: self._maybe_die(d, "groups")):
+                                      before=lambda: self.faults.at(self.worker, d.generation, "groups")):
                     engine = self.factory(self.config, layout, rank,
                                           new_state if d.old_ranks else self._initial_state(d, layout, rank))
                 if d.give_up_checks and hasattr(engine, "give_up_checks"):
@@ -269,7 +268,7 @@ class _Transition:
             self.engine, self.generation, self.layout, self.rank = engine, d.generation, layout, rank
         self._applied = d.switch_step - 1
         clock.mark("engine")
-        self._maybe_die(d, "engine")
+        self.faults.at(self.worker, d.generation, "engine")
         self._report_result(d, {**stats, "rank": rank, **clock.report(), "prepare_ahead_seconds": prep.ahead})
         self._prepare_snapshot_buffers()
         return d.switch_step
@@ -293,10 +292,6 @@ class _Transition:
         self.client.call("broken", generation=held.generation, step=step, applied=held.applied, error=error,
                          ready=None, dirty=False, local_apply=True)
         return step
-
-    def _maybe_die(self, d: Directive, where: str) -> None:
-        if self._fault == f"{self.worker}:{d.generation}:{where}":
-            _hard_exit(9, f"worker {self.worker}: fault injected at the {where} of generation {d.generation}")
 
     def _exchanged(self, d: Directive) -> tuple[str, str]:
         """Report our part of a transactional rescale done; long-poll for the commit (``go``), a
@@ -389,17 +384,18 @@ class _Transition:
         else:
             members = list(prep.plan.members)
             grank = {w: i for i, w in enumerate(members)}
-            self._maybe_die(d, "group")
+            self.faults.at(self.worker, d.generation, "group")
             store = dist.PrefixStore(f"{d.job}/g{d.generation}/reshard/", self._store_for(d))
             self._building = d.generation
             try:
                 self._roll_call(d, store, grank[self.worker], len(members))
-                self._maybe_die(d, "rendezvous")  # after the roll call, before its part of gloo's rendezvous
+                # after the roll call, before its part of gloo's rendezvous
+                self.faults.at(self.worker, d.generation, "rendezvous")
                 pg = dist.ProcessGroupGloo(store, grank[self.worker], len(members), self._timeout())
             finally:
                 self._building = None
         clock.mark("group")
-        self._maybe_die(d, "exchange")
+        self.faults.at(self.worker, d.generation, "exchange")
         try:
             new_state = execute(prep.prepared, pg, grank, verify=self.opts.verify_reshard)
         except BaseException:
