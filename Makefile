@@ -72,7 +72,8 @@ test-fast: venv
 # in FORMATTED (the code's hand-aligned style is not ruff's; a file joins the list once it is run
 # through `ruff format`), the import contracts in pyproject.toml, and mypy over its `files` list.
 FORMATTED = elastic/phases.py elastic/reasons.py tests/test_reasons.py elastic/reshard/spec.py elastic/parallel/partition.py tests/test_contracts.py \
-	tests/test_layering.py
+	tests/test_layering.py elastic/train/agent/faults.py tests/train/test_faults.py elastic/train/rendezvous/settings.py \
+	tests/train/test_coordinator_settings.py
 check: venv
 	@fail=0; \
 	echo "== ruff check"; $(BIN)/ruff check elastic operators tests benchmarks || fail=1; \

@@ -15,6 +15,8 @@ from elastic.backends.base import default_trainer_config
 from elastic.model import GPU, InferenceSpec, TrainingSpec
 from elastic.train.launch import JobHandle, coordinator_settings, gpu_workers
 from elastic.train.ray_handle import TrainingJobHandle
+from elastic.train.rendezvous import CoordinatorSettings
+from elastic.train.userjob import is_user_config
 
 log = logging.getLogger("elastic.backends.ray")
 
@@ -249,14 +251,14 @@ class _TrainWorker:
 class _CoordinatorActor:
     """A job's rendezvous coordinator in its own detached actor (it outlives the controller)."""
 
-    def __init__(self, job: str, config: dict[str, Any], settings: dict[str, Any], meta: dict[str, Any]) -> None:
+    def __init__(self, job: str, config: dict[str, Any], settings: CoordinatorSettings, meta: dict[str, Any],
+                 host: str | None = None) -> None:
         import ray
 
         from elastic.train.rendezvous import Coordinator
 
-        host = settings.pop("host", None) or ray.util.get_node_ip_address()
         self.meta = dict(meta)
-        self.coordinator = Coordinator(job, config, host=host, **settings).start()
+        self.coordinator = Coordinator(job, config, settings, host=host or ray.util.get_node_ip_address()).start()
 
     def call(self, method: str, *args: Any, **kw: Any) -> Any:
         return getattr(self.coordinator, method)(*args, **kw)
@@ -366,7 +368,7 @@ class RayJobHandle(JobHandle):
 
             cls = ray.remote(num_cpus=0, max_concurrency=32, max_restarts=0)(_CoordinatorActor)
             actor = cls.options(name=f"coordinator:{job}", namespace=namespace, lifetime="detached").remote(
-                job, config_json(cfg), coordinator_settings(self.opts), self.meta)
+                job, config_json(cfg), coordinator_settings(self.opts, user=is_user_config(cfg)), self.meta)
         self.coordinator = _RemoteCoordinator(actor, job)  # type: ignore[assignment]
         self._actor = actor
         self._wcls = _worker_actor(1)

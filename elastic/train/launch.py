@@ -42,6 +42,7 @@ from elastic.train.procenv import worker_memory_env
 from elastic.train.rendezvous import (
     SECRET_ENV,
     Coordinator,
+    CoordinatorSettings,
     JobFailed,
     JobStatus,
     RescaleCancelled,
@@ -128,18 +129,18 @@ class LaunchOptions:
     checkpoint: CheckpointSettings | None = None
 
 
-def coordinator_settings(o: LaunchOptions, *, user: bool = False) -> dict[str, Any]:
-    """The ``Coordinator`` keyword arguments that ``o`` decides (one place for every launcher).
-    ``user``: a user job (``elastic.torch.Manager``), which gives a step up for a shrink only (its
-    loop cannot hand over the step's work, so a grow waits for the boundary rather than lose it),
-    prepares at the switch, and keeps no checkpoints of ours."""
-    return {"heartbeat_interval_s": o.heartbeat_interval_s, "heartbeat_timeout_s": o.heartbeat_timeout_s,
-            "join_timeout_s": o.join_timeout_s, "max_steps": o.max_steps, "recover": o.recover,
-            "lookahead_steps": o.lookahead_steps, "shrink_lookahead_steps": o.shrink_lookahead_steps,
-            "shrink_gives_up_step": o.shrink_gives_up_step,
-            "grow_gives_up_step": o.grow_gives_up_step and not user, "transactional": o.transactional_rescale,
-            "prepare_beside_step": o.prepare_beside_step and not user,
-            "checkpoint": None if user else o.checkpoint, "rendezvous_timeout_s": o.pg_timeout_s}
+def coordinator_settings(o: LaunchOptions, *, user: bool = False) -> CoordinatorSettings:
+    """The coordinator's settings that ``o`` decides (one place for every launcher). ``user``: a
+    user job (``elastic.torch.Manager``), which gives a step up for a shrink only (its loop cannot
+    hand over the step's work, so a grow waits for the boundary rather than lose it), prepares at
+    the switch, and keeps no checkpoints of ours."""
+    return CoordinatorSettings(
+        heartbeat_interval_s=o.heartbeat_interval_s, heartbeat_timeout_s=o.heartbeat_timeout_s,
+        join_timeout_s=o.join_timeout_s, max_steps=o.max_steps, recover=o.recover,
+        lookahead_steps=o.lookahead_steps, shrink_lookahead_steps=o.shrink_lookahead_steps,
+        shrink_gives_up_step=o.shrink_gives_up_step, grow_gives_up_step=o.grow_gives_up_step and not user,
+        transactional=o.transactional_rescale, prepare_beside_step=o.prepare_beside_step and not user,
+        checkpoint=None if user else o.checkpoint, rendezvous_timeout_s=o.pg_timeout_s)
 
 
 def job_options(options: LaunchOptions | None, spec: Any, *, coordinator_sees: bool = True) -> LaunchOptions | None:
@@ -199,7 +200,7 @@ class JobHandle(ABC):
         self.validate = make_validator(cfg, hardware, gpus_per_node)
         o = self.opts
         self.coordinator = Coordinator(job, config_json(cfg), host=host, registry=registry,
-                                       validator=self.validate, **coordinator_settings(o, user=is_user_config(cfg)))
+                                       validator=self.validate, settings=coordinator_settings(o, user=is_user_config(cfg)))
         self._spawned: set[str] = set()
         self._gone: set[str] = set()
         self._lock = threading.Lock()

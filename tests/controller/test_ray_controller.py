@@ -762,11 +762,12 @@ def test_a_detached_jobs_coordinator_is_asked_for_a_checkpoint_through_its_actor
     """Detached mode reaches the coordinator through an actor: the ask, the wait and its errors cross it."""
     from elastic.backends.ray_jobs import _CoordinatorActor, _RemoteCoordinator
     from elastic.train.checkpoint import CheckpointSettings
+    from elastic.train.rendezvous import CoordinatorSettings
 
     ray = ray_local
     cls = ray.remote(num_cpus=0, max_concurrency=4)(_CoordinatorActor)
-    actor = cls.remote("cp", {"model": "tiny"}, {"host": "127.0.0.1",
-                                                "checkpoint": CheckpointSettings(str(tmp_path / "ck"))}, {})
+    actor = cls.remote("cp", {"model": "tiny"}, CoordinatorSettings(checkpoint=CheckpointSettings(str(tmp_path / "ck"))),
+                       {}, host="127.0.0.1")
     try:
         rc = _RemoteCoordinator(actor, "cp")
         ticket = rc.request_checkpoint()

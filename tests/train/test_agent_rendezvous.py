@@ -10,6 +10,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -17,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from elastic.model import Layout, SpecError
 from elastic.train.rendezvous import (
     Coordinator,
+    CoordinatorSettings,
     Directive,
     JobFailed,
     RendezvousClient,
@@ -27,10 +29,13 @@ from tests.fakes import Clock
 
 
 def make(**kw) -> tuple[Coordinator, Clock, CollectorRegistry]:
+    """A coordinator on a fake clock; ``kw``: its settings (validator= goes to the coordinator)."""
     clock, reg = Clock(1000.0), CollectorRegistry()
     kw.setdefault("heartbeat_timeout_s", 5.0)
     kw.setdefault("join_timeout_s", 10.0)
-    c = Coordinator("job", {"model": "tiny"}, registry=reg, clock=clock, heartbeat_interval_s=1.0, **kw)
+    validator = kw.pop("validator", None)
+    settings = CoordinatorSettings(heartbeat_interval_s=1.0, **kw)
+    c = Coordinator("job", {"model": "tiny"}, settings, registry=reg, clock=clock, validator=validator)
     return c, clock, reg
 
 
@@ -1159,7 +1164,7 @@ def test_whether_engines_check_for_a_give_up_is_fixed_per_generation_when_it_is_
     from the register answer, and a generation mixed checking and non-checking engines: deadlock)."""
     c, _, _ = started(shrink_lookahead_steps=0, shrink_gives_up_step=False)
     d2 = c.directive(2, "tp1.pp1.dp1", ["w0"], remap=False)
-    c.shrink_gives_up_step = True  # changed while generation 2 is in flight: it keeps its value
+    c.settings = replace(c.settings, shrink_gives_up_step=True)  # changed while generation 2 is in flight: it keeps its value
     assert "give_up_checks" not in call(c, "register", "w2")  # a joiner learns it from its directive only
     assert not d2.give_up_checks and not Directive.from_json(
         call(c, "step", "w0", generation=1, step=2, result={"step": 1, "loss": 2.0, "tokens": 1, "seconds": 0.1}
@@ -1215,8 +1220,8 @@ def _shrink_asks_for_the_step(config: dict, to: str, elapsed: float, **kwargs) -
     """Three members train ``tp1.pp1.dp3`` in steps of 0.5 s (as reported); ``elapsed`` seconds into
     step 3 a shrink to ``to`` on two of them is posted: whether the heartbeat asks for that step."""
     clock, reg = Clock(1000.0), CollectorRegistry()
-    c = Coordinator("job", config, registry=reg, clock=clock, heartbeat_interval_s=1.0, heartbeat_timeout_s=5.0,
-                    join_timeout_s=10.0, lookahead_steps=0, shrink_gives_up_step=True)
+    c = Coordinator("job", config, CoordinatorSettings(heartbeat_interval_s=1.0, heartbeat_timeout_s=5.0,
+                    join_timeout_s=10.0, lookahead_steps=0, shrink_gives_up_step=True), registry=reg, clock=clock)
     workers = ["w0", "w1", "w2"]
     for w in workers:
         call(c, "register", w)

@@ -126,11 +126,11 @@ def test_a_checkpoint_of_another_model_or_dtype_is_refused_with_the_reason(tmp_p
 
 
 def test_a_checkpoint_dir_that_cannot_be_written_refuses_the_start(tmp_path) -> None:
-    from elastic.train.rendezvous import Coordinator
+    from elastic.train.rendezvous import Coordinator, CoordinatorSettings
 
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    c = Coordinator("j", {"model": "tiny"}, checkpoint=ck.CheckpointSettings(str(blocker / "ck")))
+    c = Coordinator("j", {"model": "tiny"}, CoordinatorSettings(checkpoint=ck.CheckpointSettings(str(blocker / "ck"))))
     with pytest.raises(ValueError, match="checkpoint dir .*a-file/ck' is not writable here"):
         c.start()
     ok = ck.CheckpointSettings(str(tmp_path / "new" / "ck"))
@@ -232,10 +232,10 @@ def test_a_job_no_replica_can_recover_starts_again_from_its_checkpoint_on_anothe
 
 
 def test_a_start_without_a_checkpoint_begins_at_step_0_and_the_coordinator_names_the_settings(tmp_path) -> None:
-    from elastic.train.rendezvous import Coordinator
+    from elastic.train.rendezvous import Coordinator, CoordinatorSettings
 
     settings = ck.CheckpointSettings(str(tmp_path / "none-yet"), every_steps=5)
-    c = Coordinator("j", {"model": "tiny"}, checkpoint=settings)
+    c = Coordinator("j", {"model": "tiny"}, CoordinatorSettings(checkpoint=settings))
     d = c.directive(1, "tp1.pp1.dp1", ["w0"])
     assert d.switch_step == 0 and d.resume is None and c.resumed_from is None
     assert c._h_register({"worker": "w0"})["checkpoint"] == settings.to_json()
@@ -243,7 +243,7 @@ def test_a_start_without_a_checkpoint_begins_at_step_0_and_the_coordinator_names
     assert Coordinator("k", {"model": "tiny"}).status().checkpoint_step is None  # off
 
     _save(tmp_path / "none-yet", 15, "tp1.pp1.dp2", _globals())
-    c = Coordinator("j", {"model": "tiny"}, checkpoint=settings)
+    c = Coordinator("j", {"model": "tiny"}, CoordinatorSettings(checkpoint=settings))
     d = c.directive(1, "tp1.pp1.dp1", ["w0"])
     assert (d.switch_step, d.resume_layout) == (15, "tp1.pp1.dp2") and d.resume.endswith("step-00000015-tp1.pp1.dp2")
     assert c.status().checkpoint_step == 15
@@ -252,7 +252,7 @@ def test_a_start_without_a_checkpoint_begins_at_step_0_and_the_coordinator_names
     # a coordinator that cannot see the directory (the Kubernetes operator) believes its workers
     (tmp_path / "a-file").write_text("")
     blind = ck.CheckpointSettings(str(tmp_path / "a-file" / "not-mounted-here"), coordinator_sees=False)
-    c = Coordinator("j", {"model": "tiny"}, checkpoint=blind)
+    c = Coordinator("j", {"model": "tiny"}, CoordinatorSettings(checkpoint=blind))
     c.start()  # no writability check where it cannot look (this path could not be created)
     try:
         ref = ck.CheckpointRef("/ckpt/j/step-00000040-tp1.pp1.dp2", 40, "tp1.pp1.dp2")

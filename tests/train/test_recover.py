@@ -268,7 +268,7 @@ def test_a_joiner_lost_inside_gloos_rendezvous_costs_its_peers_pg_timeout_not_th
         rec = h.coordinator.rescale_record(3)
         h.wait_step(rec.switch_step + 2, timeout=120)
         print(f"rolled back and recovered on {st.layout} {took:.1f} s after the rescale began (pg_timeout_s "
-              f"{opts.pg_timeout_s:g}, recovery timeout {h.coordinator.recovery_timeout_s:g})")
+              f"{opts.pg_timeout_s:g}, recovery timeout {h.coordinator.settings.recovery_timeout:g})")
     finally:
         final = h.stop()
     assert final.error is None, final.error

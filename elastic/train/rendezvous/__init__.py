@@ -121,6 +121,7 @@ from elastic.train.rendezvous.messages import (
     RescaleRecord,
     StepRecord,
 )
+from elastic.train.rendezvous.settings import CoordinatorSettings
 from elastic.train.rendezvous.state import Validator
 from elastic.train.rendezvous.wire import RendezvousClient, sign, verify
 
@@ -130,6 +131,7 @@ __all__ = [
     "SECRET_ENV",
     "CheckpointFailed",
     "Coordinator",
+    "CoordinatorSettings",
     "Directive",
     "JobFailed",
     "JobStatus",

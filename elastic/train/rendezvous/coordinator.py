@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from elastic.model import Layout, SpecError
 from elastic.parallel.memory_report import MeasuredMemory
-from elastic.train.checkpoint import CheckpointRef, CheckpointSettings
+from elastic.train.checkpoint import CheckpointRef
 from elastic.train.checkpoint import latest as latest_checkpoint
 from elastic.train.rendezvous.liveness import _Liveness
 from elastic.train.rendezvous.messages import (
@@ -28,6 +28,7 @@ from elastic.train.rendezvous.messages import (
     StepRecord,
 )
 from elastic.train.rendezvous.routes import _Routes
+from elastic.train.rendezvous.settings import CoordinatorSettings
 from elastic.train.rendezvous.state import (
     MEMORY_GENERATIONS_KEPT,
     Validator,
@@ -51,36 +52,21 @@ class Coordinator(_Routes, _Liveness):
         self,
         job: str,
         config: dict[str, Any] | None = None,
+        settings: CoordinatorSettings | None = None,
         *,
         host: str = "127.0.0.1",
         port: int = 0,
         advertise_host: str | None = None,
         registry: CollectorRegistry | None = None,
-        heartbeat_interval_s: float = 1.0,
-        heartbeat_timeout_s: float = 15.0,
-        join_timeout_s: float = 60.0,
-        lookahead_steps: int = 1,
-        shrink_lookahead_steps: int | None = None,
-        max_steps: int | None = None,
         validator: Validator | None = None,
-        recover: bool = False,
-        transactional: bool = True,
-        recovery_timeout_s: float | None = None,
-        rendezvous_timeout_s: float | None = None,
-        checkpoint: CheckpointSettings | None = None,
-        shrink_gives_up_step: bool = False,
-        grow_gives_up_step: bool = False,
-        prepare_beside_step: bool = True,
         secret: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if heartbeat_timeout_s <= heartbeat_interval_s:
-            raise SpecError(
-                f"heartbeat_timeout_s={heartbeat_timeout_s} must exceed heartbeat_interval_s={heartbeat_interval_s}"
-                " (a worker needs a few beats of slack)"
-            )
         self.job = job
         self.config = dict(config or {})
+        # timing and rescale rules, validated once (a test may swap it between directives: a posted
+        # directive keeps what it was posted with)
+        self.settings = settings if settings is not None else CoordinatorSettings()
         if secret is not None and len(secret) < 16:
             raise SpecError("secret: at least 16 characters (or None: the coordinator generates one)")
         # every request but /healthz must carry it (see the module doc); never logged
@@ -88,40 +74,8 @@ class Coordinator(_Routes, _Liveness):
         self._auth = f"Bearer {self.secret}".encode()
         self.host, self.port = host, port
         self.advertise_host = advertise_host or host
-        self.heartbeat_interval_s = heartbeat_interval_s
-        self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.join_timeout_s = join_timeout_s
-        self.lookahead_steps = lookahead_steps
-        # None: as any rescale
-        self.shrink_lookahead_steps = lookahead_steps if shrink_lookahead_steps is None else shrink_lookahead_steps
-        if min(self.lookahead_steps, self.shrink_lookahead_steps) < 0:
-            raise SpecError(f"lookahead_steps={lookahead_steps}, shrink_lookahead_steps={shrink_lookahead_steps}: "
-                            "a lookahead counts steps, >= 0")
-        self.max_steps = max_steps
         self.validator = validator
-        # a shrink (with no lookahead, on one pipeline stage) asks its members to give the step in
-        # progress up instead of finishing it: the GPUs go a step sooner, the partial step is lost
-        self.shrink_gives_up_step = shrink_gives_up_step
-        # a grow (same: no lookahead, one pipeline stage; and the same TP split, so the work is
-        # kept) asks the same: its joiners' GPUs idle until the switch; the members keep the step's
-        # work and the new layout, joiners included, finishes it. Needs engines that check
-        # (generations posted with shrink_gives_up_step)
-        self.grow_gives_up_step = grow_gives_up_step
-        # members hear of a posted rescale on their heartbeat and prepare beside the step in
-        # progress (False: at the switch, or during the lookahead steps; for A/B measurements)
-        self.prepare_beside_step = prepare_beside_step
-        self.recover = recover
-        # rescales of a recoverable generation roll back on a loss mid-exchange (Directive.rollback)
-        self.transactional = transactional
-        # survivors must report within this after a loss (default: the heartbeat timeout)
-        self.recovery_timeout_s = recovery_timeout_s if recovery_timeout_s is not None else heartbeat_timeout_s
-        # how long a worker may block inside a group's rendezvous (its pg_timeout_s): gloo's C++
-        # rendezvous cannot be given up from Python, so a survivor that still beats and says it is
-        # building groups is waited for that long before it is given up (None: not at all)
-        self.rendezvous_timeout_s = rendezvous_timeout_s
         self._building: dict[str, Any] = {}  # worker -> the generation its last heartbeat said it builds
-        # periodic checkpoints (the workers write them; a start begins at the newest complete one)
-        self.checkpoint = checkpoint
         self.resumed_from: CheckpointRef | None = None
         self._checkpoint_step = -1  # every worker of a generation wrote its part (from their step reports)
         self._reported_checkpoints: dict[str, CheckpointRef | None] = {}  # worker -> what it sees, at register
@@ -181,8 +135,8 @@ class Coordinator(_Routes, _Liveness):
     def start(self) -> Coordinator:
         """1. host the TCPStore master, 2. serve HTTP, 3. watch heartbeats and deadlines."""
 
-        if self.checkpoint is not None and self.checkpoint.coordinator_sees:
-            self.checkpoint.check_writable()
+        if self.settings.checkpoint is not None and self.settings.checkpoint.coordinator_sees:
+            self.settings.checkpoint.check_writable()
         self._store = _bound_store(self.host)
         self._server = _Server((self.host, self.port), _make_handler(self))
         self._server.daemon_threads = True
@@ -252,7 +206,7 @@ class Coordinator(_Routes, _Liveness):
                 raise SpecError(f"job {self.job}: " + ("a job that has not started has no state to hold; start it"
                                                        if cur is None else "is paused already; resume it first"))
             old_ranks = dict(cur.ranks) if cur else {}
-            resume = self._resume_from_locked(members) if self.checkpoint and cur is None else None
+            resume = self._resume_from_locked(members) if self.settings.checkpoint and cur is None else None
             shrink = cur is not None and not hold and not cur.hold and set(members) < set(cur.ranks)
             switch = self._switch_step_locked(shrink) if cur else resume.step if resume else 0
             self._check_before_max_steps(generation, switch)
@@ -260,10 +214,10 @@ class Coordinator(_Routes, _Liveness):
                 job=self.job, generation=generation, layout=str(lay), workers=tuple(members), remap=remap,
                 old_layout=cur.layout if cur else None, old_ranks=old_ranks, switch_step=switch,
                 store_host=self.advertise_host, store_port=self.store_port,
-                join_timeout_s=join_timeout_s if join_timeout_s is not None else self.join_timeout_s,
-                hold=hold, rollback=self.transactional and cur is not None and not hold and self._recoverable(cur),
+                join_timeout_s=join_timeout_s if join_timeout_s is not None else self.settings.join_timeout_s,
+                hold=hold, rollback=self.settings.transactional and cur is not None and not hold and self._recoverable(cur),
                 resume=resume.path if resume else None, resume_layout=resume.layout if resume else None,
-                give_up_checks=self.shrink_gives_up_step,
+                give_up_checks=self.settings.shrink_gives_up_step,
             )
             if resume is not None:
                 self.resumed_from = resume
@@ -277,7 +231,7 @@ class Coordinator(_Routes, _Liveness):
             self._alarm.notify_all()  # heartbeats tell the members in the step, who prepare meanwhile
             keeps = cur is not None and _keeps_work(Layout.parse(cur.layout), lay)
             grow = cur is not None and not hold and not cur.hold and set(cur.ranks) < set(members) and keeps
-            asks = ((self.shrink_gives_up_step if shrink else self.grow_gives_up_step if grow else False)
+            asks = ((self.settings.shrink_gives_up_step if shrink else self.settings.grow_gives_up_step if grow else False)
                     and self._giving_up_pays_locked(cur, keeps) if give_up_step is None else give_up_step)
             if (shrink or grow) and asks and self._gives_up_locked(cur, switch):
                 self._pending.give_up_step, self._pending.give_up_begun_at = switch - 1, self._max_begun_at
@@ -309,8 +263,8 @@ class Coordinator(_Routes, _Liveness):
             job=self.job, generation=generation, layout=str(lay), workers=tuple(members), remap=remap,
             old_layout=cur.layout, old_ranks=dict(cur.ranks), switch_step=r + 1,
             store_host=self.advertise_host, store_port=self.store_port,
-            join_timeout_s=join_timeout_s if join_timeout_s is not None else self.join_timeout_s,
-            commit_step=r, give_up_checks=self.shrink_gives_up_step,
+            join_timeout_s=join_timeout_s if join_timeout_s is not None else self.settings.join_timeout_s,
+            commit_step=r, give_up_checks=self.settings.shrink_gives_up_step,
         )
         record = RescaleRecord(generation, cur.layout, d.layout, list(members), list(d.joiners), list(d.leavers),
                                r + 1, reason=f"out of memory on {cur.layout}: {rec.reason}")
@@ -334,7 +288,7 @@ class Coordinator(_Routes, _Liveness):
         assert cur is not None
         if cur.hold:
             return cur.start_step
-        ahead = self.shrink_lookahead_steps if shrink else self.lookahead_steps
+        ahead = self.settings.shrink_lookahead if shrink else self.settings.lookahead_steps
         return max(self._max_begun + 1 + ahead, cur.start_step)
 
     def _gives_up_locked(self, cur: _Gen, switch: int) -> bool:
@@ -342,7 +296,7 @@ class Coordinator(_Routes, _Liveness):
         lookahead (the step before the switch is the one in progress), engines that check (the
         generation was posted with them), one pipeline stage (members meet at every micro-batch),
         and a step of this generation in progress."""
-        return (min(self.shrink_lookahead_steps, self.lookahead_steps) == 0 and cur.give_up_checks
+        return (min(self.settings.shrink_lookahead, self.settings.lookahead_steps) == 0 and cur.give_up_checks
                 and Layout.parse(cur.layout).pp == 1 and switch - 1 == self._max_begun >= cur.start_step)
 
     def _giving_up_pays_locked(self, cur: _Gen | None, keeps: bool) -> bool:
@@ -400,12 +354,12 @@ class Coordinator(_Routes, _Liveness):
     def _check_before_max_steps(self, generation: int, switch: int) -> None:
         """A rescale must switch before the job's last step, or the old layout finishes first and the
         joiners wait for a boundary that never comes."""
-        if self.max_steps is None or generation == 1 or switch < self.max_steps:
+        if self.settings.max_steps is None or generation == 1 or switch < self.settings.max_steps:
             return
         raise SpecError(
             f"job {self.job}: generation {generation} would switch at step {switch} (after the step in progress "
-            f"and the lookahead), but the job ends at max_steps={self.max_steps} "
-            f"(last step {self.max_steps - 1}); nothing changed: the job finishes on its current layout"
+            f"and the lookahead), but the job ends at max_steps={self.settings.max_steps} "
+            f"(last step {self.settings.max_steps - 1}); nothing changed: the job finishes on its current layout"
         )
 
     def status(self) -> JobStatus:
@@ -426,7 +380,7 @@ class Coordinator(_Routes, _Liveness):
             error=self._error or (f"OutOfMemory: {rec_oom['error']}" if rec_oom else None),
             last_rescale=RescaleRecord(**asdict(rec)) if rec else None, reason=self._reason,
             failures=list(self._failures),
-            checkpoint_step=self._checkpoint_step if self.checkpoint else None,
+            checkpoint_step=self._checkpoint_step if self.settings.checkpoint else None,
             memory=(m.as_json() if cur is not None and (m := self._memory.get(cur.generation)) is not None
                     else None),
             out_of_memory=dict(rec_oom) if rec_oom else None,
@@ -726,9 +680,9 @@ class Coordinator(_Routes, _Liveness):
     def _resume_from_locked(self, members: Sequence[str]) -> CheckpointRef | None:
         """Where a job's first generation starts: the newest complete checkpoint the coordinator sees,
         or (``coordinator_sees=False``) the newest one the members reported when they registered."""
-        assert self.checkpoint is not None
-        if self.checkpoint.coordinator_sees:
-            return latest_checkpoint(self.checkpoint.dir)
+        assert self.settings.checkpoint is not None
+        if self.settings.checkpoint.coordinator_sees:
+            return latest_checkpoint(self.settings.checkpoint.dir)
         seen = [r for m in members if (r := self._reported_checkpoints.get(m)) is not None]
         return max(seen, key=lambda r: r.step) if seen else None
 

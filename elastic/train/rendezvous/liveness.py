@@ -79,7 +79,7 @@ class _Liveness:
     def _recoverable(self, gen: _Gen) -> bool:
         """A loss in ``gen`` can be recovered: every box has a surviving copy (replicas, dp >= 2,
         without ZeRO sharding their optimizer state) and recovery is on."""
-        if not self.recover or gen.hold:
+        if not self.settings.recover or gen.hold:
             return False
         lay = Layout.parse(gen.layout)
         # a user job says whether its data-parallel ranks hold copies (DDP) or shards (FSDP) of the state
@@ -242,9 +242,9 @@ class _Liveness:
         if silent and not timed_out:
             return
         for w in silent:
-            rec.lost[w] = (f"worker {w} did not report within recovery_timeout_s={self.recovery_timeout_s:g}"
-                           + (f" (nor within rendezvous_timeout_s={self.rendezvous_timeout_s:g} while it built groups)"
-                              if self._building.get(w) is not None and self.rendezvous_timeout_s is not None else ""))
+            rec.lost[w] = (f"worker {w} did not report within recovery_timeout_s={self.settings.recovery_timeout:g}"
+                           + (f" (nor within rendezvous_timeout_s={self.settings.rendezvous_timeout_s:g} while it built groups)"
+                              if self._building.get(w) is not None and self.settings.rendezvous_timeout_s is not None else ""))
             self.lost.add(w)
             self._left.add(w)
             self._seen.pop(w, None)
@@ -295,9 +295,9 @@ class _Liveness:
         if lay is None:
             self._fail_locked(f"{why}; no layout fits the {len(survivors)} survivor(s): {'; '.join(refusals)}")
             return
-        if self.max_steps is not None and r + 1 >= self.max_steps:
+        if self.settings.max_steps is not None and r + 1 >= self.settings.max_steps:
             self._recovery = None
-            self._phase, self._reason = "finished", f"reached max_steps={self.max_steps} ({why})"
+            self._phase, self._reason = "finished", f"reached max_steps={self.settings.max_steps} ({why})"
             self._cv.notify_all()
             return
         # 3. the step of the commit goes on record if a survivor reported it
@@ -314,8 +314,8 @@ class _Liveness:
         d = Directive(
             job=self.job, generation=nxt, layout=str(lay), workers=tuple(members), remap=True,
             old_layout=cur.layout, old_ranks={w: cur.ranks[w] for w in survivors}, switch_step=r + 1,
-            store_host=self.advertise_host, store_port=self.store_port, join_timeout_s=self.join_timeout_s,
-            commit_step=r, give_up_checks=self.shrink_gives_up_step,
+            store_host=self.advertise_host, store_port=self.store_port, join_timeout_s=self.settings.join_timeout_s,
+            commit_step=r, give_up_checks=self.settings.shrink_gives_up_step,
         )
         record = RescaleRecord(nxt, cur.layout, d.layout, list(members), [], list(d.leavers), r + 1,
                                recovery=why)
@@ -405,12 +405,12 @@ class _Liveness:
             if rec is not None and not rec.posted and cur is not None:
                 # a survivor stuck in a collective still beats (its heartbeat has its own thread): a
                 # member silent for a few beats is dead, whether or not its launcher has noticed yet
-                quiet = 2.5 * self.heartbeat_interval_s
+                quiet = 2.5 * self.settings.heartbeat_interval_s
                 for w in [w for w in cur.ranks if w not in rec.lost and w not in rec.reports]:
                     if now - self._seen.get(w, now) > quiet:
                         self._lost_locked(w, f"worker {w} silent for {now - self._seen[w]:.1f} s during a recovery "
                                              f"(> {quiet:g} s: {2.5:g} heartbeats)")
-            if (rec is not None and not rec.posted and now - rec.started_at > self.recovery_timeout_s
+            if (rec is not None and not rec.posted and now - rec.started_at > self.settings.recovery_timeout
                     and not self._waits_for_a_blocked_survivor_locked(rec, cur, now)):
                 self._maybe_post_recovery_locked(timed_out=True)
 
@@ -427,11 +427,11 @@ class _Liveness:
           broke). Giving it up would lose the only copy of its shards and fail the job; one whose
           shards others hold is not waited for, the job recovers without it.
         """
-        if self.rendezvous_timeout_s is None or cur is None:
+        if self.settings.rendezvous_timeout_s is None or cur is None:
             return False
-        if now - rec.started_at > self.rendezvous_timeout_s + self.recovery_timeout_s:
+        if now - rec.started_at > self.settings.rendezvous_timeout_s + self.settings.recovery_timeout:
             return False
-        quiet = 2.5 * self.heartbeat_interval_s
+        quiet = 2.5 * self.settings.heartbeat_interval_s
         beating = [w for w in cur.ranks if w not in rec.lost and w not in rec.reports
                    and now - self._seen.get(w, float("-inf")) <= quiet]
         if any(self._building.get(w) is not None for w in beating):
@@ -467,9 +467,9 @@ class _Liveness:
             watched |= set(self._pending.directive.members)
         for w in sorted(watched - self._left):
             last = self._seen.get(w)
-            if last is not None and now - last > self.heartbeat_timeout_s:
+            if last is not None and now - last > self.settings.heartbeat_timeout_s:
                 step = self._history[-1].step if self._history else -1
                 self._lost_locked(w, f"worker {w} lost: no heartbeat for {now - last:.1f} s "
-                                     f"(heartbeat_timeout_s={self.heartbeat_timeout_s:g}; process died or hung; "
+                                     f"(heartbeat_timeout_s={self.settings.heartbeat_timeout_s:g}; process died or hung; "
                                      f"last completed step {step})")
                 return

@@ -31,11 +31,11 @@ class _Routes:
         self._touch(w)
         self._left.discard(w)
         self._registered.add(w)
-        if self.checkpoint is not None:
+        if self.settings.checkpoint is not None:
             self._reported_checkpoints[w] = CheckpointRef.from_json(b.get("checkpoint_latest"))
-        return {"job": self.job, "config": self.config, "heartbeat_interval_s": self.heartbeat_interval_s,
-                "heartbeat_timeout_s": self.heartbeat_timeout_s,
-                "checkpoint": self.checkpoint.to_json() if self.checkpoint else None}
+        return {"job": self.job, "config": self.config, "heartbeat_interval_s": self.settings.heartbeat_interval_s,
+                "heartbeat_timeout_s": self.settings.heartbeat_timeout_s,
+                "checkpoint": self.settings.checkpoint.to_json() if self.settings.checkpoint else None}
 
     def _h_heartbeat(self, b: dict[str, Any]) -> dict[str, Any]:
         """A worker's liveness beat. With ``generation`` and ``wait_s`` it long-polls: answered at
@@ -88,7 +88,7 @@ class _Routes:
 
         def pending() -> _Pending | None:
             p, cur = self._pending, self._current
-            if (not self.prepare_beside_step or seen is None or gen is None or p is None or p.decision is not None or p.seq == int(seen)
+            if (not self.settings.prepare_beside_step or seen is None or gen is None or p is None or p.decision is not None or p.seq == int(seen)
                     or p.record.recovery or cur is None or cur.hold or int(gen) != cur.generation
                     or w not in p.directive.old_ranks):  # (a recovery's survivors are broken: nothing runs)
                 return None
@@ -160,15 +160,15 @@ class _Routes:
                                                 f"{cur.generation if cur else 'none'}; stale worker"}
         if cur.hold:
             return self._hold_answer_locked(w, gen, float(b.get("wait_s") or 0.0))
-        if self.max_steps is not None and step >= self.max_steps:
+        if self.settings.max_steps is not None and step >= self.settings.max_steps:
             self._finished.add(w)
             if set(cur.ranks) <= self._finished:
                 if self._pending is not None and self._pending.decision is None:  # defensive: refused at post
-                    self._abandon_locked(f"the job reached max_steps={self.max_steps} before the switch step "
+                    self._abandon_locked(f"the job reached max_steps={self.settings.max_steps} before the switch step "
                                          f"{self._pending.directive.switch_step}")
-                self._phase, self._reason = "finished", f"reached max_steps={self.max_steps}"
+                self._phase, self._reason = "finished", f"reached max_steps={self.settings.max_steps}"
                 self._cv.notify_all()
-            return {"action": "finish", "reason": f"reached max_steps={self.max_steps}", "save": True}
+            return {"action": "finish", "reason": f"reached max_steps={self.settings.max_steps}", "save": True}
         p = self._pending
         if p is not None and p.decision is None and w in p.directive.old_ranks:
             if b.get("gave_up") and int(b["gave_up"]["step"]) == step:
@@ -188,7 +188,7 @@ class _Routes:
     def _save_answer_locked(self, gen: int, step: int) -> bool:
         """Whether the state after ``step`` of generation ``gen`` is to be checkpointed: decided when
         the first member asks, the same answer for the others (section 6 of the module doc)."""
-        c = self.checkpoint
+        c = self.settings.checkpoint
         if c is None:
             return False
         key = (gen, step)
@@ -239,7 +239,7 @@ class _Routes:
         number of failed writes so far). Raises SpecError when the job has no checkpoint
         settings or has ended (nothing asked)."""
         with self._cv:
-            if self.checkpoint is None:
+            if self.settings.checkpoint is None:
                 raise SpecError(f"job {self.job} has no checkpoint settings; give it checkpoint.dir to save one")
             if self._phase in ("failed", "stopping", "stopped", "finished"):
                 raise SpecError(f"job {self.job} is {self._phase}; a checkpoint needs a running job")
