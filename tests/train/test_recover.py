@@ -221,7 +221,9 @@ def test_a_worker_lost_inside_a_rescale_rolls_the_job_back_and_it_recovers_on_th
             h.rescale(grow_to[0], grow_to[1], timeout=120)
         st = _wait_recovered(h, 3)
         took = time.monotonic() - t0
-        assert took < opts.pg_timeout_s / 3, f"{took:.1f} s: someone waited on the dead peer until a timeout"
+        # a wait on the dead peer until a group's timeout would take pg_timeout_s at least: the
+        # bound is that wait itself, not a guess at how fast this machine recovers
+        assert took < opts.pg_timeout_s, f"{took:.1f} s: someone waited on the dead peer until a timeout"
         assert st.layout == after and victim not in st.workers, st
         if survivors is not None:
             assert st.workers == survivors
@@ -296,7 +298,8 @@ def test_a_worker_lost_in_the_first_step_after_a_committed_rescale_is_recovered_
         h.rescale("tp1.pp1.dp4", W4, timeout=120)
         st = _wait_recovered(h, 3)
         took = time.monotonic() - t0
-        assert took < h.opts.pg_timeout_s / 3, f"{took:.1f} s: someone waited on the dead peer until a timeout"
+        # (a wait until a group's timeout would take pg_timeout_s at least)
+        assert took < h.opts.pg_timeout_s, f"{took:.1f} s: someone waited on the dead peer until a timeout"
         assert st.layout == "tp1.pp1.dp2" and "w3" not in st.workers, st
         done = h.coordinator.rescale_record(2)
         assert done.ok and "lost before its first step finished" in done.reason, done
