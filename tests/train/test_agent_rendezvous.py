@@ -1,6 +1,7 @@
 """The coordinator's protocol, driven request by request with an injected clock (no processes).
 
-One HTTP round trip at the end checks the wire and the ``/metrics`` endpoint.
+Requests go in as typed messages (``Coordinator.receive``); the HTTP tests check the wire and the
+``/metrics`` endpoint.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from elastic.train.rendezvous import (
     RendezvousError,
     RescaleFailed,
 )
+from elastic.train.rendezvous.requests import parse
 from tests.fakes import Clock
 
 
@@ -40,7 +42,8 @@ def make(**kw) -> tuple[Coordinator, Clock, CollectorRegistry]:
 
 
 def call(c: Coordinator, route: str, worker: str, **body) -> dict:
-    return c.handle(f"/v1/{route}", {"worker": worker, **body})
+    """``worker``'s request to ``route`` as its typed message (no wire: the HTTP tests below have it)."""
+    return c.receive(parse(route, {"worker": worker, **body}))
 
 
 def started(workers=("w0", "w1"), layout="tp1.pp1.dp2", **kw) -> tuple[Coordinator, Clock, CollectorRegistry]:

@@ -232,13 +232,13 @@ def test_a_job_no_replica_can_recover_starts_again_from_its_checkpoint_on_anothe
 
 
 def test_a_start_without_a_checkpoint_begins_at_step_0_and_the_coordinator_names_the_settings(tmp_path) -> None:
-    from elastic.train.rendezvous import Coordinator, CoordinatorSettings
+    from elastic.train.rendezvous import Coordinator, CoordinatorSettings, parse
 
     settings = ck.CheckpointSettings(str(tmp_path / "none-yet"), every_steps=5)
     c = Coordinator("j", {"model": "tiny"}, CoordinatorSettings(checkpoint=settings))
     d = c.directive(1, "tp1.pp1.dp1", ["w0"])
     assert d.switch_step == 0 and d.resume is None and c.resumed_from is None
-    assert c._h_register({"worker": "w0"})["checkpoint"] == settings.to_json()
+    assert c.receive(parse("register", {"worker": "w0"}))["checkpoint"] == settings.to_json()
     assert c.status().checkpoint_step == -1
     assert Coordinator("k", {"model": "tiny"}).status().checkpoint_step is None  # off
 
@@ -257,9 +257,9 @@ def test_a_start_without_a_checkpoint_begins_at_step_0_and_the_coordinator_names
     try:
         ref = ck.CheckpointRef("/ckpt/j/step-00000040-tp1.pp1.dp2", 40, "tp1.pp1.dp2")
         old = ck.CheckpointRef("/ckpt/j/step-00000020-tp1.pp1.dp2", 20, "tp1.pp1.dp2")
-        c._h_register({"worker": "w0", "checkpoint_latest": old.to_json()})  # its view lagged
-        c._h_register({"worker": "w1", "checkpoint_latest": ref.to_json()})
-        c._h_register({"worker": "w2"})  # sees nothing: not a member below anyway
+        c.receive(parse("register", {"worker": "w0", "checkpoint_latest": old.to_json()}))  # its view lagged
+        c.receive(parse("register", {"worker": "w1", "checkpoint_latest": ref.to_json()}))
+        c.receive(parse("register", {"worker": "w2"}))  # sees nothing: not a member below anyway
         d = c.directive(1, "tp1.pp1.dp2", ["w0", "w1"])
         assert (d.resume, d.switch_step, d.resume_layout) == (ref.path, 40, "tp1.pp1.dp2")
     finally:

@@ -102,6 +102,11 @@ no authentication: what workers read from it that they would unpickle is signed 
 secret (:func:`sign`, :func:`verify`). Gloo's own connections between workers are not
 authenticated; the job's network is the boundary there.
 
+Every request body is read into its typed request (:mod:`elastic.train.rendezvous.requests`, one
+frozen dataclass per route) before a handler sees it: :meth:`Coordinator.handle` is that parse
+followed by :meth:`Coordinator.receive`, which tests drive directly. A body that does not read is
+refused with HTTP 400 naming the route and the field.
+
 What it must not do: touch tensors, run collectives, or decide layouts (the controller
 does; :meth:`Coordinator.directive` only validates and sequences them).
 """
@@ -121,6 +126,7 @@ from elastic.train.rendezvous.messages import (
     RescaleRecord,
     StepRecord,
 )
+from elastic.train.rendezvous.requests import BadRequest, Request, parse
 from elastic.train.rendezvous.settings import CoordinatorSettings
 from elastic.train.rendezvous.state import Validator
 from elastic.train.rendezvous.wire import RendezvousClient, sign, verify
@@ -129,6 +135,7 @@ __all__ = [
     "API",
     "LONG_POLL_MAX_S",
     "SECRET_ENV",
+    "BadRequest",
     "CheckpointFailed",
     "Coordinator",
     "CoordinatorSettings",
@@ -137,11 +144,13 @@ __all__ = [
     "JobStatus",
     "RendezvousClient",
     "RendezvousError",
+    "Request",
     "RescaleCancelled",
     "RescaleFailed",
     "RescaleRecord",
     "StepRecord",
     "Validator",
+    "parse",
     "sign",
     "verify",
 ]

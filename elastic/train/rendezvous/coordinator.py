@@ -27,6 +27,7 @@ from elastic.train.rendezvous.messages import (
     RescaleRecord,
     StepRecord,
 )
+from elastic.train.rendezvous.requests import StepReport
 from elastic.train.rendezvous.routes import _Routes
 from elastic.train.rendezvous.settings import CoordinatorSettings
 from elastic.train.rendezvous.state import (
@@ -117,7 +118,7 @@ class Coordinator(_Routes, _Liveness):
         self._seen: dict[str, float] = {}  # worker -> last request time
         self._left: set[str] = set()
         self._registered: set[str] = set()
-        self._reports: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
+        self._reports: dict[tuple[int, int], dict[str, StepReport]] = {}  # (generation, step) -> worker -> report
         self._gen_sizes: dict[int, tuple[str, int]] = {}  # generation -> (layout, world size)
         self._history: list[StepRecord] = []
         self._rescales: dict[int, RescaleRecord] = {}
@@ -625,31 +626,30 @@ class Coordinator(_Routes, _Liveness):
         rec.worker_stats = {w: dict(r) for w, r in results.items()}
         return rec
 
-    def _record_report_locked(self, worker: str, gen: int, rep: dict[str, Any]) -> None:
-        step = int(rep["step"])
-        self._note_written_locked(worker, rep.get("checkpoint"))
+    def _record_report_locked(self, worker: str, gen: int, rep: StepReport) -> None:
+        step = rep.step
+        self._note_written_locked(worker, rep.checkpoint)
         key = (gen, step)
         if key[0] not in self._gen_sizes:
             return
-        self._note_memory_locked(worker, gen, rep.get("memory"))
+        self._note_memory_locked(worker, gen, rep.memory)
         reps = self._reports.setdefault(key, {})
         reps[worker] = rep
         layout, size = self._gen_sizes[gen]
         if len(reps) < size:
             return
         del self._reports[key]
-        losses = [float(r["loss"]) for r in reps.values() if r.get("loss") is not None and math.isfinite(r["loss"])]
-        rec = StepRecord(step, gen, layout, losses[0] if losses else None,
-                         max(int(r.get("tokens", 0)) for r in reps.values()),
-                         max(float(r.get("seconds", 0.0)) for r in reps.values()))
+        losses = [r.loss for r in reps.values() if r.loss is not None and math.isfinite(r.loss)]
+        rec = StepRecord(step, gen, layout, losses[0] if losses else None, max(r.tokens for r in reps.values()),
+                         max(r.seconds for r in reps.values()))
         self._history.append(rec)
         self.metrics.record_step(rec.step, rec.loss, rec.tokens, rec.seconds)
         # each worker reports its last completed checkpoint write (step, generation): when every worker
         # of this generation names the same one, it is complete
-        written = {tuple(r["checkpoint"]) if r.get("checkpoint") else None for r in reps.values()}
-        if len(written) == 1 and (w := written.pop()) is not None and int(w[1]) == gen:
-            self._note_checkpoint_locked(int(w[0]))
-        failed = sorted(f"{w}: {r['checkpoint_error']}" for w, r in reps.items() if r.get("checkpoint_error"))
+        written = {r.checkpoint for r in reps.values()}
+        if len(written) == 1 and (w := written.pop()) is not None and w[1] == gen:
+            self._note_checkpoint_locked(w[0])
+        failed = sorted(f"{w}: {r.checkpoint_error}" for w, r in reps.items() if r.checkpoint_error)
         if failed:
             at = self._save_inflight[1] if self._save_inflight else "?"
             self._save_failures.append(f"step {at}: " + "; ".join(failed))
@@ -686,7 +686,7 @@ class Coordinator(_Routes, _Liveness):
         seen = [r for m in members if (r := self._reported_checkpoints.get(m)) is not None]
         return max(seen, key=lambda r: r.step) if seen else None
 
-    def _note_written_locked(self, w: str, written: Any) -> None:
+    def _note_written_locked(self, w: str, written: tuple[int, int] | None) -> None:
         """A worker's last complete checkpoint write, (step, generation), from a step report or its
         rescale result (a leaver's last word)."""
         if written:

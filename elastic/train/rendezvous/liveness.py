@@ -8,6 +8,7 @@ from typing import Any
 
 from elastic.model import Layout, SpecError
 from elastic.train.rendezvous.messages import Directive, RescaleRecord, StepRecord
+from elastic.train.rendezvous.requests import Broken, Exit, Fail, Status
 from elastic.train.rendezvous.state import _Gen, _Pending, _Recovery, recovery_candidates, recovery_members
 
 log = logging.getLogger(__name__)
@@ -16,20 +17,20 @@ class _Liveness:
     """The half of :class:`Coordinator` that hears of lost workers and broken steps and recovers
     the job from its survivors (the coordinator's state; every method runs with ``_cv`` held)."""
 
-    def _h_fail(self, b: dict[str, Any]) -> dict[str, Any]:
+    def _h_fail(self, m: Fail) -> dict[str, Any]:
         """A worker failed and exits: a lost worker (the job recovers without it if it can, else fails)."""
-        w = str(b["worker"])
-        self._lost_locked(w, f"worker {w}: {b.get('reason', 'no reason given')}")
+        w = m.worker
+        self._lost_locked(w, f"worker {w}: {m.reason}")
         return {}
 
-    def _h_broken(self, b: dict[str, Any]) -> dict[str, Any]:
+    def _h_broken(self, m: Broken) -> dict[str, Any]:
         """A worker's collective broke (a peer died) or it was told to ``break``: it has shut its
         communicators down and reports what it holds: ``applied`` (last step whose update it
         applied), ``ready`` (a step whose reduced gradients it holds unapplied, or None),
         ``dirty`` (an update broke half-way), ``local_apply`` (it can apply ``ready`` alone)."""
-        w, gen = str(b["worker"]), int(b["generation"])
+        w, gen = m.worker, m.generation
         self._touch(w)
-        error = str(b.get("error") or "told to break")
+        error = m.error or "told to break"
         p = self._rollback_pending_locked()
         if p is not None and p.previous is not None and gen in (p.previous.generation, p.directive.generation):
             # an exchange broke (``gen``: the old generation, reported from the old state it kept; the
@@ -43,21 +44,22 @@ class _Liveness:
         cur = self._current
         if self._phase in ("failed", "stopping", "stopped") or cur is None or gen != cur.generation:
             return {"action": "stop", "reason": self._error or self._reason or f"generation {gen} is over"}
-        oom = b.get("out_of_memory")
+        oom = m.out_of_memory
         if oom and self._recovery is None and self._phase in ("running", "rescaling", "starting", "recovering"):
             # the worker whose step ran out of memory reports before it breaks its peers' collectives:
             # nobody is lost, every member keeps its state, and the job waits for another layout
             self._note_memory_locked(w, gen, oom.get("memory"))
-            self._start_recovery_locked(f"worker {w}'s step {b.get('step')} ran out of memory on {cur.layout}: "
+            self._start_recovery_locked(f"worker {w}'s step {m.step} ran out of memory on {cur.layout}: "
                                         f"{error}", oom=dict(oom, worker=w))
         if self._recovery is None:
             if not self._can_recover_locked():
-                self._fail_locked(f"worker {w} at step {b.get('step')}: {error}")
+                self._fail_locked(f"worker {w} at step {m.step}: {error}")
                 return {"action": "stop", "reason": self._error or ""}
-            self._start_recovery_locked(f"worker {w}'s collective broke at step {b.get('step')}: {error}")
+            self._start_recovery_locked(f"worker {w}'s collective broke at step {m.step}: {error}")
         assert self._recovery is not None
         if w not in self._recovery.lost:
-            self._recovery.reports[w] = {k: b.get(k) for k in ("step", "applied", "ready", "dirty", "local_apply")}
+            self._recovery.reports[w] = {"step": m.step, "applied": m.applied, "ready": m.ready, "dirty": m.dirty,
+                                         "local_apply": m.local_apply}
         self._maybe_post_recovery_locked()
         return {"action": "hold"}
 
@@ -305,10 +307,9 @@ class _Liveness:
         # a fresh number: a rolled-back rescale used cur + 1 already (stores and records are keyed by it)
         nxt = max([gen, *self._rescales]) + 1
         if not any(h.step == r for h in self._history[-3:]) and (parts := self._reports.pop((gen, r), None)):
-            losses = [float(x["loss"]) for x in parts.values() if x.get("loss") is not None and math.isfinite(x["loss"])]
+            losses = [x.loss for x in parts.values() if x.loss is not None and math.isfinite(x.loss)]
             step_rec = StepRecord(r, gen, cur.layout, losses[0] if losses else None,
-                                  max(int(x.get("tokens", 0)) for x in parts.values()),
-                                  max(float(x.get("seconds", 0.0)) for x in parts.values()))
+                                  max(x.tokens for x in parts.values()), max(x.seconds for x in parts.values()))
             self._history.append(step_rec)
             self.metrics.record_step(step_rec.step, step_rec.loss, step_rec.tokens, step_rec.seconds)
         d = Directive(
@@ -377,9 +378,9 @@ class _Liveness:
                 return members, lay, refusals
         return [], None, refusals
 
-    def _h_exit(self, b: dict[str, Any]) -> dict[str, Any]:
+    def _h_exit(self, m: Exit) -> dict[str, Any]:
         """A worker exits on purpose (stop, finish, abandoned joiner): stop watching it."""
-        w = str(b["worker"])
+        w = m.worker
         self._left.add(w)
         self._seen.pop(w, None)
         self._building.pop(w, None)
@@ -388,7 +389,7 @@ class _Liveness:
             self._cv.notify_all()
         return {}
 
-    def _h_status(self, b: dict[str, Any]) -> dict[str, Any]:
+    def _h_status(self, m: Status) -> dict[str, Any]:
         return self._status_locked().to_json()
 
     # ---- watcher ----------------------------------------------------------------------------

@@ -11,6 +11,19 @@ from typing import Any
 from elastic.model import SpecError
 from elastic.train.checkpoint import CheckpointRef
 from elastic.train.rendezvous.messages import API, LONG_POLL_MAX_S, CheckpointFailed
+from elastic.train.rendezvous.requests import (
+    REQUESTS,
+    Arrive,
+    Exchanged,
+    Heartbeat,
+    PlanInfo,
+    Poll,
+    Register,
+    Request,
+    Result,
+    Step,
+    parse,
+)
 from elastic.train.rendezvous.state import _Pending
 
 log = logging.getLogger(__name__)
@@ -20,24 +33,35 @@ class _Routes:
     coordinator's; every method runs with ``_cv`` held)."""
 
     def handle(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
-        name = _ROUTES.get(route)
-        if name is None:
+        """The answer to a request as it came off the wire: ``route`` its path (``/v1/step``; an
+        unknown one raises KeyError), ``body`` its JSON object, read into its request type first
+        (:class:`BadRequest` names the field when it does not read)."""
+        if _ROUTES.get(route) is None:
             raise KeyError(route)
-        with self._cv:
-            return getattr(self, name)(body)
+        return self.receive(parse(route, body))
 
-    def _h_register(self, b: dict[str, Any]) -> dict[str, Any]:
-        w = str(b["worker"])
+    def receive(self, m: Request) -> dict[str, Any]:
+        """The answer to a typed request (:mod:`elastic.train.rendezvous.requests`)."""
+        name = _HANDLERS.get(type(m))
+        if name is None:
+            raise TypeError(f"not a coordinator request: {type(m).__name__} (one of {', '.join(REQUESTS)})")
+        answer: Callable[[Request], dict[str, Any]] = getattr(self, name)
+        with self._cv:
+            return answer(m)
+
+    def _h_register(self, m: Register) -> dict[str, Any]:
+        w = m.worker
         self._touch(w)
         self._left.discard(w)
         self._registered.add(w)
         if self.settings.checkpoint is not None:
-            self._reported_checkpoints[w] = CheckpointRef.from_json(b.get("checkpoint_latest"))
+            seen = m.checkpoint_latest
+            self._reported_checkpoints[w] = CheckpointRef(seen.path, seen.step, seen.layout) if seen else None
         return {"job": self.job, "config": self.config, "heartbeat_interval_s": self.settings.heartbeat_interval_s,
                 "heartbeat_timeout_s": self.settings.heartbeat_timeout_s,
                 "checkpoint": self.settings.checkpoint.to_json() if self.settings.checkpoint else None}
 
-    def _h_heartbeat(self, b: dict[str, Any]) -> dict[str, Any]:
+    def _h_heartbeat(self, m: Heartbeat) -> dict[str, Any]:
         """A worker's liveness beat. With ``generation`` and ``wait_s`` it long-polls: answered at
         once with ``interrupt: <generation>`` when that generation is being recovered and this
         worker has not reported yet (it is still computing a step that cannot complete). With
@@ -50,17 +74,16 @@ class _Routes:
         posted since, answered as soon as it is: the member plans and allocates its receive
         buffers in the background during the step in progress instead of in the pause (with no
         lookahead the switch is at the next step boundary, which the step loop reaches too late)."""
-        w = str(b["worker"])
-        gen = b.get("generation")
-        building = b.get("building")  # the generation whose groups it is building, if any
-        wait_s = min(float(b.get("wait_s") or 0.0), LONG_POLL_MAX_S)
+        w, gen, seen = m.worker, m.generation, m.seen
+        building = m.building  # the generation whose groups it is building, if any
+        wait_s = min(m.wait_s, LONG_POLL_MAX_S)
         if w not in self._left:
             self._touch(w)
             self._building[w] = building
 
-        def unreported(g: Any) -> bool:
+        def unreported(g: int | None) -> bool:
             rec = self._recovery
-            return (rec is not None and g is not None and int(g) == rec.generation and not rec.posted
+            return (rec is not None and g is not None and g == rec.generation and not rec.posted
                     and w not in rec.reports and w not in rec.lost)
 
         def interrupt() -> bool:
@@ -73,23 +96,21 @@ class _Routes:
                 return None
             if self._phase == "failed":
                 return f"the job failed: {self._error}"
-            if int(building) in self._rolled_back:
-                return self._rolled_back[int(building)]
-            decided = self._decisions.get(int(building))
+            if building in self._rolled_back:
+                return self._rolled_back[building]
+            decided = self._decisions.get(building)
             if decided is not None and decided[0] == "abandoned":  # e.g. a joiner never came: nothing will form
                 return f"the rescale to generation {building} was abandoned: {decided[1]}"
             rec = self._recovery
             return rec.reason if unreported(building) and rec is not None else None
 
         def give_up() -> int | None:
-            return None if gen is None else self._give_up_asked_locked(w, int(gen))
-
-        seen = b.get("seen")
+            return None if gen is None else self._give_up_asked_locked(w, gen)
 
         def pending() -> _Pending | None:
             p, cur = self._pending, self._current
-            if (not self.settings.prepare_beside_step or seen is None or gen is None or p is None or p.decision is not None or p.seq == int(seen)
-                    or p.record.recovery or cur is None or cur.hold or int(gen) != cur.generation
+            if (not self.settings.prepare_beside_step or seen is None or gen is None or p is None or p.decision is not None or p.seq == seen
+                    or p.record.recovery or cur is None or cur.hold or gen != cur.generation
                     or w not in p.directive.old_ranks):  # (a recovery's survivors are broken: nothing runs)
                 return None
             return p
@@ -104,20 +125,20 @@ class _Routes:
                 self._touch(w)
         out: dict[str, Any] = {"phase": self._phase, "failed": self._phase == "failed", "reason": self._error or ""}
         if interrupt():
-            out["interrupt"] = int(gen)  # type: ignore[arg-type]
+            out["interrupt"] = gen
         if (s := give_up()) is not None:
-            out["give_up"] = {"generation": int(gen), "step": s}  # type: ignore[arg-type]
+            out["give_up"] = {"generation": gen, "step": s}
         if (why := abort()) is not None:
-            out["abort"], out["abort_reason"] = int(building), why  # type: ignore[arg-type]
+            out["abort"], out["abort_reason"] = building, why
         if (p := pending()) is not None:
             out["pending"], out["pending_seq"] = p.directive.to_json(), p.seq
         return out
 
-    def _h_poll(self, b: dict[str, Any]) -> dict[str, Any]:
+    def _h_poll(self, m: Poll) -> dict[str, Any]:
         """A worker without a generation asks whether a directive includes it (``wait_s``: long poll)."""
-        w = str(b["worker"])
+        w = m.worker
         self._touch(w)
-        wait_s = min(float(b.get("wait_s") or 0.0), LONG_POLL_MAX_S)
+        wait_s = min(m.wait_s, LONG_POLL_MAX_S)
         answer: dict[str, Any] = {}
 
         def decided() -> bool:
@@ -140,12 +161,12 @@ class _Routes:
             return {"action": "exit", "reason": p.record.reason}
         return {"action": "wait"}
 
-    def _h_step(self, b: dict[str, Any]) -> dict[str, Any]:
+    def _h_step(self, m: Step) -> dict[str, Any]:
         """Before step ``step``: go, switch to the pending generation, or stop. Carries the last result."""
-        w, gen, step = str(b["worker"]), int(b["generation"]), int(b["step"])
+        w, gen, step = m.worker, m.generation, m.step
         self._touch(w)
-        if b.get("result"):
-            self._record_report_locked(w, gen, b["result"])
+        if m.result is not None:
+            self._record_report_locked(w, gen, m.result)
         self._note_resumed_locked(w, gen, step)
         if self._phase in ("failed", "stopping", "stopped"):
             # a requested stop at a step boundary: every worker of the generation is at the same step
@@ -153,13 +174,13 @@ class _Routes:
             return {"action": "stop", "reason": self._error or self._reason or self._phase,
                     "save": self._phase != "failed" and self._recovery is None}
         if self._recovery is not None and gen == self._recovery.generation:
-            return self._recovery_answer_locked(w, gen, float(b.get("wait_s") or 0.0))
+            return self._recovery_answer_locked(w, gen, m.wait_s)
         cur = self._current
         if cur is None or gen != cur.generation:
             return {"action": "stop", "reason": f"worker {w} is on generation {gen}, the job on "
                                                 f"{cur.generation if cur else 'none'}; stale worker"}
         if cur.hold:
-            return self._hold_answer_locked(w, gen, float(b.get("wait_s") or 0.0))
+            return self._hold_answer_locked(w, gen, m.wait_s)
         if self.settings.max_steps is not None and step >= self.settings.max_steps:
             self._finished.add(w)
             if set(cur.ranks) <= self._finished:
@@ -171,9 +192,8 @@ class _Routes:
             return {"action": "finish", "reason": f"reached max_steps={self.settings.max_steps}", "save": True}
         p = self._pending
         if p is not None and p.decision is None and w in p.directive.old_ranks:
-            if b.get("gave_up") and int(b["gave_up"]["step"]) == step:
-                self._gave_up_locked(p, w, step, float(b["gave_up"].get("seconds") or 0.0),
-                                     int(b["gave_up"].get("micro") or 0), bool(b["gave_up"].get("kept")))
+            if m.gave_up is not None and m.gave_up.step == step:
+                self._gave_up_locked(p, w, step, m.gave_up.seconds, m.gave_up.micro, m.gave_up.kept)
             if step >= p.directive.switch_step:
                 self._note_boundary_locked(p, w)
                 return {"action": "switch", "directive": p.directive.to_json()}
@@ -377,7 +397,7 @@ class _Routes:
                     p.record.pause_seconds = self._clock() - p.stopped_at
             self._cv.notify_all()  # wait_resumed
 
-    def _h_arrive(self, b: dict[str, Any]) -> dict[str, Any]:
+    def _h_arrive(self, m: Arrive) -> dict[str, Any]:
         """A member is at the meeting point of ``generation`` with its plan digest; returns the decision.
 
         ``error`` (optional): this member could not plan or prepare the reshard; the rescale is
@@ -385,15 +405,15 @@ class _Routes:
         to that long while the decision is still open (long poll: every member hears ``go`` the
         moment the last one arrives, instead of on its next poll).
         """
-        w, gen = str(b["worker"]), int(b["generation"])
+        w, gen = m.worker, m.generation
         self._touch(w)
         p = self._pending
         if gen not in self._decisions and (p is None or p.directive.generation != gen
                                            or w not in p.directive.members):
             return {"decision": "abandoned", "reason": f"worker {w} is not a member of generation {gen}"}
         if gen not in self._decisions:
-            self._arrive_locked(w, b)
-        wait_s = min(float(b.get("wait_s") or 0.0), LONG_POLL_MAX_S)
+            self._arrive_locked(w, m)
+        wait_s = min(m.wait_s, LONG_POLL_MAX_S)
         if gen not in self._decisions and wait_s > 0:
             self._cv.wait_for(lambda: gen in self._decisions or self._closing.is_set(), wait_s)
         if gen in self._decisions:
@@ -410,16 +430,15 @@ class _Routes:
             return out
         return {"decision": "wait", "reason": ""}
 
-    def _arrive_locked(self, w: str, b: dict[str, Any]) -> None:
+    def _arrive_locked(self, w: str, m: Arrive) -> None:
         p = self._pending
         assert p is not None
-        if b.get("error"):
-            self._abandon_locked(f"worker {w} could not plan or prepare the reshard: {b['error']}; nothing moved, "
+        if m.error:
+            self._abandon_locked(f"worker {w} could not plan or prepare the reshard: {m.error}; nothing moved, "
                                  "the job continues on its old layout")
             return
         if w not in p.arrived:
-            plan = dict(b.get("plan") or {})
-            ranks = {str(k): int(v) for k, v in (plan.get("new_ranks") or {}).items()}
+            plan, ranks = m.plan, dict(m.plan.new_ranks)
             d = p.directive
             if ranks and (set(ranks) != set(d.workers) or sorted(ranks.values()) != list(range(len(d.workers)))):
                 # a plan for another directive (of the same number): never make it the job's layout
@@ -427,9 +446,9 @@ class _Routes:
                                      f"{d.generation}'s {list(d.workers)}; nothing moved, the job continues on its "
                                      "old layout")
                 return
-            p.arrived[w] = str(b.get("digest", ""))
-            if plan:
-                p.plan_info = plan
+            p.arrived[w] = m.digest
+            if plan != PlanInfo():  # one that sent no plan keeps the plan another member sent
+                p.plan_info = plan.to_wire()
         digests = sorted(set(p.arrived.values()))
         if len(digests) > 1:
             by = {dg: sorted(x for x, y in p.arrived.items() if y == dg) for dg in digests}
@@ -438,17 +457,17 @@ class _Routes:
         elif set(p.directive.members) <= set(p.arrived):
             self._go_locked()
 
-    def _h_result(self, b: dict[str, Any]) -> dict[str, Any]:
+    def _h_result(self, m: Result) -> dict[str, Any]:
         """A member finished (or failed) its part of a rescale."""
-        w, gen = str(b["worker"]), int(b["generation"])
+        w, gen = m.worker, m.generation
         self._touch(w)
-        if not b.get("ok", False):
-            self._fail_locked(f"worker {w} failed during the rescale to generation {gen}: {b.get('error')}")
+        if not m.ok:
+            self._fail_locked(f"worker {w} failed during the rescale to generation {gen}: {m.error}")
             return {}
         p = self._pending
-        self._note_written_locked(w, b.get("checkpoint"))
+        self._note_written_locked(w, m.checkpoint)
         if p is not None and p.directive.generation == gen:
-            p.results[w] = dict(b.get("stats") or {})
+            p.results[w] = dict(m.stats)
             if w not in p.directive.workers:  # a leaver: it exits now, its silence is expected
                 self._left.add(w)
                 self._seen.pop(w, None)
@@ -457,14 +476,14 @@ class _Routes:
             self._cv.notify_all()  # wait_resumed
         return {}
 
-    def _h_exchanged(self, b: dict[str, Any]) -> dict[str, Any]:
+    def _h_exchanged(self, m: Exchanged) -> dict[str, Any]:
         """A member of a transactional rescale (``Directive.rollback``) moved its part of the bytes and
         still holds its old state: ``go`` once every member has (the commit: from here the old state
         may go and the new layout is built), ``rollback`` when the rescale was rolled back meanwhile,
         ``wait`` after a long poll of up to ``wait_s``."""
-        w, gen = str(b["worker"]), int(b["generation"])
+        w, gen = m.worker, m.generation
         self._touch(w)
-        wait_s = min(float(b.get("wait_s") or 0.0), LONG_POLL_MAX_S)
+        wait_s = min(m.wait_s, LONG_POLL_MAX_S)
 
         def answer() -> dict[str, Any] | None:
             if gen in self._rolled_back:
@@ -493,8 +512,7 @@ class _Routes:
         return out or {"decision": "wait", "reason": ""}
 
 
-# route -> the method answering it (on :class:`Coordinator`, which has both halves)
-_ROUTES: dict[str, str] = {
-    f"{API}/{r}": f"_h_{r}" for r in ("register", "heartbeat", "poll", "step", "arrive", "result", "exchanged",
-                                        "fail", "broken", "exit", "status")
-}
+# path -> the method answering it (on :class:`Coordinator`, which has both halves: ``_h_fail``,
+# ``_h_broken``, ``_h_exit`` and ``_h_status`` are in liveness.py), and the same by request type
+_ROUTES: dict[str, str] = {f"{API}/{r}": f"_h_{r}" for r in REQUESTS}
+_HANDLERS: dict[type[Request], str] = {kind: f"_h_{r}" for r, kind in REQUESTS.items()}

@@ -21,6 +21,7 @@ from prometheus_client import generate_latest
 
 from elastic.model import SpecError
 from elastic.train.rendezvous.messages import API, SECRET_ENV, RendezvousError
+from elastic.train.rendezvous.requests import BadRequest
 
 if TYPE_CHECKING:
     from elastic.train.rendezvous.coordinator import Coordinator
@@ -92,11 +93,20 @@ def _make_handler(coord: Coordinator) -> type[BaseHTTPRequestHandler]:
                 return
             try:
                 n = int(self.headers.get("Content-Length", "0"))
-                body = json.loads(self.rfile.read(n) or b"{}")
+                try:
+                    body = json.loads(self.rfile.read(n) or b"{}")
+                except ValueError as e:  # not JSON (or not UTF-8): the client's fault, like a bad field
+                    raise BadRequest(self.path, None, f"the body is not JSON ({e})") from None
                 out = coord.handle(self.path, body)
+            except BadRequest as e:  # read at the edge (requests.py): names the route and the field
+                self._reply(400, json.dumps({"error": f"bad request: {e}"}).encode())
+                return
             except KeyError as e:
-                self._reply(404 if str(e).strip("'") == self.path else 400,
-                            json.dumps({"error": f"bad request: missing {e}"}).encode())
+                if e.args != (self.path,):  # a handler's bug, not an unknown route
+                    log.exception("rendezvous handler %s", self.path)
+                    self._reply(500, json.dumps({"error": f"KeyError: {e}"}).encode())
+                    return
+                self._reply(404, json.dumps({"error": f"no route {self.path}"}).encode())
                 return
             except Exception as e:  # noqa: BLE001 - any handler bug is a 500 with its message
                 log.exception("rendezvous handler %s", self.path)
