@@ -73,7 +73,8 @@ test-fast: venv
 # through `ruff format`), the import contracts in pyproject.toml, and mypy over its `files` list.
 FORMATTED = elastic/phases.py elastic/reasons.py tests/test_reasons.py elastic/reshard/spec.py elastic/parallel/partition.py tests/test_contracts.py \
 	tests/test_layering.py elastic/train/agent/faults.py tests/train/test_faults.py elastic/train/rendezvous/settings.py \
-	tests/train/test_coordinator_settings.py
+	tests/train/test_coordinator_settings.py elastic/train/rendezvous/requests.py tests/train/test_requests.py \
+	tests/train/test_engine_protocol.py
 check: venv
 	@fail=0; \
 	echo "== ruff check"; $(BIN)/ruff check elastic operators tests benchmarks || fail=1; \

@@ -31,6 +31,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -403,6 +404,16 @@ class TrainEngine:
         self.optimizer.step(step)
         self.dirty = False
         self.ready_step = None
+
+    # the agent's Engine: a broken step keeps the state whole, and a given-up step's kept work is finished
+    recoverable = True
+    resumes_partial = True
+
+    def communicators(self) -> list[Any]:
+        """The backends of this generation's own groups (TP, DP, PP, embedding), for the agent to
+        retire after an abort or a close."""
+        comms = [getattr(self.groups, axis, None) for axis in ("tp", "dp", "pp", "embed")]
+        return [b for c in comms if (b := getattr(c, "backend", None)) is not None]
 
     def recovery_state(self) -> dict[str, object]:
         """What this rank can contribute after a peer failed mid-step: ``ready`` (a step whose

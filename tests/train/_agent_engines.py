@@ -20,10 +20,10 @@ import time
 from typing import Any
 
 from elastic.model import Layout
-from elastic.train.agent import State, default_engine_factory
+from elastic.train.agent import EngineBase, State, default_engine_factory
 
 
-class _MislaidState:
+class _MislaidState(EngineBase):
     def __init__(self, engine: Any) -> None:
         self._engine = engine
 
@@ -54,7 +54,7 @@ def _wait_for_file(path: str, seconds: float = 120.0) -> None:
         time.sleep(0.01)
 
 
-class _Slow:
+class _Slow(EngineBase):
     """Every step takes at least ``ELASTIC_TEST_STEP_SECONDS``: a job whose progress a test can outpace.
     With ``release``, the first step also waits until that file exists: a test reads the job while
     that step is certainly in progress, then lets it end. With ``hold_step``, that step marks

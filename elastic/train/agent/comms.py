@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from elastic.model import Layout
 from elastic.train.agent.options import FAILED_JOB_GRACE_S
-from elastic.train.agent.support import ROLL_CALL_ASK_S, _engine_backends, _hard_exit, _short, _shutdown
+from elastic.train.agent.support import ROLL_CALL_ASK_S, _hard_exit, _short, _shutdown
 from elastic.train.rendezvous import Directive, RendezvousClient, RendezvousError
 
 log = logging.getLogger(__name__)
@@ -26,8 +26,8 @@ class _Comms:
         gradients), and report what we hold. The recovery directive comes as a ``switch``."""
         log.warning("worker %s: step %d broke (%s); waiting for the recovery", self.worker, step, error)
         info: dict[str, Any] = {"ready": None, "dirty": False, "local_apply": True}
-        if self.engine is not None and hasattr(self.engine, "recovery_state"):
-            info.update(self.engine.recovery_state())  # type: ignore[union-attr]
+        if self.engine is not None and self.engine.recoverable:
+            info.update(self.engine.recovery_state())
         self._drop_communicators()
         self._broken = True
         self._carry = None  # a given-up step's work is not used by a recovery (a survivor may lack it)
@@ -44,9 +44,9 @@ class _Comms:
         log.warning("worker %s: step %d ran out of memory on %s rank %d (%s); waiting for another layout",
                     self.worker, step, self.layout, self.rank, error)
         info: dict[str, Any] = {"ready": None, "dirty": False, "local_apply": True}
-        if self.engine is not None and hasattr(self.engine, "recovery_state"):
-            info.update(self.engine.recovery_state())  # type: ignore[union-attr]
-        m = getattr(self.engine, "oom_memory", None)
+        if self.engine is not None and self.engine.recoverable:
+            info.update(self.engine.recovery_state())
+        m = self.engine.oom_memory if self.engine is not None else None
         oom = {"layout": str(self.layout), "rank": self.rank, "step": step, "error": error,
                "memory": m.as_json() if m is not None else None}
         self._carry = None
@@ -60,9 +60,9 @@ class _Comms:
         like a rescale's: ``shutdown()`` alone leaves the connections open, and a peer blocked on
         one of them would wait for its timeout. The engine's state tensors (and gradients) stay."""
         retired: list[Any] = []
-        if self.engine is not None and hasattr(self.engine, "abort"):
-            retired += _engine_backends(self.engine)
-            self.engine.abort()  # type: ignore[union-attr]
+        if self.engine is not None:
+            retired += self.engine.communicators()
+            self.engine.abort()
         if dist.is_initialized():
             retired.append(dist.group.WORLD)
             dist.destroy_process_group()
@@ -75,17 +75,17 @@ class _Comms:
         with self._engine_lock:
             eng = self.engine
             if (generation != self.generation or self._broken or self._given_up == (generation, step)
-                    or not hasattr(eng, "give_up")):
+                    or eng is None):
                 return
             self._given_up = (generation, step)
-            eng.give_up(step)  # type: ignore[union-attr]
+            eng.give_up(step)
 
     def _interrupt(self, generation: int) -> None:
         """The coordinator is recovering ``generation`` from a lost worker: stop our running step
         (it would end at a collective with the dead peer; the broken-step path then reports)."""
         with self._engine_lock:
             eng = self.engine
-            if generation != self.generation or self._broken or eng is None or not hasattr(eng, "interrupt"):
+            if generation != self.generation or self._broken or eng is None:
                 return
             if self._interrupted_gen != generation:  # the coordinator repeats it until we report
                 self._interrupted_gen = generation
@@ -156,7 +156,7 @@ class _Comms:
     def _close_engine(self, *, keep_default: bool = False) -> None:
         retired: list[Any] = []
         if self.engine is not None:
-            retired += _engine_backends(self.engine)
+            retired += self.engine.communicators()
             self.engine.close()
             self.engine = None
         if dist.is_initialized() and not keep_default:

@@ -189,18 +189,18 @@ class WorkerAgent(_Transition, _Comms):
                     continue
                 except torch.OutOfMemoryError as e:
                     # the step is given up with the state intact; the job moves to another layout
-                    if not (self.opts.recover and hasattr(self.engine, "recovery_state")):
+                    if not (self.opts.recover and self.engine.recoverable):
                         raise
                     last = None
                     self._out_of_memory(step, e)
                     continue
                 except Exception as e:
-                    if not (self.opts.recover and _is_comm_error(e) and hasattr(self.engine, "recovery_state")):
+                    if not (self.opts.recover and _is_comm_error(e) and self.engine.recoverable):
                         raise
                     last = None
                     self._break(step, f"{type(e).__name__}: {_short(e, 160)}")
                     continue
-                last = _result_json(result, getattr(self.engine, "memory", None))
+                last = _result_json(result, self.engine.memory)
                 if self._ckpt is not None:
                     last["checkpoint"] = list(self._written)
                     if self._write_error:

@@ -18,13 +18,79 @@ log = logging.getLogger(__name__)
 
 
 class Engine(Protocol):
-    """What the agent needs from a trainer (``elastic.train.engine.TrainEngine`` implements it)."""
+    """What the agent needs from a trainer: its steps and state, and what a rescale, a given-up step
+    and a recovery ask of it. :class:`EngineBase` gives every part beyond the first three a default
+    that does nothing (an engine that cannot be recovered in place, interrupted or give a step up);
+    ``elastic.train.engine.TrainEngine`` implements them all."""
+
+    # a broken or out-of-memory step leaves the state whole: the agent reports what this rank holds
+    # (``recovery_state``) and waits for the recovery instead of failing the job
+    recoverable: bool
+    # ``resume_partial`` finishes a step from the work a given-up try of it kept
+    resumes_partial: bool
+    # set by the agent on a generation posted with them: check at each micro-batch whether the
+    # step is given up, and keep its work for the next layout
+    give_up_checks: bool
+    keep_given_up: bool
+    memory: Any  # the last measured step's memory by component (MeasuredMemory), or None
+    oom_memory: Any  # the memory of a step that ran out of it, or None
 
     def state(self) -> State: ...
 
     def train_step(self, step: int) -> Any: ...  # StepResult(step, loss, tokens, seconds)
 
     def close(self) -> None: ...
+
+    def recovery_state(self) -> dict[str, object]: ...
+
+    def interrupt(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+    def communicators(self) -> list[Any]: ...  # the backends of its own groups, retired after an abort
+
+    def give_up(self, step: int) -> None: ...
+
+    def resume_partial(self, carry: Any, *, contribute: bool = True) -> None: ...
+
+
+class EngineBase:
+    """The optional parts of :class:`Engine`, doing nothing: subclass it and implement ``state``,
+    ``train_step`` and ``close``."""
+
+    recoverable = False
+    resumes_partial = False
+    give_up_checks = False
+    keep_given_up = False
+    memory: Any = None
+    oom_memory: Any = None
+
+    def state(self) -> State:
+        raise NotImplementedError
+
+    def train_step(self, step: int) -> Any:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def recovery_state(self) -> dict[str, object]:
+        return {}
+
+    def interrupt(self) -> None:
+        return None
+
+    def abort(self) -> None:
+        return None
+
+    def communicators(self) -> list[Any]:
+        return []
+
+    def give_up(self, step: int) -> None:
+        return None
+
+    def resume_partial(self, carry: Any, *, contribute: bool = True) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot finish a step from kept work (resumes_partial)")
 
 
 EngineFactory = Callable[[dict[str, Any], Layout, int, "State | None"], Engine]

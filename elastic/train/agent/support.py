@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.model import Layout
-from elastic.train.agent.options import State, default_engine_factory
+from elastic.train.agent.options import EngineBase, State, default_engine_factory
 from elastic.train.rendezvous import Directive
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ class _Snapshot:
     applied: int
 
 
-class HeldState:
+class HeldState(EngineBase):
     """What a keeper holds while its job is paused: the state tensors of its box, nothing else.
 
     It stands where the engine stands so the next directive's plan and prepare read
@@ -100,13 +100,6 @@ def plan_digest(plan: Any) -> str:
     h.update(repr(plan.local_copies).encode())
     h.update(repr(plan.new_shards).encode())
     return h.hexdigest()[:32]
-
-
-def _engine_backends(engine: Any) -> list[Any]:
-    """The communicators' backends of a ``TrainEngine`` (none for other engines), to retire after close()."""
-    groups = getattr(engine, "groups", None)
-    comms = [getattr(groups, axis, None) for axis in ("tp", "dp", "pp", "embed")]
-    return [b for c in comms if (b := getattr(c, "backend", None)) is not None]
 
 
 _COMM_ERRORS = ("connection closed", "connection reset", "read error", "write error", "timed out", "gloo",

@@ -246,13 +246,11 @@ class _Transition:
                                       before=lambda: self.faults.at(self.worker, d.generation, "groups")):
                     engine = self.factory(self.config, layout, rank,
                                           new_state if d.old_ranks else self._initial_state(d, layout, rank))
-                if d.give_up_checks and hasattr(engine, "give_up_checks"):
-                    engine.give_up_checks = True  # type: ignore[attr-defined]
-                    if hasattr(engine, "keep_given_up"):
-                        engine.keep_given_up = True  # type: ignore[attr-defined]
+                if d.give_up_checks:
+                    engine.give_up_checks = engine.keep_given_up = True
                 finish = self._kept_step(d, told, carry, new_ranks)
-                if finish is not None and hasattr(engine, "resume_partial"):
-                    engine.resume_partial(finish[0], contribute=finish[1])  # type: ignore[attr-defined]
+                if finish is not None and engine.resumes_partial:
+                    engine.resume_partial(finish[0], contribute=finish[1])
                     stats = {**stats, "kept_micro_batches": finish[0].micro}
         except Exception as e:
             # past a transactional commit the new state is whole on every member: a peer lost while
