@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastic.model import Allocation  # noqa: E402
+from elastic.model import Allocation, Layout  # noqa: E402
 from elastic.scheduler import JobState, Knobs, ServiceDemand, Snapshot, decide  # noqa: E402
 
 
@@ -28,7 +28,7 @@ def main() -> None:
         tp = rng.choice([1, 2, 4, 8])
         step = tp * rng.choice([1, 2, 4])
         per = rng.uniform(500, 2000)
-        table = {n: (f"tp{tp}.pp1.dp{n // tp}", per * n * 0.995 ** (n // step)) for n in range(step, 1025, step)}
+        table = {n: (Layout(tp, 1, n // tp), per * n * 0.995 ** (n // step)) for n in range(step, 1025, step)}
         jobs.append(JobState(f"job{i:02d}", table, min_gpus=step, max_gpus=1024, priority=rng.randint(0, 5)))
     knobs = Knobs(rescale_interval_seconds=0.0, gain_threshold=0.02)
 

@@ -130,7 +130,7 @@ def _controller_status(ctl: Any) -> S.ControllerStatus:
         rec = on_record.get(("override", s))
         overrides[s] = {"replicas": r, "until": _epoch(u).isoformat() if math.isfinite(u) else None,
                         "by": rec.actor if rec else None, "at": rec.at.isoformat() if rec else None}
-    pinned = {j: next(iter(tbl.values()))[0] for j, tbl in dict(ctl.pinned).items() if tbl}
+    pinned = {j: str(next(iter(tbl.values()))[0]) for j, tbl in dict(ctl.pinned).items() if tbl}
     interventions = [S.Intervention(kind=r.kind, target=r.target, value=r.value, by=r.actor, at=r.at, until=r.until)
                      for _, r in sorted(on_record.items())]
     backoff = {j: S.JobBackoff(failures=b.failures, reason=b.reason, next_attempt_at=_epoch(b.next_at))

@@ -23,10 +23,13 @@ import json
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import typer
+
+if TYPE_CHECKING:  # the CLI imports the model lazily, where a command needs it
+    from elastic.layout import Layout
 
 API_ENV = "ELASTIC_API"
 TOKEN_ENV = "ELASTIC_TOKEN"
@@ -385,7 +388,7 @@ def override_until(until: str | None, for_: str | None, now: datetime) -> dateti
     return t
 
 
-def planned_layout(job: dict[str, Any], pool: dict[str, Any], gpus: int) -> str:
+def planned_layout(job: dict[str, Any], pool: dict[str, Any], gpus: int) -> Layout:
     """The layout the controller's own throughput table picks for ``gpus`` GPUs (SpecError if none)."""
     from elastic.controller import throughput_table
     from elastic.model import PoolSpec, SpecError, TrainingSpec, load_hardware, load_model
@@ -522,7 +525,8 @@ def _register_writes(app: typer.Typer) -> None:
         if gpus is not None:
             rec = ask(conn, "GET", f"/jobs/{name}")
             try:
-                layout = planned_layout(rec, ask(conn, "GET", f"/pools/{quote(str(rec.get('pool')), safe='')}"), gpus)
+                pool = ask(conn, "GET", f"/pools/{quote(str(rec.get('pool')), safe='')}")
+                layout = str(planned_layout(rec, pool, gpus))
             except SpecError as e:
                 fail(_escaped(str(e)))
             except ValueError as e:  # a spec the server holds that this version cannot read

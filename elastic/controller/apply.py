@@ -208,11 +208,9 @@ class Applying(Leading, Deciding):
         if step.action == "pause_training" and self._can_pause:
             self._pause(spec, now, before)
             return
-        layout = None
-        target = step.target
+        layout: Layout | None = None
         if gpus:
-            text = getattr(target, "layout_after", None) or self._throughput[spec.name][len(gpus)][0]
-            layout = Layout.parse(text)
+            layout = getattr(step.target, "layout_after", None) or self._throughput[spec.name][len(gpus)][0]
         to = str(layout) if before is not None and layout is not None else None
         self._reshard_on_record(spec, before, to, now, lambda: self._act(self.backend.set_job_gpus, spec, gpus, layout))
 

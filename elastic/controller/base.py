@@ -19,7 +19,7 @@ from typing import Any
 from elastic.backends.base import Backend, Capabilities, JobRuntime
 from elastic.config import ControllerConfig
 from elastic.metrics.sample import MetricSource
-from elastic.model import GPU, HardwareSpec
+from elastic.model import GPU, HardwareSpec, Layout
 from elastic.policy.types import PolicyState, ReplicaDecision
 from elastic.scheduler.types import SchedulePlan
 from elastic.store import FencedStore, InterventionRecord, Store
@@ -83,7 +83,7 @@ def _call_within(fn: Callable[[], Any], timeout: float, what: str, error: type[E
 
 def _recorded_layout(rt: JobRuntime | None) -> str | None:
     """``rt.recorded_layout``, None for no runtime: the layout text the reshard history and a job's
-    status write (the co-scheduler's view, ``decide._training_layout``, is this less paused jobs)."""
+    status write (the co-scheduler's view, ``decide._training_layout``, is ``rt.layout`` less paused jobs)."""
     return rt.recorded_layout if rt is not None else None
 
 
@@ -103,7 +103,7 @@ class ControllerState:
     pool: str
     clock: Callable[[], float]
     hardware: HardwareSpec
-    _throughput: dict[str, Mapping[int, tuple[str, float]]]
+    _throughput: dict[str, Mapping[int, tuple[Layout, float]]]
     _lock: threading.Lock
     _stop: threading.Event
     # the lease
@@ -115,7 +115,7 @@ class ControllerState:
     # operators' interventions
     paused: bool
     overrides: dict[str, tuple[int, float]]
-    pinned: dict[str, dict[int, tuple[str, float]]]
+    pinned: dict[str, dict[int, tuple[Layout, float]]]
     intervened: dict[tuple[str, str], InterventionRecord]
     _expired_overrides: bool
     # what the ticks observed and did
@@ -133,7 +133,7 @@ class ControllerState:
     # never out of memory (observe): job -> layouts dropped for it (loaded from its status on first
     # use); job -> (the table and dropped layouts its re-planned table is for, that table)
     _mem_dropped: dict[str, dict[Any, Any]]
-    _mem_tables: dict[str, tuple[Any, dict[int, tuple[str, float]]]]
+    _mem_tables: dict[str, tuple[Any, dict[int, tuple[Layout, float]]]]
     #: (job, model, layout, stage, micro-batch, accumulation) -> the planner's bytes for that choice
     _predicted_memory: dict[tuple[Any, ...], dict[str, int] | None]
     # what the ticks recorded

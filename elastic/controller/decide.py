@@ -11,10 +11,9 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from elastic.backends.base import JobRuntime
-from elastic.controller.base import _recorded_layout
 from elastic.controller.observe import Observing
 from elastic.metrics.sample import MetricSample
-from elastic.model import Allocation
+from elastic.model import Allocation, Layout
 from elastic.phases import JobPhase
 from elastic.policy import decide as policy_decide
 from elastic.policy.types import PolicyContext, Reason, ReplicaDecision
@@ -53,7 +52,6 @@ class Deciding(Observing):
             for s in self.cfg.services)
         jobs = tuple(
             JobState(j.name, self._table(j.name, now, previous), j.min_gpus, j.max_gpus, j.priority,
-                     # the co-scheduler's tables and plans name layouts as text (``JobState.layout``)
                      layout=_training_layout(runtimes[j.name]),
                      last_rescale_at=self.last_rescale.get(j.name),
                      # the job's own last pause: a grow must repay it (and the shrink back) before the
@@ -65,7 +63,7 @@ class Deciding(Observing):
             for j in self.cfg.jobs)
         return Snapshot(now, nodes, services, jobs, previous, Knobs.from_pool(self.cfg.pool))
 
-    def _table(self, job: str, now: float, previous: Allocation) -> Mapping[int, tuple[str, float]]:
+    def _table(self, job: str, now: float, previous: Allocation) -> Mapping[int, tuple[Layout, float]]:
         """The job's GPU count -> layout table as the co-scheduler sees it: its pin if any, never a
         layout dropped for its memory (``observe``; re-planned by ``elastic.controller.memory``); while
         it backs off from a failed start, no count above what it holds (it is not started or grown)."""
@@ -80,11 +78,11 @@ def _trains(rt: JobRuntime | None) -> bool:
     return rt is not None and rt.phase != JobPhase.PAUSED
 
 
-def _training_layout(rt: JobRuntime | None) -> str | None:
-    """The layout a job trains on, as the co-scheduler's ``JobState.layout`` takes it: the recorded
-    layout (``base._recorded_layout``) of a job that trains; None for a paused one, whose keepers hold
-    its state on no GPU (the record's ``paused:`` layout is not one the co-scheduler can run)."""
-    return _recorded_layout(rt) if _trains(rt) else None
+def _training_layout(rt: JobRuntime | None) -> Layout | None:
+    """The layout a job trains on, as the co-scheduler's ``JobState.layout`` takes it: the runtime's
+    layout of a job that trains; None for a paused one, whose keepers hold its state on no GPU (the
+    layout they hold is not one the co-scheduler can run)."""
+    return rt.layout if rt is not None and _trains(rt) else None
 
 
 def _job_status(rt: JobRuntime | None) -> str:

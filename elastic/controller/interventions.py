@@ -64,8 +64,8 @@ class Interventions(ControllerState):
             self.intervened[("pin", job)] = rec
 
     def _pin(self, job: str, layout: Layout) -> None:
-        tps = self._throughput[job].get(layout.world_size, (str(layout), 1.0))[1]
-        self.pinned[job] = {layout.world_size: (str(layout), max(tps, 1.0))}
+        tps = self._throughput[job].get(layout.world_size, (layout, 1.0))[1]
+        self.pinned[job] = {layout.world_size: (layout, max(tps, 1.0))}
 
     def _load_interventions(self) -> None:
         """The interventions on record become the live ones (at start and whenever this controller

@@ -21,7 +21,7 @@ from elastic.controller.base import Backoff, TickResult, _dt, _recorded_layout, 
 from elastic.controller.record import Recording
 from elastic.controller.tables import check_feasible, throughput_table
 from elastic.metrics.sample import MetricSource
-from elastic.model import GPU, load_hardware
+from elastic.model import GPU, Layout, load_hardware
 from elastic.phases import JobPhase
 from elastic.policy.types import PolicyState
 from elastic.reasons import DecisionReason, TickReason
@@ -33,7 +33,7 @@ class Controller(Applying, Recording):
 
     def __init__(self, cfg: ControllerConfig, backend: Backend, store: db.Store, sources: Mapping[str, MetricSource],
                  *, owner: str, clock: Callable[[], float] = time.time,
-                 throughput: Mapping[str, Mapping[int, tuple[str, float]]] | None = None,
+                 throughput: Mapping[str, Mapping[int, tuple[Layout, float]]] | None = None,
                  async_grow: bool = False, config_source: str | None = None) -> None:
         self.cfg = cfg
         self.config_source = config_source  # the file the workloads of cfg were declared in, if any
@@ -83,7 +83,7 @@ class Controller(Applying, Recording):
         self._source_errors: dict[str, str] = {}  # service -> its metric source's failure, logged once
         self._lease_state: bool | None = None  # leader at the last tick (None: no tick yet), to log changes
         self._housekept_at: float | None = None
-        self.pinned: dict[str, dict[int, tuple[str, float]]] = {}
+        self.pinned: dict[str, dict[int, tuple[Layout, float]]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._throughput = dict(throughput or {})

@@ -47,7 +47,7 @@ from elastic.parallel.memory_report import (
 from elastic.parallel.planner import PlanOptions, evaluate, feasible_layouts
 from elastic.reasons import DecisionReason
 
-Table = Mapping[int, tuple[str, float]]
+Table = Mapping[int, tuple[Layout, float]]
 
 
 @dataclass(frozen=True)
@@ -193,17 +193,16 @@ def alternatives(model: ModelSpec, hardware: HardwareSpec, gpus: int, *, gpus_pe
 
 
 def without_dropped(table: Table, dropped: Iterable[Layout],
-                    candidates: Callable[[int], Sequence[Candidate]]) -> dict[int, tuple[str, float]]:
+                    candidates: Callable[[int], Sequence[Candidate]]) -> dict[int, tuple[Layout, float]]:
     """``table`` with each count whose layout was dropped re-planned from ``candidates(count)`` (the
     planner's layouts of that count, fastest first): of those not dropped and predicted to need less
     memory than the dropped layout (any, when the planner does not offer the dropped one), the same
     layout with ZeRO-1, else the fastest; a count with none left is left out."""
     gone = set(dropped)
-    out: dict[int, tuple[str, float]] = {}
-    for n, (text, tps) in table.items():
-        lay = Layout.parse(text)
+    out: dict[int, tuple[Layout, float]] = {}
+    for n, (lay, tps) in table.items():
         if lay not in gone:
-            out[n] = (text, tps)
+            out[n] = (lay, tps)
             continue
         offered = list(candidates(n))
         limit = next((c.memory_bytes for c in offered if c.layout == lay), None)
@@ -211,7 +210,7 @@ def without_dropped(table: Table, dropped: Iterable[Layout],
         sharded = replace(lay, zero=1)
         pick = next((c for c in roomier if c.layout == sharded), None) or next(iter(roomier), None)
         if pick is not None:
-            out[n] = (str(pick.layout), pick.tokens_per_second)
+            out[n] = (pick.layout, pick.tokens_per_second)
     return out
 
 
@@ -223,5 +222,5 @@ def relayout_target(running: Layout | None, gpus: int, dropped: Iterable[Layout]
         return None
     if running not in set(dropped) or gpus not in table:
         return None
-    to = Layout.parse(table[gpus][0])  # the table holds text (the scheduler's ``JobState.table``)
+    to = table[gpus][0]
     return None if to == running else to

@@ -164,18 +164,18 @@ class Observing(ControllerState):
         """The layouts ``job`` may not run again (``Dropped.as_json()`` each), for a status to show."""
         return [d.as_json() for d in self._dropped(job).values()]
 
-    def _layout_table(self, job: str) -> Mapping[int, tuple[str, float]]:
+    def _layout_table(self, job: str) -> mem.Table:
         """The job's GPU count -> layout table: its pin if any (unless the pinned layout was dropped for
         its memory: then the planner's), without the layouts dropped for their memory."""
         table = self.pinned.get(job, self._throughput[job])
         dropped = self._dropped(job)
         if not dropped:
             return table
-        if job in self.pinned and any(Layout.parse(t) in dropped for t, _ in table.values()):
+        if job in self.pinned and any(lay in dropped for lay, _ in table.values()):
             table = self._throughput[job]
         return self._memory_table(job, table)
 
-    def _memory_table(self, job: str, table: Mapping[int, tuple[str, float]]) -> Mapping[int, tuple[str, float]]:
+    def _memory_table(self, job: str, table: mem.Table) -> mem.Table:
         """``table`` without the layouts ``job`` dropped (``memory.without_dropped``; the planner is asked
         once per change of the table or of what is dropped)."""
         dropped = frozenset(self._dropped(job))

@@ -13,7 +13,7 @@ import contextlib
 import hashlib
 import json
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, replace
+from dataclasses import fields, replace
 from typing import Any
 
 from elastic import store as db
@@ -26,12 +26,18 @@ from elastic.parallel.memory_report import MeasuredMemory
 from elastic.phases import JobPhase
 from elastic.policy.types import Reason, ReplicaDecision
 from elastic.reasons import DecisionReason
+from elastic.scheduler.types import JobDecision, SchedulePlan
 from elastic.scheduler.types import Reason as ScheduleReason
-from elastic.scheduler.types import SchedulePlan
 
 #: replica-policy reasons that make a hold a different one (a fail-safe, an operator's pin); the
 #: others (within tolerance, stabilising, ...) drift with the load and would split runs for nothing
 _HOLD_REASONS = frozenset({Reason.METRICS_MISSING, Reason.OVERRIDE})
+
+
+def _decision_doc(d: JobDecision) -> dict[str, Any]:
+    """A job's decision as the decision log stores it: every field, the layout as its text."""
+    doc = {f.name: getattr(d, f.name) for f in fields(d)}
+    return {**doc, "layout": None if d.layout is None else str(d.layout)}
 
 
 def hold_digest(reason: str, message: str, plan: SchedulePlan, replicas: Mapping[str, ReplicaDecision]) -> str:
@@ -64,7 +70,7 @@ class Recording(Observing):
             "allocation": {w: [str(g) for g in gs] for w, gs in plan.allocation.holdings.items()},
             "applied": applied,
             "error": error,
-            "jobs": {k: asdict(v) for k, v in plan.jobs.items()},
+            "jobs": {k: _decision_doc(v) for k, v in plan.jobs.items()},
         }
         reason = DecisionReason.APPLY_FAILED if error else plan.reason
         message = f"{plan.message}; failed: {error}" if error else plan.message

@@ -1,5 +1,6 @@
 """Each job's GPU count -> (best layout, tokens/s) table, from the layout planner, and the check
-that every job has a layout within its GPU bounds.
+that every job has a layout within its GPU bounds. The layouts are :class:`Layout` objects, as the
+co-scheduler's ``JobState`` takes them; text only where a table is written out.
 
 Pure: the planner's arithmetic over the config; no clock, DB or backend. The controller builds its
 tables at start unless it is given them; ``elastic serve``, the CLI and the operator use these too.
@@ -11,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from elastic.config import ControllerConfig
-from elastic.model import HardwareSpec, ModelSpec, SpecError, load_hardware
+from elastic.model import HardwareSpec, Layout, ModelSpec, SpecError, load_hardware
 
 
 def throughput_table(model: ModelSpec, hardware: HardwareSpec, max_gpus: int, *, gpus_per_node: int,
@@ -19,7 +20,8 @@ def throughput_table(model: ModelSpec, hardware: HardwareSpec, max_gpus: int, *,
                      allowed_pp: list[int] | None = None, zero: int = 0,
                      replicate_optimizer: bool = False, precision: str = "bf16-mixed",
                      micro_batch_cap: int | None = None, memory_limit_bytes: int | None = None,
-                     recompute: str | None = None, offload: bool | None = None) -> dict[int, tuple[str, float]]:
+                     recompute: str | None = None, offload: bool | None = None,
+                     ) -> dict[int, tuple[Layout, float]]:
     """GPU count -> (best feasible layout, tokens/s), from the planner; honours allowed tp/pp,
     ``zero=1`` (ZeRO-1 wherever dp > 1; with 0 the planner chooses per layout),
     ``replicate_optimizer`` (no ZeRO-1: every replica a full copy, for recovery from a lost worker),
@@ -35,8 +37,8 @@ def throughput_table(model: ModelSpec, hardware: HardwareSpec, max_gpus: int, *,
     if not allowed_tp and not allowed_pp and not zero and not replicate_optimizer:
         best = best_by_gpu_count(model, hardware, max_gpus, gpus_per_node=gpus_per_node, global_batch=global_batch,
                                  **opts)
-        return {n: (str(p.layout), p.tokens_per_second) for n, p in best.items() if p.layout.world_size == n}
-    out = {}
+        return {n: (p.layout, p.tokens_per_second) for n, p in best.items() if p.layout.world_size == n}
+    out: dict[int, tuple[Layout, float]] = {}
     for n in range(1, max_gpus + 1):
         for p in feasible_layouts(model, n, hardware, gpus_per_node=gpus_per_node, global_batch=global_batch,
                                   **opts):
@@ -45,7 +47,7 @@ def throughput_table(model: ModelSpec, hardware: HardwareSpec, max_gpus: int, *,
                 continue
             if (zero and L.dp > 1 and not L.zero) or (replicate_optimizer and L.zero):
                 continue
-            out[n] = (str(L), p.tokens_per_second)
+            out[n] = (L, p.tokens_per_second)
             break
     return out
 
@@ -61,7 +63,7 @@ def trainer_choices(recompute: str | None, offload: bool | None) -> dict[str, An
     return out
 
 
-def job_throughput_tables(cfg: ControllerConfig) -> dict[str, dict[int, tuple[str, float]]]:
+def job_throughput_tables(cfg: ControllerConfig) -> dict[str, dict[int, tuple[Layout, float]]]:
     """Every job's GPU count -> (best layout, tokens/s) on the pool's hardware (pure; the planner)."""
     hw = load_hardware(cfg.pool.hardware)
     models = cfg.models()

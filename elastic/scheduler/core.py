@@ -17,8 +17,6 @@ bookkeeping from ``board``. Nothing here reads a clock, a database or a backend.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 from elastic.model import Layout, PlanStep
 from elastic.scheduler.board import Board
 from elastic.scheduler.targets import JobTarget, forced_shrinks, grow_targets, inference_targets, spare_curve
@@ -47,9 +45,8 @@ def decide(snap: Snapshot) -> SchedulePlan:
     return ctx.plan(replicas)  # 7. allocation + ordered steps
 
 
-@lru_cache(maxsize=4096)
-def _tp(layout: str | None) -> int:
-    return Layout.parse(layout).tp if layout else 1
+def _tp(layout: Layout | None) -> int:
+    return layout.tp if layout is not None else 1
 
 
 class _Ctx:
@@ -429,7 +426,7 @@ class _Ctx:
         b = self.board
         t = self.targets[j.name]
         before, after = self.before[j.name], b.count(j.name)
-        layout_before = j.layout if j.layout else j.layout_at(before)
+        layout_before = j.layout if j.layout is not None else j.layout_at(before)
         layout = layout_before if after == before else j.layout_at(after)
         status = t.status if after == 0 else "running"
         dec = JobDecision(j.name, before, after, layout, j.tps(after), status, t.reason, t.message)  # type: ignore[arg-type]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal
 
+from elastic.layout import Layout
 from elastic.model import GPU, Allocation, Plan, PlanStep, PoolSpec, SpecError
 
 
@@ -73,7 +74,8 @@ class ServiceDemand:
         return max(self.replicas, self.min_replicas)
 
 
-ThroughputTable = Mapping[int, tuple[str, float]]
+#: GPU count -> (the best feasible layout at that count, its tokens/s)
+ThroughputTable = Mapping[int, tuple[Layout, float]]
 
 
 @dataclass(frozen=True)
@@ -81,9 +83,11 @@ class JobState:
     """One training job: bounds, priority, its throughput table and its rescale history.
 
     ``throughput`` maps a GPU count to ``(layout, tokens_per_second)`` of the best feasible
-    layout at that count (built by the caller, e.g. with the planner's ``best_by_gpu_count``).
-    Counts missing from the table have no valid layout. The job's current GPUs are read from
-    the snapshot's previous allocation. ``on_below_minimum`` says what happens when inference
+    layout at that count (built by the caller, e.g. with the planner's ``best_by_gpu_count``);
+    every layout here, and ``layout`` (what the job runs now), is a :class:`Layout`: text is
+    parsed where it enters (the store, the wire, the CLI), never here. Counts missing from the
+    table have no valid layout. The job's current GPUs are read from the snapshot's previous
+    allocation. ``on_below_minimum`` says what happens when inference
     needs GPUs the job cannot spare: ``pause`` (state kept off-GPU, resumes later) or
     ``preempt`` (stopped; state dropped, starts again from step 0). ``pause_seconds`` is how
     long one rescale stops the job (measured on its last rescales, or modelled): a grow must
@@ -96,7 +100,7 @@ class JobState:
     min_gpus: int = 1
     max_gpus: int = 1 << 30
     priority: int = 0
-    layout: str | None = None
+    layout: Layout | None = None
     last_rescale_at: float | None = None
     status: JobStatus = "running"
     on_below_minimum: Literal["pause", "preempt"] = "pause"
@@ -117,6 +121,14 @@ class JobState:
                 raise SpecError(f"job '{self.name}': throughput table key {n!r} must be a GPU count >= 1")
             if len(entry) != 2 or entry[1] < 0:
                 raise SpecError(f"job '{self.name}': throughput[{n}]={entry!r} must be (layout, tokens_per_second >= 0)")
+            if not isinstance(entry[0], Layout):
+                raise SpecError(f"job '{self.name}': throughput[{n}] layout {entry[0]!r} is a "
+                                f"{type(entry[0]).__name__}, not a Layout; parse layout text once, where it "
+                                "enters (the store, the wire, the CLI), and pass the Layout")
+        if self.layout is not None and not isinstance(self.layout, Layout):
+            raise SpecError(f"job '{self.name}': layout {self.layout!r} is a {type(self.layout).__name__}, "
+                            "not a Layout; parse layout text once, where it enters (the store, the wire, the "
+                            "CLI), and pass the Layout")
         counts = sorted(n for n, (_, tps) in self.throughput.items() if self.min_gpus <= n <= self.max_gpus and tps > 0)
         object.__setattr__(self, "_counts", tuple(counts))
 
@@ -127,7 +139,7 @@ class JobState:
     def tps(self, gpus: int) -> float:
         return self.throughput[gpus][1] if gpus in self.throughput else 0.0
 
-    def layout_at(self, gpus: int) -> str | None:
+    def layout_at(self, gpus: int) -> Layout | None:
         return self.throughput[gpus][0] if gpus in self.throughput else None
 
 
@@ -190,8 +202,8 @@ class StepTarget:
     gpus_after: int
     added: tuple[GPU, ...] = ()
     removed: tuple[GPU, ...] = ()
-    layout_before: str | None = None
-    layout_after: str | None = None
+    layout_before: Layout | None = None
+    layout_after: Layout | None = None
     replicas_before: int | None = None
     replicas_after: int | None = None
     after_drain: bool = False  # an inference scale-up that waits for a drain earlier in the plan
@@ -212,7 +224,7 @@ class JobDecision:
     name: str
     gpus_before: int
     gpus: int
-    layout: str | None
+    layout: Layout | None
     tokens_per_second: float
     status: JobStatus
     reason: str

@@ -34,7 +34,7 @@ from typing import Literal
 
 import numpy as np
 
-from elastic.model import GPU, Allocation, InferenceSpec, MetricTarget
+from elastic.model import GPU, Allocation, InferenceSpec, Layout, MetricTarget
 from elastic.policy.replicas import decide as policy_decide
 from elastic.policy.replicas import remember
 from elastic.policy.types import PolicyContext, PolicyState
@@ -75,7 +75,7 @@ class _Job:
     max_gpus: int
     priority: int
     gpus: int = 0
-    layout: str | None = None
+    layout: Layout | None = None
     pause_from: float = 0.0
     pause_until: float = 0.0
     # a grow waits for its new GPUs (a replica's drain, a shrinking job's pause): meanwhile the job
@@ -301,7 +301,7 @@ class _Sim:
             start = max([now] + [self.avail.get(x, now) for x in chunk])
             s.ready_at.append(start + s.startup)
 
-    def _apply_job(self, now: float, j: _Job, t: StepTarget, layout: str | None) -> None:
+    def _apply_job(self, now: float, j: _Job, t: StepTarget, layout: Layout | None) -> None:
         n0, n1 = t.gpus_before, t.gpus_after
         start = max([now] + [self.avail.get(x, now) for x in t.added])
         pause = rescale_pause(j.model, n0, n1, self.sc.reshard, self.pause_scale)

@@ -16,10 +16,10 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from elastic.model import HardwareSpec, ModelSpec, load_hardware, load_model
+from elastic.model import HardwareSpec, Layout, ModelSpec, load_hardware, load_model
 from elastic.sim.scenario import JobCfg, ReshardCfg
 
-Table = dict[int, tuple[str, float]]
+Table = dict[int, tuple[Layout, float]]
 
 
 @lru_cache(maxsize=64)
@@ -34,7 +34,7 @@ def job_table(model_name: str, hardware: str, max_gpus: int, gpus_per_node: int,
     table: Table = {}
     for n, p in plans.items():
         if getattr(p, "leftover_gpus", 0) == 0 and p.tokens_per_second > 0:
-            table[n] = (str(p.layout), float(p.tokens_per_second))
+            table[n] = (p.layout, float(p.tokens_per_second))
     return table, "planner"
 
 
@@ -55,7 +55,7 @@ def analytic_table(model: ModelSpec, hw: HardwareSpec, max_gpus: int, gpus_per_n
         if global_batch % dp:
             continue
         n = tp * pp * dp
-        table[n] = (f"tp{tp}.pp{pp}.dp{dp}", n * per_gpu * (0.99 ** math.log2(dp)))
+        table[n] = (Layout(tp, pp, dp), n * per_gpu * (0.99 ** math.log2(dp)))
     return table
 
 

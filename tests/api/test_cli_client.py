@@ -24,6 +24,7 @@ from elastic.cli import app
 from elastic.cli.admin import human_bytes, override_until, parse_duration, when
 from elastic.config import load_config
 from elastic.controller import job_throughput_tables
+from elastic.model import Layout
 
 from .conftest import ADMIN, CONFIG, READER, Env, close_env, controller_state, db_state, make_env
 
@@ -169,14 +170,14 @@ def test_rescale_pins_a_layout_by_name_or_gpu_count_and_unpins(env: Env) -> None
     res = cli(env, "rescale", "pretrain", "--layout", "tp2.pp1.dp2", token=ADMIN)
     assert res.exit_code == 0, res.stderr
     assert "pretrain: pinned to tp2.pp1.dp2" in res.stdout and "tokens/s" in res.stdout
-    assert env.ctl.pinned["pretrain"][4][0] == "tp2.pp1.dp2"
+    assert env.ctl.pinned["pretrain"][4][0] == Layout(2, 1, 2)
     env.tick(10.0)
     assert str(env.backend.jobs["pretrain"].layout) == "tp2.pp1.dp2"
     # --gpus N pins what the controller's own table picks for N GPUs
-    expected = job_throughput_tables(load_config(data=CONFIG))["pretrain"][3][0]
+    expected = str(job_throughput_tables(load_config(data=CONFIG))["pretrain"][3][0])
     res = cli(env, "rescale", "pretrain", "--gpus", "3", token=ADMIN)
     assert res.exit_code == 0 and f"pinned to {expected}" in res.stdout, res.stderr
-    assert list(env.ctl.pinned["pretrain"]) == [3] and env.ctl.pinned["pretrain"][3][0] == expected
+    assert list(env.ctl.pinned["pretrain"]) == [3] and str(env.ctl.pinned["pretrain"][3][0]) == expected
     assert "pinned pretrain " + expected in _lines(cli(env, "status"))
     res = cli(env, "rescale", "pretrain", "--unpin", token=ADMIN)
     assert res.exit_code == 0 and "unpinned" in res.stdout and env.ctl.pinned == {}

@@ -63,6 +63,8 @@ def test_load_rise_shrinks_training_before_inference_grows_and_fall_reverses(env
 
     decisions = db.list_decisions(store, limit=50, pool="p")
     assert len(decisions) == 3 and all(d.reason and d.message for d in decisions)
+    # the decision log holds each job's layout as text, the one the job runs
+    assert decisions[-1].plan["jobs"]["pretrain"]["layout"] == str(backend.jobs["pretrain"].layout)
     reshards = db.list_reshards(store, job="pretrain")
     assert len(reshards) >= 2
     assert all(r.status == "done" and r.bytes_moved and r.pause_seconds is not None for r in reshards)
@@ -254,10 +256,10 @@ def test_throughput_table_honours_the_jobs_zero_setting() -> None:
     t = throughput_table(load_model("gpt-1.3b"), load_hardware("h100-80g"), 8, gpus_per_node=8, global_batch=64,
                          zero=1)
     assert t, "no layout at all"
-    for n, (text, tps) in t.items():
-        L = Layout.parse(text)
+    for n, (L, tps) in t.items():
+        assert isinstance(L, Layout)
         assert L.world_size == n and tps > 0 and L.vpp == 1
-        assert L.zero == 1 or L.dp == 1, f"{text}: zero=1 asks for ZeRO-1 wherever dp > 1"
+        assert L.zero == 1 or L.dp == 1, f"{L}: zero=1 asks for ZeRO-1 wherever dp > 1"
 
 
 def _env_with(db_url: str, backend: FakeBackend, **job):

@@ -311,8 +311,7 @@ def test_every_gpu_count_the_planner_gives_the_user_job_splits_its_global_batch(
     assert sorted(table) == list(range(1, GPUS))
     user = from_spec(job, load_model(job.model))
     reference = default_trainer_config(load_config(data=demo_config(5.0, 2.0)).jobs[0])
-    for n, (layout, _) in table.items():
-        L = Layout.parse(layout)
+    for n, (L, _) in table.items():
         assert L.world_size == n and L.tp == 1  # replicas only
         assert job.global_batch % L.dp == 0
         pieces = [len(p) for p in rank_micro_batches(list(range(job.global_batch)), 0, L.dp, job.micro_batch)]

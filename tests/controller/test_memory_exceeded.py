@@ -104,24 +104,27 @@ def test_an_out_of_memory_failure_names_what_the_rank_held_when_it_failed() -> N
     assert other is not None and other.peak_bytes is None and "a worker ran out of memory" in other.message
 
 
+L = Layout.parse
+
+
 def C(layout: str, tps: float, gib: float) -> mem.Candidate:
-    return mem.Candidate(Layout.parse(layout), tps, int(gib * GiB))
+    return mem.Candidate(L(layout), tps, int(gib * GiB))
 
 
 CANDIDATES = {4: [C("tp1.pp1.dp4", 300, 39), C("tp1.pp2.dp2", 280, 28), C("tp1.pp1.dp4.z1", 250, 28),
                   C("tp2.pp1.dp2", 240, 22)],
               2: [C("tp1.pp1.dp2", 120, 60), C("tp2.pp1.dp1", 100, 45)]}
-TABLE = {1: ("tp1.pp1.dp1", 60.0), 2: ("tp1.pp1.dp2", 120.0), 4: ("tp1.pp1.dp4", 300.0)}
+TABLE = {1: (L("tp1.pp1.dp1"), 60.0), 2: (L("tp1.pp1.dp2"), 120.0), 4: (L("tp1.pp1.dp4"), 300.0)}
 
 
 @pytest.mark.parametrize(("dropped", "want"), [
     ((), TABLE),  # nothing dropped: the table as it was
     # the same layout with ZeRO-1 first (headroom, same maths), though another is faster
-    (("tp1.pp1.dp4",), {**TABLE, 4: ("tp1.pp1.dp4.z1", 250.0)}),
+    (("tp1.pp1.dp4",), {**TABLE, 4: (L("tp1.pp1.dp4.z1"), 250.0)}),
     # ZeRO-1 dropped too: the fastest predicted to need less than the dropped one
-    (("tp1.pp1.dp4", "tp1.pp1.dp4.z1"), {**TABLE, 4: ("tp1.pp2.dp2", 280.0)}),
+    (("tp1.pp1.dp4", "tp1.pp1.dp4.z1"), {**TABLE, 4: (L("tp1.pp2.dp2"), 280.0)}),
     # no ZeRO-1 variant to take (dp2's is not offered): the next that needs less memory
-    (("tp1.pp1.dp2",), {**TABLE, 2: ("tp2.pp1.dp1", 100.0)}),
+    (("tp1.pp1.dp2",), {**TABLE, 2: (L("tp2.pp1.dp1"), 100.0)}),
     # nothing left that needs less: the count leaves the table (the job gets fewer GPUs)
     (("tp1.pp1.dp2", "tp2.pp1.dp1"), {1: TABLE[1], 4: TABLE[4]}),
 ])
@@ -132,13 +135,13 @@ def test_a_dropped_layout_is_replanned_with_more_headroom(dropped, want) -> None
 
 def test_a_replacement_needing_more_memory_than_the_dropped_layout_is_never_taken() -> None:
     # tp1.pp2.dp2 is dropped; the only other candidate (dp4, 39 GiB) needs more than it (28 GiB)
-    table = {4: ("tp1.pp2.dp2", 280.0)}
+    table = {4: (L("tp1.pp2.dp2"), 280.0)}
     assert mem.without_dropped(table, {Layout.parse("tp1.pp2.dp2")}, lambda n: CANDIDATES[4][:2]) == {}
 
 
 def test_relayout_target_moves_only_a_job_on_a_dropped_layout_with_another_of_its_count() -> None:
     dropped = {Layout.parse("tp1.pp1.dp4")}
-    table = {4: ("tp1.pp2.dp2", 280.0)}
+    table = {4: (L("tp1.pp2.dp2"), 280.0)}
     assert mem.relayout_target(Layout.parse("tp1.pp1.dp4"), 4, dropped, table) == Layout.parse("tp1.pp2.dp2")
     assert mem.relayout_target(Layout.parse("tp1.pp2.dp2"), 4, dropped, table) is None  # not dropped
     assert mem.relayout_target(Layout.parse("tp1.pp1.dp4"), 4, dropped, {}) is None  # none of its count: fewer GPUs
@@ -250,7 +253,7 @@ def test_a_layout_over_budget_is_left_in_place_and_never_picked_again(env) -> No
     # 6. a restarted controller reads the dropped layout back from the job's status
     again = Controller(cfg, backend, store, {"chat": source}, owner="ctl-a", clock=clock)
     assert set(again._dropped("pretrain")) == {Layout.parse("tp1.pp3.dp2.z1")}
-    assert again._layout_table("pretrain")[6][0] == "tp2.pp3.dp1"
+    assert again._layout_table("pretrain")[6][0] == L("tp2.pp3.dp1")
     backend.set_job_gpus(cfg.jobs[0], (), None)  # the job is gone; the new controller starts it afresh
     backend.layouts.clear()
     clock.t += 20.0

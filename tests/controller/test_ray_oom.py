@@ -92,7 +92,7 @@ def test_a_layout_that_runs_out_of_memory_is_dropped_and_the_job_moves_in_place_
 
     try:
         # 1. the planner's layout of two GPUs; its first step runs out of memory on stage 0
-        assert ctl._layout_table(JOB)[2][0] == "tp1.pp2.dp1"
+        assert ctl._layout_table(JOB)[2][0] == Layout.parse("tp1.pp2.dp1")
         tick()
         handle = backend.jobs[JOB].handle
         st = wait_out_of_memory_hold(handle, 120)
@@ -137,9 +137,9 @@ def test_a_layout_that_runs_out_of_memory_is_dropped_and_the_job_moves_in_place_
         assert measured_peak(MeasuredMemory.from_json(rt.memory, "memory")) <= LIMIT
 
         # 5. never picked again: not by this controller's table, nor by a restarted one's
-        assert ctl._layout_table(JOB)[2][0] == "tp2.pp1.dp1"
+        assert ctl._layout_table(JOB)[2][0] == Layout.parse("tp2.pp1.dp1")
         again = Controller(cfg, backend, store, {}, owner="t2", clock=clock)
-        assert again._layout_table(JOB)[2][0] == "tp2.pp1.dp1"
+        assert again._layout_table(JOB)[2][0] == Layout.parse("tp2.pp1.dp1")
         assert Layout.parse("tp1.pp2.dp1") in again._dropped(JOB)
     finally:
         backend.shutdown()

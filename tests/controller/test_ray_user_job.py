@@ -36,8 +36,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(900)]
 
 JOB = "llama"
 # the planner's table for the job, as the controller reads it: GPU count -> (layout, tokens/s)
-TABLE = {6: ("tp2.pp1.dp3", 600.0), 4: ("tp1.pp1.dp4", 400.0), 3: ("tp1.pp1.dp3", 300.0),
-         2: ("tp2.pp1.dp1", 200.0)}
+TABLE = {6: (Layout(2, 1, 3), 600.0), 4: (Layout(1, 1, 4), 400.0), 3: (Layout(1, 1, 3), 300.0),
+         2: (Layout(2, 1, 1), 200.0)}
 
 
 def _config(corpus: str, log_dir: str) -> dict:

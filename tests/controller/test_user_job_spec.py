@@ -131,9 +131,9 @@ def test_a_user_job_never_gets_a_zero1_layout() -> None:
     cfg = load_config(data={"pool": POOL, "jobs": [
         {"name": "ref", **job}, {"name": "user", **job, "entrypoint": ENTRY, "mesh_dims": {"pp": "pp", "dp": "dp"}}]})
     tables = job_throughput_tables(cfg)
-    assert any(Layout.parse(lay).zero for lay, _ in tables["ref"].values())  # the planner would choose ZeRO-1
-    assert tables["user"] and not any(Layout.parse(lay).zero for lay, _ in tables["user"].values())
-    assert all(Layout.parse(lay).tp == 1 for lay, _ in tables["user"].values())  # no tp dim in its mesh
+    assert any(lay.zero for lay, _ in tables["ref"].values())  # the planner would choose ZeRO-1
+    assert tables["user"] and not any(lay.zero for lay, _ in tables["user"].values())
+    assert all(lay.tp == 1 for lay, _ in tables["user"].values())  # no tp dim in its mesh
 
 
 
@@ -261,7 +261,7 @@ def test_the_example_user_job_config_loads_and_every_gpu_count_has_a_layout() ->
     check_feasible(cfg, tables)
     assert sorted(tables["llama"]) == list(range(1, 8))
     for n, (layout, _) in tables["llama"].items():
-        assert job.global_batch % Layout.parse(layout).dp == 0, (n, layout)
+        assert job.global_batch % layout.dp == 0, (n, layout)
 
 
 def test_a_global_batch_no_allowed_layout_divides_is_refused_naming_it() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from elastic.model import GPU, Allocation
+from elastic.model import GPU, Allocation, Layout
 from elastic.scheduler import JobState, Knobs, ServiceDemand, Snapshot
 
 
@@ -13,12 +13,12 @@ def pool(nodes: int, gpus_per_node: int = 8) -> dict[str, int]:
 
 
 def table(step: int, max_gpus: int, per_gpu: float = 100.0, decay: float = 0.0, tp: int | None = None,
-          ) -> dict[int, tuple[str, float]]:
+          ) -> dict[int, tuple[Layout, float]]:
     """Counts step, 2*step, ...; tokens/s = n * per_gpu * (1 - decay)^(n/step - 1) (concave for decay > 0)."""
     tp = tp or min(step, 8)
     out = {}
     for n in range(step, max_gpus + 1, step):
-        out[n] = (f"tp{tp}.pp1.dp{n // tp}", n * per_gpu * (1 - decay) ** (n // step - 1))
+        out[n] = (Layout(tp, 1, n // tp), n * per_gpu * (1 - decay) ** (n // step - 1))
     return out
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.model import SpecError
+from elastic.model import Layout, SpecError
 from elastic.scheduler import JobState, Knobs, Reason, ServiceDemand, Snapshot, decide
 from elastic.scheduler.targets import inference_targets
 from tests.scheduler.builders import holding, job, per_node, pool, snap, svc, table
@@ -161,6 +161,17 @@ def test_no_flapping_under_noisy_load(threshold: float, max_grows: int) -> None:
 
 # ---- layouts, idle GPUs, fragmentation --------------------------------------------------------------
 
+def test_decisions_and_steps_carry_the_tables_layouts() -> None:
+    # a shrink from 16 to 8 GPUs: the step names both layouts, the decision the new one, as the
+    # table's Layout objects (text only where a plan is written out)
+    prev = holding(t=[("n0", 8), ("n1", 8)])
+    plan = decide(snap(pool(2), [svc("chat", 8)], [job("t").tab(table(8, 16))], prev))
+    step = next(s for s in plan.steps if s.workload == "t")
+    assert (step.action, step.target.layout_before, step.target.layout_after) == (
+        "shrink_training", Layout(8, 1, 2), Layout(8, 1, 1))
+    assert plan.jobs["t"].layout == Layout(8, 1, 1)
+
+
 def test_partial_nodes_hold_multiples_of_tp() -> None:
     prev = holding(chat=[("n0", 3), ("n1", 2)])
     plan = decide(snap(pool(3), [svc("chat", 5)], [job("t").tab(table(4, 24, tp=4)).bounds(4)], prev))
@@ -176,7 +187,7 @@ def test_gpus_no_layout_can_use_stay_idle_with_a_reason() -> None:
 
 
 def test_job_without_any_feasible_count_is_reported() -> None:
-    plan = decide(snap(pool(1), [], [job("t").tab({3: ("tp1.pp1.dp3", 10.0)}).bounds(4, 8)]))
+    plan = decide(snap(pool(1), [], [job("t").tab({3: (Layout(1, 1, 3), 10.0)}).bounds(4, 8)]))
     assert plan.gpus_of("t") == 0
     assert plan.jobs["t"].reason == Reason.NO_FEASIBLE_LAYOUT
 
@@ -229,8 +240,13 @@ def test_inference_targets(services, pool_gpus, expect) -> None:
 @pytest.mark.parametrize(("make", "needle"), [
     (lambda: Snapshot(0, {"n0": 8}, (svc("x", 1),), (job("x").obj(),)), "unique"),
     (lambda: Snapshot(0, {}), "no nodes"),
-    (lambda: JobState("j", {0: ("tp1.pp1.dp1", 1.0)}), "GPU count"),
-    (lambda: JobState("j", {8: ("tp1.pp1.dp8", 1.0)}, min_gpus=16, max_gpus=8), "min_gpus"),
+    (lambda: JobState("j", {0: (Layout(1, 1, 1), 1.0)}), "GPU count"),
+    (lambda: JobState("j", {8: (Layout(1, 1, 8), 1.0)}, min_gpus=16, max_gpus=8), "min_gpus"),
+    # a layout still in its text form is refused where it enters the scheduler, naming the job and the count
+    (lambda: JobState("j", {8: ("tp1.pp1.dp8", 1.0)}),
+     r"job 'j': throughput\[8\] layout 'tp1.pp1.dp8' is a str, not a Layout"),
+    (lambda: JobState("j", {8: (Layout(1, 1, 8), 1.0)}, layout="tp1.pp1.dp8"),  # type: ignore[arg-type]
+     r"job 'j': layout 'tp1.pp1.dp8' is a str, not a Layout"),
     (lambda: ServiceDemand("s", -1), "replicas"),
 ])
 def test_bad_input_is_rejected_with_the_field(make, needle) -> None:

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from elastic.model import Layout
 from elastic.scheduler import JobState, Reason, ServiceDemand, decide
 from elastic.scheduler.targets import payback_seconds, reclaim_after, spare_curve
 from tests.scheduler.builders import holding, pool, snap, table
@@ -31,7 +32,8 @@ def test_payback_seconds(have, to, pause, expect) -> None:
 
 
 def test_a_grow_that_gains_nothing_never_pays() -> None:
-    flat = JobState("j", {8: ("tp8.pp1.dp1", 100.0), 16: ("tp8.pp1.dp2", 100.0)}, min_gpus=8, pause_seconds=5.0)
+    flat = JobState("j", {8: (Layout(8, 1, 1), 100.0), 16: (Layout(8, 1, 2), 100.0)}, min_gpus=8,
+                    pause_seconds=5.0)
     assert payback_seconds(flat, 8, 16) == math.inf
 
 

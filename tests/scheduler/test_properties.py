@@ -49,7 +49,9 @@ def test_allocations_are_disjoint_inside_the_pool_and_serve_inference_first(case
             n = plan.gpus_of(j.name)
             assert n == 0 or n in j.feasible_counts()
             if n:
-                tp = Layout.parse(j.layout_at(n)).tp
+                layout = j.layout_at(n)
+                assert isinstance(layout, Layout)
+                tp = layout.tp
                 per_node: dict[str, int] = {}
                 for g in plan.allocation.gpus_of(j.name):
                     per_node[g.node] = per_node.get(g.node, 0) + 1

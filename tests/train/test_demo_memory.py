@@ -59,7 +59,7 @@ def _step(rank: int, world: int, layout: str) -> dict[str, Any]:
 
 
 def test_the_demo_table_changes_pipeline_depth_and_covers_every_count_training_gets() -> None:
-    table = {n: Layout.parse(t) for n, (t, _) in job_throughput_tables(CFG)[SPEC.name].items()}
+    table = {n: lay for n, (lay, _) in job_throughput_tables(CFG)[SPEC.name].items()}
     assert SPEC.memory_limit_bytes == DEMO_MEMORY_LIMIT and not SPEC.replicate_optimizer
     # inference keeps 1-6 GPUs of 8: training gets 2-7, each with a layout using all of them
     assert all(n in table and table[n].world_size == n for n in range(2, 8)), table
