@@ -122,7 +122,7 @@ def coordinator_runtime(job: str, st: Any, workers: dict[GPU, str], last: Rescal
     rec = st.last_rescale
     recovered = rec is not None and rec.ok and bool(rec.recovery) and rec.generation == st.generation
     if rec is not None and rec.ok and (last is None or recovered):
-        last = RescaleOutcome(job, rec.from_layout, rec.to_layout, rec.generation,
+        last = RescaleOutcome(job, layout_of(rec.from_layout), layout_of(rec.to_layout), rec.generation,
                               pause_seconds=rec.pause_seconds or 0.0, bytes_moved=rec.bytes_moved,
                               bytes_planned=rec.planned_bytes, bytes_lower_bound=rec.lower_bound_bytes,
                               step=rec.switch_step)
@@ -137,11 +137,12 @@ def coordinator_runtime(job: str, st: Any, workers: dict[GPU, str], last: Rescal
 
 @dataclass(frozen=True)
 class RescaleOutcome:
-    """What one start/rescale/stop did, for the reshard history."""
+    """What one start/rescale/stop did, for the reshard history (layouts as values: a backend
+    parses what its coordinator or its pods report, once)."""
 
     job: str
-    from_layout: str | None
-    to_layout: str | None
+    from_layout: Layout | None
+    to_layout: Layout | None
     generation: int
     pause_seconds: float = 0.0
     total_seconds: float = 0.0

@@ -149,7 +149,8 @@ class _Training:
             return RescaleOutcome(spec.name, None, None, 0)
         before = j.handle.status()
         if before.phase == CoordinatorPhase.PAUSED:
-            return RescaleOutcome(spec.name, before.layout, before.layout, before.generation, step=max(before.step, 0))
+            held = layout_of(before.layout)
+            return RescaleOutcome(spec.name, held, held, before.generation, step=max(before.step, 0))
         running = layout_of(before.layout)  # the coordinator's status is text
         if running is None:
             raise BackendError(f"{spec.name}: cannot pause a job that is {before.phase}")
@@ -162,8 +163,9 @@ class _Training:
             raise BackendError(f"{spec.name}: pause of {before.layout} failed: {e}") from e
         with self._lock:
             j.workers, j.next_id = {}, j.next_id + n
-        self._stamp_generation(spec.name, keepers, res.generation, Layout.parse(res.to_layout))
-        out = RescaleOutcome(spec.name, before.layout, res.to_layout, res.generation,
+        kept = Layout.parse(res.to_layout)
+        self._stamp_generation(spec.name, keepers, res.generation, kept)
+        out = RescaleOutcome(spec.name, running, kept, res.generation,
                              pause_seconds=res.pause_seconds or 0.0, total_seconds=res.wall_seconds,
                              bytes_moved=res.bytes_moved, bytes_planned=res.planned_bytes,
                              bytes_lower_bound=res.lower_bound_bytes, step=res.switch_step)
@@ -204,7 +206,7 @@ class _Training:
             self.delete_worker_service(spec.name)
             with self._lock:
                 self._jobs.pop(spec.name, None)
-            return RescaleOutcome(spec.name, (before.recorded_layout if before else None), None,
+            return RescaleOutcome(spec.name, (before.layout if before else None), None,
                                   before.generation if before else 0, total_seconds=time.perf_counter() - t0)
         assert layout is not None
         gen = (before.generation + 1) if before else 1
@@ -218,7 +220,7 @@ class _Training:
                 name = f"{self._job_target(spec.name).name}-w{next_id}"
                 next_id += 1
             self.apply_worker_pod(spec, name, g, layout, gen, env={})
-        out = RescaleOutcome(spec.name, (before.recorded_layout if before else None), str(layout), gen,
+        out = RescaleOutcome(spec.name, (before.layout if before else None), layout, gen,
                              total_seconds=time.perf_counter() - t0)
         with self._lock:
             self._jobs.setdefault(spec.name, _Job()).last = out
@@ -266,7 +268,7 @@ class _Training:
         with self._lock:
             j.workers, j.next_id = new_workers, nxt
         self._stamp_generation(spec.name, list(new_workers.values()), res.generation, layout)
-        out = RescaleOutcome(spec.name, st.layout, str(layout), res.generation, pause_seconds=res.pause_seconds or 0.0,
+        out = RescaleOutcome(spec.name, layout_of(st.layout), layout, res.generation, pause_seconds=res.pause_seconds or 0.0,
                              total_seconds=res.wall_seconds, bytes_moved=res.bytes_moved,
                              bytes_planned=res.planned_bytes, bytes_lower_bound=res.lower_bound_bytes,
                              step=res.switch_step)
@@ -313,7 +315,7 @@ class _Training:
         self.delete_job_secret(spec.name)
         with self._lock:
             self._jobs.pop(spec.name, None)
-        return RescaleOutcome(spec.name, st.layout if st else None, None, st.generation if st else 0,
+        return RescaleOutcome(spec.name, layout_of(st.layout) if st else None, None, st.generation if st else 0,
                               step=max(st.step, 0) if st else 0)
 
     # ---- objects we own -------------------------------------------------------------------------

@@ -522,7 +522,8 @@ class RayBackend:
             return RescaleOutcome(spec.name, None, None, 0)
         before = j.handle.status()
         if before.phase == CoordinatorPhase.PAUSED:
-            return RescaleOutcome(spec.name, before.layout, before.layout, before.generation, step=max(before.step, 0))
+            held = layout_of(before.layout)
+            return RescaleOutcome(spec.name, held, held, before.generation, step=max(before.step, 0))
         running = layout_of(before.layout)  # the coordinator's status is text
         if running is None:
             raise BackendError(f"{spec.name}: cannot pause a job that is {before.phase}")
@@ -538,7 +539,7 @@ class RayBackend:
             raise BackendError(f"{spec.name}: pause of {before.layout} failed: {e}") from e
         with self._lock:
             j.workers, j.keepers, j.next_id = {}, keepers, j.next_id + n
-        out = RescaleOutcome(spec.name, before.layout, res.to_layout, res.generation,
+        out = RescaleOutcome(spec.name, running, layout_of(res.to_layout), res.generation,
                              pause_seconds=res.pause_seconds or 0.0, total_seconds=res.wall_seconds,
                              bytes_moved=res.bytes_moved, bytes_planned=res.planned_bytes,
                              bytes_lower_bound=res.lower_bound_bytes, step=res.switch_step)
@@ -605,7 +606,7 @@ class RayBackend:
             keep_spares()  # warm up in the background for the job's first grow
         with self._lock:
             self.jobs[spec.name] = j
-        out = RescaleOutcome(spec.name, None, str(layout), res.generation, pause_seconds=0.0,
+        out = RescaleOutcome(spec.name, None, layout, res.generation, pause_seconds=0.0,
                              total_seconds=res.wall_seconds, step=res.switch_step)
         j.last = out
         return out
@@ -641,7 +642,7 @@ class RayBackend:
             j.workers, j.next_id, j.keepers = new_workers, nxt, []
         if before.phase == CoordinatorPhase.PAUSED:
             _remember_gpus(j.handle, j, keepers=[])
-        out = RescaleOutcome(spec.name, before.layout, str(layout), res.generation,
+        out = RescaleOutcome(spec.name, layout_of(before.layout), layout, res.generation,
                              pause_seconds=res.pause_seconds or 0.0, total_seconds=res.wall_seconds,
                              bytes_moved=res.bytes_moved, bytes_planned=res.planned_bytes,
                              bytes_lower_bound=res.lower_bound_bytes, step=res.switch_step)
@@ -658,7 +659,7 @@ class RayBackend:
             raise BackendError(f"{spec.name}: stop failed: {e}") from e
         with self._lock:
             self.jobs.pop(spec.name, None)
-        return RescaleOutcome(spec.name, st.layout, None, st.generation, step=max(st.step, 0))
+        return RescaleOutcome(spec.name, layout_of(st.layout), None, st.generation, step=max(st.step, 0))
 
     def shutdown(self) -> None:
         import ray

@@ -153,7 +153,7 @@ class ChaosBackend:
                 state["jobs"].pop(spec.name, None)
 
         self._change("job", spec.name, gpus, apply)
-        return RescaleOutcome(spec.name, str(before.layout) if before else None, str(layout) if gpus else None, gen,
+        return RescaleOutcome(spec.name, before.layout if before else None, layout if gpus else None, gen,
                               pause_seconds=0.01, bytes_moved=1000 * len(gpus), bytes_planned=1000 * len(gpus),
                               bytes_lower_bound=1000 * len(gpus))
 

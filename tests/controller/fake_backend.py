@@ -108,7 +108,7 @@ class FakeBackend:
         held = before.layout.held()
         self.calls.append(("pause", spec.name, 0))
         self.jobs[spec.name] = JobRuntime(spec.name, JobPhase.PAUSED, held, (), before.generation + 1, before.step)
-        return RescaleOutcome(spec.name, str(before.layout), str(held), before.generation + 1, pause_seconds=0.02,
+        return RescaleOutcome(spec.name, before.layout, held, before.generation + 1, pause_seconds=0.02,
                               bytes_moved=500, bytes_planned=500, bytes_lower_bound=500, step=before.step)
 
     def set_job_gpus(self, spec: TrainingSpec, gpus: tuple[GPU, ...], layout: Layout | None) -> RescaleOutcome:
@@ -118,7 +118,7 @@ class FakeBackend:
         self.calls.append(("job", spec.name, len(gpus)))
         if not gpus:
             self.jobs.pop(spec.name, None)
-            return RescaleOutcome(spec.name, _text(before), None, 0)
+            return RescaleOutcome(spec.name, before.layout if before else None, None, 0)
         if before is not None and before.phase == JobPhase.PAUSED:
             self.calls.append(("resume", spec.name, len(gpus)))
         assert layout is not None and layout.world_size == len(gpus), (layout, len(gpus))
@@ -126,11 +126,6 @@ class FakeBackend:
         step = before.step if before else 0
         self.jobs[spec.name] = JobRuntime(spec.name, JobPhase.RUNNING, layout, tuple(gpus), gen, step,
                                           checkpoint_step=step if spec.checkpoint else None)
-        return RescaleOutcome(spec.name, _text(before), str(layout), gen, pause_seconds=0.01,
+        return RescaleOutcome(spec.name, before.layout if before else None, layout, gen, pause_seconds=0.01,
                               bytes_moved=1000 * len(gpus), bytes_planned=1000 * len(gpus),
                               bytes_lower_bound=1000 * len(gpus), step=step)
-
-
-def _text(rt: JobRuntime | None) -> str | None:
-    """A runtime's layout as a ``RescaleOutcome`` writes it."""
-    return str(rt.layout) if rt is not None and rt.layout is not None else None

@@ -493,7 +493,7 @@ def test_a_joiner_taken_from_a_spare_holds_its_gpu_through_a_lease_that_ends_wit
         assert _gpus_free(6.0) == 6.0
         step0 = h.status().step
         out = backend.set_job_gpus(spec, gpus[:3], Layout.parse("tp1.pp1.dp3"))
-        assert out.to_layout == "tp1.pp1.dp3" and out.step >= step0
+        assert str(out.to_layout) == "tp1.pp1.dp3" and out.step >= step0
         joiner = backend.jobs[spec.name].workers[gpus[2]]
         assert h.actors[joiner] == spare and joiner in h.leases  # the spare became the joiner
         assert ray.get(h.leases[joiner].gpu_ids.remote(), timeout=30)  # the lease holds a GPU
@@ -578,7 +578,7 @@ def test_a_gpu_changes_hands_between_a_replica_and_a_training_worker_on_the_same
         assert backend.leases.parked() == {gpus[1]} and _gpus_free(4.0) == 4.0  # booked, for the joiner
         out = backend.set_job_gpus(job, gpus[1:4], Layout.parse("tp1.pp1.dp3"))
         joiner = backend.jobs[job.name].workers[gpus[1]]
-        assert out.to_layout == "tp1.pp1.dp3" and out.step >= step0
+        assert str(out.to_layout) == "tp1.pp1.dp3" and out.step >= step0
         assert h.leases[joiner] is replica.lease and backend.leases.handed_over == 1
         assert backend.leases.parked() == set() and _gpus_free(4.0) == 4.0
         # 2. leaver -> replica: the shrink gives GPU 1 back, the scale-up's spare replica takes its lease
@@ -748,7 +748,7 @@ def test_a_job_still_starting_can_be_called_off_and_gives_every_gpu_back(ray_loc
         # it starts again on fewer GPUs, from step 0: nothing had been trained
         parked = backend.leases.parked()
         res = backend.set_job_gpus(spec, (GPU("local", 0), GPU("local", 1)), Layout.parse("tp1.pp1.dp2"))
-        assert res.to_layout == "tp1.pp1.dp2"
+        assert str(res.to_layout) == "tp1.pp1.dp2"
         rt = backend.job_runtime("tiny-job")
         assert rt is not None and len(rt.gpus) == 2 and rt.phase in ("Running", "Rescaling")
         assert backend.leases.handed_over == len(parked & {GPU("local", 0), GPU("local", 1)})

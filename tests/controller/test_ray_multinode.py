@@ -74,7 +74,7 @@ def test_workers_and_replicas_run_on_their_gpus_nodes_and_the_pool_fills_up(two_
         # 1. tp2 x dp2 across the nodes: one TP pair on each (ranks 0,1 on node-0, ranks 2,3 on node-1)
         train = (GPU("node-0", 2), GPU("node-0", 3), GPU("node-1", 0), GPU("node-1", 1))
         out = backend.set_job_gpus(job, train, Layout.parse("tp2.pp1.dp2"))
-        assert out.to_layout == "tp2.pp1.dp2"
+        assert str(out.to_layout) == "tp2.pp1.dp2"
         j = backend.jobs[job.name]
         for g, w in j.workers.items():
             assert _node_of_worker(j.handle, w) == node_id[g.node], (g, w)
@@ -100,7 +100,7 @@ def test_workers_and_replicas_run_on_their_gpus_nodes_and_the_pool_fills_up(two_
         # ... and grows back onto node-0 when they are free again; the joiners run there
         backend.set_service_gpus(svc, serve)
         out = backend.set_job_gpus(job, train, Layout.parse("tp2.pp1.dp2"))
-        assert out.to_layout == "tp2.pp1.dp2" and out.step >= step
+        assert str(out.to_layout) == "tp2.pp1.dp2" and out.step >= step
         for g, w in j.workers.items():
             assert _node_of_worker(j.handle, w) == node_id[g.node], (g, w)
         st = j.handle.status()

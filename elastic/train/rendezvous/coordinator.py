@@ -213,7 +213,7 @@ class Coordinator(_Routes, _Liveness):
             self._check_before_max_steps(generation, switch)
             d = Directive(
                 job=self.job, generation=generation, layout=str(lay), workers=tuple(members), remap=remap,
-                old_layout=cur.layout if cur else None, old_ranks=old_ranks, switch_step=switch,
+                old_layout=str(cur.layout) if cur else None, old_ranks=old_ranks, switch_step=switch,
                 store_host=self.advertise_host, store_port=self.store_port,
                 join_timeout_s=join_timeout_s if join_timeout_s is not None else self.settings.join_timeout_s,
                 hold=hold, rollback=self.settings.transactional and cur is not None and not hold and self._recoverable(cur),
@@ -230,7 +230,7 @@ class Coordinator(_Routes, _Liveness):
             self._post_seq += 1
             self._pending = _Pending(d, rec, self._clock(), seq=self._post_seq)
             self._alarm.notify_all()  # heartbeats tell the members in the step, who prepare meanwhile
-            keeps = cur is not None and _keeps_work(Layout.parse(cur.layout), lay)
+            keeps = cur is not None and _keeps_work(cur.layout, lay)
             grow = cur is not None and not hold and not cur.hold and set(cur.ranks) < set(members) and keeps
             asks = ((self.settings.shrink_gives_up_step if shrink else self.settings.grow_gives_up_step if grow else False)
                     and self._giving_up_pays_locked(cur, keeps) if give_up_step is None else give_up_step)
@@ -262,12 +262,12 @@ class Coordinator(_Routes, _Liveness):
         self._check_before_max_steps(generation, r + 1)
         d = Directive(
             job=self.job, generation=generation, layout=str(lay), workers=tuple(members), remap=remap,
-            old_layout=cur.layout, old_ranks=dict(cur.ranks), switch_step=r + 1,
+            old_layout=str(cur.layout), old_ranks=dict(cur.ranks), switch_step=r + 1,
             store_host=self.advertise_host, store_port=self.store_port,
             join_timeout_s=join_timeout_s if join_timeout_s is not None else self.settings.join_timeout_s,
             commit_step=r, give_up_checks=self.settings.shrink_gives_up_step,
         )
-        record = RescaleRecord(generation, cur.layout, d.layout, list(members), list(d.joiners), list(d.leavers),
+        record = RescaleRecord(generation, str(cur.layout), d.layout, list(members), list(d.joiners), list(d.leavers),
                                r + 1, reason=f"out of memory on {cur.layout}: {rec.reason}")
         self._post_seq += 1
         self._pending = _Pending(d, record, self._clock(), seq=self._post_seq)
@@ -298,7 +298,7 @@ class Coordinator(_Routes, _Liveness):
         generation was posted with them), one pipeline stage (members meet at every micro-batch),
         and a step of this generation in progress."""
         return (min(self.settings.shrink_lookahead, self.settings.lookahead_steps) == 0 and cur.give_up_checks
-                and Layout.parse(cur.layout).pp == 1 and switch - 1 == self._max_begun >= cur.start_step)
+                and cur.layout.pp == 1 and switch - 1 == self._max_begun >= cur.start_step)
 
     def _giving_up_pays_locked(self, cur: _Gen | None, keeps: bool) -> bool:
         """Giving the step in progress up costs nothing when the new layout finishes it from the
@@ -374,7 +374,7 @@ class Coordinator(_Routes, _Liveness):
         rec_oom = self._oom_held_locked()
         return JobStatus(
             job=self.job, phase=self._phase, generation=cur.generation if cur else 0,
-            layout=cur.layout if cur else None, workers=workers, step=last.step if last else -1,
+            layout=str(cur.layout) if cur else None, workers=workers, step=last.step if last else -1,
             loss=last.loss if last else None, tokens_per_second=last.tokens_per_second if last else None,
             step_seconds=last.seconds if last else None,
             # held after a step ran out of memory: the job has not failed, and its error says why it waits
@@ -561,7 +561,7 @@ class Coordinator(_Routes, _Liveness):
         p.record.plan_seconds = float(info.get("plan_seconds", 0.0))
         self._decisions[d.generation] = ("go", "")
         p.previous = self._current
-        self._current = _Gen(d.generation, d.layout, new_ranks, d.switch_step, hold=d.hold,
+        self._current = _Gen(d.generation, Layout.parse(d.layout), new_ranks, d.switch_step, hold=d.hold,
                              give_up_checks=d.give_up_checks)
         self._gen_sizes[d.generation] = (d.layout, len(d.workers))
         self._max_begun = d.switch_step - 1

@@ -83,7 +83,7 @@ class _Liveness:
         without ZeRO sharding their optimizer state) and recovery is on."""
         if not self.settings.recover or gen.hold:
             return False
-        lay = Layout.parse(gen.layout)
+        lay = gen.layout
         # a user job says whether its data-parallel ranks hold copies (DDP) or shards (FSDP) of the state
         return lay.dp >= 2 and not lay.zero and bool(self.config.get("dp_replicas", True))
 
@@ -291,7 +291,7 @@ class _Liveness:
                                   f"{r}; cannot recover a consistent state")
                 return
         # 2. the layout: the same model-parallel split, as many replicas as the survivors fill
-        old = Layout.parse(cur.layout)
+        old = cur.layout
         per = old.tp * old.pp
         members, lay, refusals = self._recovery_members(old, survivors)
         if lay is None:
@@ -308,17 +308,17 @@ class _Liveness:
         nxt = max([gen, *self._rescales]) + 1
         if not any(h.step == r for h in self._history[-3:]) and (parts := self._reports.pop((gen, r), None)):
             losses = [x.loss for x in parts.values() if x.loss is not None and math.isfinite(x.loss)]
-            step_rec = StepRecord(r, gen, cur.layout, losses[0] if losses else None,
+            step_rec = StepRecord(r, gen, str(cur.layout), losses[0] if losses else None,
                                   max(x.tokens for x in parts.values()), max(x.seconds for x in parts.values()))
             self._history.append(step_rec)
             self.metrics.record_step(step_rec.step, step_rec.loss, step_rec.tokens, step_rec.seconds)
         d = Directive(
             job=self.job, generation=nxt, layout=str(lay), workers=tuple(members), remap=True,
-            old_layout=cur.layout, old_ranks={w: cur.ranks[w] for w in survivors}, switch_step=r + 1,
+            old_layout=str(cur.layout), old_ranks={w: cur.ranks[w] for w in survivors}, switch_step=r + 1,
             store_host=self.advertise_host, store_port=self.store_port, join_timeout_s=self.settings.join_timeout_s,
             commit_step=r, give_up_checks=self.settings.shrink_gives_up_step,
         )
-        record = RescaleRecord(nxt, cur.layout, d.layout, list(members), [], list(d.leavers), r + 1,
+        record = RescaleRecord(nxt, str(cur.layout), d.layout, list(members), [], list(d.leavers), r + 1,
                                recovery=why)
         self._post_seq += 1
         self._pending = _Pending(d, record, self._clock(), seq=self._post_seq)
@@ -439,7 +439,7 @@ class _Liveness:
             return True
         if not beating:
             return False
-        old = Layout.parse(cur.layout)
+        old = cur.layout
         reported = {w: cur.ranks[w] for w in rec.reports if w in cur.ranks}
         _, without = recovery_candidates(old, reported)
         _, with_them = recovery_candidates(old, {**reported, **{w: cur.ranks[w] for w in beating}})

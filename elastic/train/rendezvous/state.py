@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Gen:
     generation: int
-    layout: str
+    layout: Layout  # parsed once, from the directive that made it
     ranks: dict[str, int]
     start_step: int
     hold: bool = False
