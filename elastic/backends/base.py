@@ -14,10 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from elastic.model import GPU, InferenceSpec, Layout, TrainingSpec, load_model
 from elastic.phases import RUNTIME_PHASES, JobPhase
+
+if TYPE_CHECKING:
+    # types only, like checkpoint_through's import: the controller and the admin API import this
+    # module and load nothing of the trainer (its launcher, rendezvous, prometheus_client)
+    from elastic.train.launch import RescaleResult
+    from elastic.train.rendezvous.messages import RescaleRecord
 
 
 class BackendError(RuntimeError):
@@ -122,10 +128,7 @@ def coordinator_runtime(job: str, st: Any, workers: dict[GPU, str], last: Rescal
     rec = st.last_rescale
     recovered = rec is not None and rec.ok and bool(rec.recovery) and rec.generation == st.generation
     if rec is not None and rec.ok and (last is None or recovered):
-        last = RescaleOutcome(job, layout_of(rec.from_layout), layout_of(rec.to_layout), rec.generation,
-                              pause_seconds=rec.pause_seconds or 0.0, bytes_moved=rec.bytes_moved,
-                              bytes_planned=rec.planned_bytes, bytes_lower_bound=rec.lower_bound_bytes,
-                              step=rec.switch_step)
+        last = RescaleOutcome.from_record(job, rec)
     gpus = tuple(sorted(workers, key=lambda g: (g.node, g.index)))
     return JobRuntime(job, RUNTIME_PHASES[st.phase], layout_of(st.layout), gpus, st.generation, max(st.step, 0),
                       st.loss, st.tokens_per_second or 0.0, st.error,
@@ -150,6 +153,54 @@ class RescaleOutcome:
     bytes_planned: int = 0
     bytes_lower_bound: int = 0
     step: int = 0
+
+    # One constructor per way a backend learns what happened, so the field-by-field mapping from the
+    # trainer's reports is written once and a report's field cannot land in the wrong column.
+
+    @classmethod
+    def from_result(cls, job: str, from_layout: Layout | None, res: RescaleResult,
+                    to_layout: Layout | None = None) -> RescaleOutcome:
+        """A start, rescale or pause the backend asked of the job's ``JobHandle``, from its report.
+        ``from_layout``: the layout the backend saw before it asked (None for a start);
+        ``to_layout``: the layout asked for, else the one ``res`` names. A pause the coordinator did
+        not measure (``pause_seconds`` None) counts as none."""
+        return cls(job, from_layout, to_layout if to_layout is not None else layout_of(res.to_layout),
+                   res.generation, pause_seconds=res.pause_seconds or 0.0, total_seconds=res.wall_seconds,
+                   bytes_moved=res.bytes_moved, bytes_planned=res.planned_bytes,
+                   bytes_lower_bound=res.lower_bound_bytes, step=res.switch_step)
+
+    @classmethod
+    def from_record(cls, job: str, rec: RescaleRecord) -> RescaleOutcome:
+        """A rescale as the job's coordinator recorded it (``JobStatus.last_rescale``): one the backend
+        did not ask for itself (a recovery, an adopted job's last). The record has no wall time of the
+        whole call, so ``total_seconds`` stays 0."""
+        return cls(job, layout_of(rec.from_layout), layout_of(rec.to_layout), rec.generation,
+                   pause_seconds=rec.pause_seconds or 0.0, bytes_moved=rec.bytes_moved,
+                   bytes_planned=rec.planned_bytes, bytes_lower_bound=rec.lower_bound_bytes,
+                   step=rec.switch_step)
+
+    @classmethod
+    def started(cls, job: str, layout: Layout, res: RescaleResult) -> RescaleOutcome:
+        """A job's first layout: no training paused, no state moved between layouts; the time is the
+        whole start (the workers' start-up to the first step)."""
+        return cls(job, None, layout, res.generation, total_seconds=res.wall_seconds, step=res.switch_step)
+
+    @classmethod
+    def not_running(cls, job: str) -> RescaleOutcome:
+        """Asked to pause or stop a job that does not run here: nothing happened."""
+        return cls(job, None, None, 0)
+
+    @classmethod
+    def still_paused(cls, job: str, held: Layout | None, generation: int, step: int) -> RescaleOutcome:
+        """Asked to pause a job that is paused already: it stays held on ``held``, at ``step``."""
+        return cls(job, held, held, generation, step=max(step, 0))
+
+    @classmethod
+    def stopped(cls, job: str, layout: Layout | None, generation: int, step: int = 0,
+                total_seconds: float = 0.0) -> RescaleOutcome:
+        """A job stopped from ``layout`` (None: it reported none) in ``generation``, at ``step``; a
+        coordinator's step is -1 before the first, recorded as 0."""
+        return cls(job, layout, None, generation, total_seconds=total_seconds, step=max(step, 0))
 
 
 @runtime_checkable

@@ -146,11 +146,11 @@ class _Training:
         with self._lock:
             j = self._jobs.get(spec.name)
         if j is None or j.handle is None:
-            return RescaleOutcome(spec.name, None, None, 0)
+            return RescaleOutcome.not_running(spec.name)
         before = j.handle.status()
         if before.phase == CoordinatorPhase.PAUSED:
-            held = layout_of(before.layout)
-            return RescaleOutcome(spec.name, held, held, before.generation, step=max(before.step, 0))
+            return RescaleOutcome.still_paused(spec.name, layout_of(before.layout), before.generation,
+                                               before.step)
         running = layout_of(before.layout)  # the coordinator's status is text
         if running is None:
             raise BackendError(f"{spec.name}: cannot pause a job that is {before.phase}")
@@ -165,10 +165,7 @@ class _Training:
             j.workers, j.next_id = {}, j.next_id + n
         kept = Layout.parse(res.to_layout)
         self._stamp_generation(spec.name, keepers, res.generation, kept)
-        out = RescaleOutcome(spec.name, running, kept, res.generation,
-                             pause_seconds=res.pause_seconds or 0.0, total_seconds=res.wall_seconds,
-                             bytes_moved=res.bytes_moved, bytes_planned=res.planned_bytes,
-                             bytes_lower_bound=res.lower_bound_bytes, step=res.switch_step)
+        out = RescaleOutcome.from_result(spec.name, running, res, to_layout=kept)
         j.last = out
         return out
 
@@ -206,8 +203,9 @@ class _Training:
             self.delete_worker_service(spec.name)
             with self._lock:
                 self._jobs.pop(spec.name, None)
-            return RescaleOutcome(spec.name, (before.layout if before else None), None,
-                                  before.generation if before else 0, total_seconds=time.perf_counter() - t0)
+            return RescaleOutcome.stopped(spec.name, before.layout if before else None,
+                                          before.generation if before else 0,
+                                          total_seconds=time.perf_counter() - t0)
         assert layout is not None
         gen = (before.generation + 1) if before else 1
         # 2. peer DNS
@@ -268,10 +266,7 @@ class _Training:
         with self._lock:
             j.workers, j.next_id = new_workers, nxt
         self._stamp_generation(spec.name, list(new_workers.values()), res.generation, layout)
-        out = RescaleOutcome(spec.name, layout_of(st.layout), layout, res.generation, pause_seconds=res.pause_seconds or 0.0,
-                             total_seconds=res.wall_seconds, bytes_moved=res.bytes_moved,
-                             bytes_planned=res.planned_bytes, bytes_lower_bound=res.lower_bound_bytes,
-                             step=res.switch_step)
+        out = RescaleOutcome.from_result(spec.name, layout_of(st.layout), res, to_layout=layout)
         j.last = out
         return out
 
@@ -315,8 +310,9 @@ class _Training:
         self.delete_job_secret(spec.name)
         with self._lock:
             self._jobs.pop(spec.name, None)
-        return RescaleOutcome(spec.name, layout_of(st.layout) if st else None, None, st.generation if st else 0,
-                              step=max(st.step, 0) if st else 0)
+        if st is None:
+            return RescaleOutcome.not_running(spec.name)
+        return RescaleOutcome.stopped(spec.name, layout_of(st.layout), st.generation, st.step)
 
     # ---- objects we own -------------------------------------------------------------------------
     def worker_pod_manifest(self, spec: TrainingSpec, pod: str, gpu: GPU, layout: Layout, generation: int,

@@ -519,11 +519,11 @@ class RayBackend:
         with self._lock:
             j = self.jobs.get(spec.name)
         if j is None:
-            return RescaleOutcome(spec.name, None, None, 0)
+            return RescaleOutcome.not_running(spec.name)
         before = j.handle.status()
         if before.phase == CoordinatorPhase.PAUSED:
-            held = layout_of(before.layout)
-            return RescaleOutcome(spec.name, held, held, before.generation, step=max(before.step, 0))
+            return RescaleOutcome.still_paused(spec.name, layout_of(before.layout), before.generation,
+                                               before.step)
         running = layout_of(before.layout)  # the coordinator's status is text
         if running is None:
             raise BackendError(f"{spec.name}: cannot pause a job that is {before.phase}")
@@ -539,10 +539,7 @@ class RayBackend:
             raise BackendError(f"{spec.name}: pause of {before.layout} failed: {e}") from e
         with self._lock:
             j.workers, j.keepers, j.next_id = {}, keepers, j.next_id + n
-        out = RescaleOutcome(spec.name, running, layout_of(res.to_layout), res.generation,
-                             pause_seconds=res.pause_seconds or 0.0, total_seconds=res.wall_seconds,
-                             bytes_moved=res.bytes_moved, bytes_planned=res.planned_bytes,
-                             bytes_lower_bound=res.lower_bound_bytes, step=res.switch_step)
+        out = RescaleOutcome.from_result(spec.name, running, res)
         j.last = out
         return out
 
@@ -606,8 +603,7 @@ class RayBackend:
             keep_spares()  # warm up in the background for the job's first grow
         with self._lock:
             self.jobs[spec.name] = j
-        out = RescaleOutcome(spec.name, None, layout, res.generation, pause_seconds=0.0,
-                             total_seconds=res.wall_seconds, step=res.switch_step)
+        out = RescaleOutcome.started(spec.name, layout, res)
         j.last = out
         return out
 
@@ -642,16 +638,13 @@ class RayBackend:
             j.workers, j.next_id, j.keepers = new_workers, nxt, []
         if before.phase == CoordinatorPhase.PAUSED:
             _remember_gpus(j.handle, j, keepers=[])
-        out = RescaleOutcome(spec.name, layout_of(before.layout), layout, res.generation,
-                             pause_seconds=res.pause_seconds or 0.0, total_seconds=res.wall_seconds,
-                             bytes_moved=res.bytes_moved, bytes_planned=res.planned_bytes,
-                             bytes_lower_bound=res.lower_bound_bytes, step=res.switch_step)
+        out = RescaleOutcome.from_result(spec.name, layout_of(before.layout), res, to_layout=layout)
         j.last = out
         return out
 
     def _stop_job(self, spec: TrainingSpec, j: _Job | None) -> RescaleOutcome:
         if j is None:
-            return RescaleOutcome(spec.name, None, None, 0)
+            return RescaleOutcome.not_running(spec.name)
         st = j.handle.status()
         try:
             j.handle.stop()
@@ -659,7 +652,7 @@ class RayBackend:
             raise BackendError(f"{spec.name}: stop failed: {e}") from e
         with self._lock:
             self.jobs.pop(spec.name, None)
-        return RescaleOutcome(spec.name, layout_of(st.layout), None, st.generation, step=max(st.step, 0))
+        return RescaleOutcome.stopped(spec.name, layout_of(st.layout), st.generation, st.step)
 
     def shutdown(self) -> None:
         import ray
