@@ -74,7 +74,10 @@ test-fast: venv
 FORMATTED = elastic/phases.py elastic/reasons.py tests/test_reasons.py elastic/reshard/spec.py elastic/parallel/partition.py tests/test_contracts.py \
 	tests/test_layering.py elastic/train/agent/faults.py tests/train/test_faults.py elastic/train/rendezvous/settings.py \
 	tests/train/test_coordinator_settings.py elastic/train/rendezvous/requests.py tests/train/test_requests.py \
-	tests/train/test_engine_protocol.py
+	tests/train/test_engine_protocol.py elastic/train/rendezvous/saves.py elastic/train/rendezvous/posting.py \
+	elastic/train/rendezvous/recovery.py elastic/train/rendezvous/meeting.py tests/train/test_saves.py \
+	tests/train/test_posting.py tests/train/test_recovery_plan.py tests/train/test_meeting.py \
+	tests/controller/test_rescale_outcome.py
 check: venv
 	@fail=0; \
 	echo "== ruff check"; $(BIN)/ruff check elastic operators tests benchmarks || fail=1; \

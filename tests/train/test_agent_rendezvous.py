@@ -746,7 +746,7 @@ def test_a_recovery_takes_one_survivor_of_every_shard_or_fails_naming_the_shard_
 
 
 def test_recovery_candidates_put_intact_replicas_first_and_members_keep_their_shards() -> None:
-    from elastic.train.rendezvous.state import recovery_candidates, recovery_members
+    from elastic.train.rendezvous.recovery import recovery_candidates, recovery_members
 
     old = Layout.parse("tp2.pp2.dp3")  # rank = t + 2 * (d + 3 * p)
     ranks = {f"w{r}": r for r in range(12)}

@@ -27,15 +27,23 @@ from elastic.train.rendezvous.messages import (
     RescaleRecord,
     StepRecord,
 )
+from elastic.train.rendezvous.posting import (
+    JobView,
+    PostAsk,
+    max_steps_refusal,
+    plan_post,
+    refusal,
+    switch_step,
+)
 from elastic.train.rendezvous.requests import StepReport
 from elastic.train.rendezvous.routes import _Routes
+from elastic.train.rendezvous.saves import SaveState, write_failed
 from elastic.train.rendezvous.settings import CoordinatorSettings
 from elastic.train.rendezvous.state import (
     MEMORY_GENERATIONS_KEPT,
     Validator,
     _check_members,
     _Gen,
-    _keeps_work,
     _Pending,
     _Recovery,
     measured_peak,
@@ -80,19 +88,10 @@ class Coordinator(_Routes, _Liveness):
         self.resumed_from: CheckpointRef | None = None
         self._checkpoint_step = -1  # every worker of a generation wrote its part (from their step reports)
         self._reported_checkpoints: dict[str, CheckpointRef | None] = {}  # worker -> what it sees, at register
-        # when to save (section 6 above): (generation, step) -> the answer every member gets; the save
-        # decided last, (generation, step it saves), until complete; its step and clock time; a request
-        self._save_answers: dict[tuple[int, int], bool] = {}
-        self._save_inflight: tuple[int, int] | None = None
-        self._save_last_step: int | None = None
-        self._save_last_at: float | None = None
-        self._save_requested = False
-        # the ranks that write the save in flight (its generation's members), each worker's last
-        # complete write as it reported it (step, generation), and a save cut short by a rescale or a
-        # recovery (a rank left before its write was reported): one is due at once on the new layout
-        self._save_writers: frozenset[str] = frozenset()
+        # when to save (section 6 above): the schedule's state (saves.decide_save), and each worker's
+        # last complete write as it reported it (step, generation)
+        self._saves = SaveState()
         self._written_by: dict[str, tuple[int, int]] = {}
-        self._save_redo = False
         self._save_failures: list[str] = []  # why decided saves did not complete (ranks' write errors)
         self.metrics = TrainingMetrics(job, registry)
         self._clock = clock
@@ -198,52 +197,49 @@ class Coordinator(_Routes, _Liveness):
         if self.validator is not None and not hold:
             self.validator(lay, members)
         with self._cv:
-            self._check_can_post(generation)
-            if self._recovery is not None:  # held after a step ran out of memory (_check_can_post)
+            view = self._view_locked(members)
+            if self._recovery is not None and self._recovery.holding:  # held after a step ran out of memory
+                if (why := refusal(view, generation)) is not None:
+                    raise SpecError(why)
                 return self._oom_directive_locked(generation, lay, members, remap=remap, hold=hold,
                                                   join_timeout_s=join_timeout_s)
-            cur = self._current
-            if hold and (cur is None or cur.hold):
-                raise SpecError(f"job {self.job}: " + ("a job that has not started has no state to hold; start it"
-                                                       if cur is None else "is paused already; resume it first"))
-            old_ranks = dict(cur.ranks) if cur else {}
-            resume = self._resume_from_locked(members) if self.settings.checkpoint and cur is None else None
-            shrink = cur is not None and not hold and not cur.hold and set(members) < set(cur.ranks)
-            switch = self._switch_step_locked(shrink) if cur else resume.step if resume else 0
-            self._check_before_max_steps(generation, switch)
-            d = Directive(
-                job=self.job, generation=generation, layout=str(lay), workers=tuple(members), remap=remap,
-                old_layout=str(cur.layout) if cur else None, old_ranks=old_ranks, switch_step=switch,
-                store_host=self.advertise_host, store_port=self.store_port,
-                join_timeout_s=join_timeout_s if join_timeout_s is not None else self.settings.join_timeout_s,
-                hold=hold, rollback=self.settings.transactional and cur is not None and not hold and self._recoverable(cur),
-                resume=resume.path if resume else None, resume_layout=resume.layout if resume else None,
-                give_up_checks=self.settings.shrink_gives_up_step,
-            )
-            if resume is not None:
-                self.resumed_from = resume
-                self._note_checkpoint_locked(resume.step)
-                log.info("job %s starts from checkpoint %s (step %d, saved on %s)", self.job, resume.path,
-                         resume.step, resume.layout)
-            rec = RescaleRecord(generation, d.old_layout, d.layout, list(members), list(d.joiners),
-                                list(d.leavers), switch, hold=hold)
+            ask = PostAsk(generation, lay, tuple(members), remap, join_timeout_s, hold, give_up_step)
+            post = plan_post(self.settings, view, ask, self._clock())
+            d = post.directive
+            if d.resume is not None and view.resume is not None:
+                self.resumed_from = view.resume
+                self._note_checkpoint_locked(view.resume.step)
+                log.info("job %s starts from checkpoint %s (step %d, saved on %s)", self.job, view.resume.path,
+                         view.resume.step, view.resume.layout)
             self._post_seq += 1
-            self._pending = _Pending(d, rec, self._clock(), seq=self._post_seq)
-            self._alarm.notify_all()  # heartbeats tell the members in the step, who prepare meanwhile
-            keeps = cur is not None and _keeps_work(cur.layout, lay)
-            grow = cur is not None and not hold and not cur.hold and set(cur.ranks) < set(members) and keeps
-            asks = ((self.settings.shrink_gives_up_step if shrink else self.settings.grow_gives_up_step if grow else False)
-                    and self._giving_up_pays_locked(cur, keeps) if give_up_step is None else give_up_step)
-            if (shrink or grow) and asks and self._gives_up_locked(cur, switch):
-                self._pending.give_up_step, self._pending.give_up_begun_at = switch - 1, self._max_begun_at
-                # (the heartbeats woken above carry the request too: they answer once the lock is free)
-            self._rescales[generation] = rec
+            self._pending = _Pending(d, post.record, self._clock(), seq=self._post_seq,
+                                     give_up_step=post.give_up_step, give_up_begun_at=post.give_up_begun_at)
+            # heartbeats tell the members in the step, who prepare meanwhile (and carry the request to
+            # give the step in progress up, if any: they answer once the lock is free)
+            self._alarm.notify_all()
+            self._rescales[generation] = post.record
             # an abandoned (or rolled back) earlier try of this number decided nothing about this one
             self._decisions.pop(generation, None)
             self._rolled_back.pop(generation, None)
-            self._phase = "rescaling" if cur else "starting"
+            self._phase = post.phase
             self._cv.notify_all()
             return d
+
+    def _view_locked(self, members: Sequence[str] = ()) -> JobView:
+        """The job as :mod:`~elastic.train.rendezvous.posting` decides on it (``members``: of the
+        directive asked for; a first generation's checkpoint to start at is looked up for them)."""
+        cur, rec, p = self._current, self._recovery, self._pending
+        resume = self._resume_from_locked(members) if self.settings.checkpoint and cur is None and members else None
+        recent = tuple(h.seconds for h in self._history[-5:] if cur is not None and h.generation == cur.generation)
+        recovering = None if rec is None or rec.holding else "oom" if rec.oom is not None else "lost"
+        return JobView(
+            job=self.job, phase=self._phase, why=self._error or self._reason, current=cur,
+            in_flight=p.directive.generation if p is not None and p.decision != "abandoned" else None,
+            recovering=recovering, recovery_reason=rec.reason if rec is not None else "",
+            max_begun=self._max_begun, max_begun_at=self._max_begun_at, recent_step_seconds=recent,
+            user_job=is_user_config(self.config), dp_replicas=bool(self.config.get("dp_replicas", True)),
+            store_host=self.advertise_host, store_port=self.store_port,
+            resume=resume)
 
     def _oom_directive_locked(self, generation: int, lay: Layout, members: list[str], *, remap: bool, hold: bool,
                               join_timeout_s: float | None) -> Directive:
@@ -259,7 +255,8 @@ class Coordinator(_Routes, _Liveness):
         r, inconsistent = self._oom_step_locked(rec)
         if inconsistent:  # defensive: such a job has failed when the last member reported
             raise SpecError(f"job {self.job}: {inconsistent}")
-        self._check_before_max_steps(generation, r + 1)
+        if (why := max_steps_refusal(self.settings, self.job, generation, r + 1)) is not None:
+            raise SpecError(why)
         d = Directive(
             job=self.job, generation=generation, layout=str(lay), workers=tuple(members), remap=remap,
             old_layout=str(cur.layout), old_ranks=dict(cur.ranks), switch_step=r + 1,
@@ -280,88 +277,25 @@ class Coordinator(_Routes, _Liveness):
         self._cv.notify_all()
         return d
 
-    def _switch_step_locked(self, shrink: bool = False) -> int:
-        """The earliest step boundary every member of the current generation can still stop at.
-
-        Training: after the highest step any member has begun, plus the lookahead (a shrink's
-        own). Held: the step the keepers sit at (they begin no step)."""
-        cur = self._current
-        assert cur is not None
-        if cur.hold:
-            return cur.start_step
-        ahead = self.settings.shrink_lookahead if shrink else self.settings.lookahead_steps
-        return max(self._max_begun + 1 + ahead, cur.start_step)
-
-    def _gives_up_locked(self, cur: _Gen, switch: int) -> bool:
-        """Whether a shrink or grow switching at ``switch`` can ask for the step in progress: no
-        lookahead (the step before the switch is the one in progress), engines that check (the
-        generation was posted with them), one pipeline stage (members meet at every micro-batch),
-        and a step of this generation in progress."""
-        return (min(self.settings.shrink_lookahead, self.settings.lookahead_steps) == 0 and cur.give_up_checks
-                and cur.layout.pp == 1 and switch - 1 == self._max_begun >= cur.start_step)
-
-    def _giving_up_pays_locked(self, cur: _Gen | None, keeps: bool) -> bool:
-        """Giving the step in progress up costs nothing when the new layout finishes it from the
-        work done (the reference trainer, the same TP split and one pipeline stage on both sides:
-        ``keeps``). Otherwise the new layout redoes the step whole (a user job's loop cannot hand
-        the work over; a change of TP or PP splits it differently), so by default the step is
-        given up only while that costs less than waiting for its end: every member's seconds in it
-        so far, against the seconds left of a typical step of this generation, which the rescale
-        would otherwise wait. Late in a step the rescale waits for the boundary; with no step timed
-        yet, it gives the step up."""
-        if cur is None or (keeps and not is_user_config(self.config)):
-            return True
-        times = sorted(h.seconds for h in self._history[-5:] if h.generation == cur.generation and h.seconds > 0)
-        if not times:
-            return True
-        typical = times[len(times) // 2]
-        elapsed = max(0.0, self._clock() - self._max_begun_at)
-        return len(cur.ranks) * elapsed < typical - elapsed
-
     def _begin_step_locked(self, step: int) -> None:
         if step > self._max_begun:
             self._max_begun, self._max_begun_at = step, self._clock()
-
-    def _check_can_post(self, generation: int) -> None:
-        if self._phase in ("failed", "stopped", "stopping", "finished"):
-            raise SpecError(f"job {self.job} is {self._phase} ({self._error or self._reason}); cannot rescale it")
-        if self._pending is not None and self._pending.decision != "abandoned":
-            raise SpecError(
-                f"job {self.job}: generation {self._pending.directive.generation} is still in flight; "
-                "wait for it (wait_generation) before posting another"
-            )
-        if self._recovery is not None and not self._recovery.holding:
-            if self._recovery.oom is not None:
-                raise SpecError(f"job {self.job}: a step ran out of memory and not every worker has reported "
-                                f"back yet ({self._recovery.reason}); post the directive once they have")
-            raise SpecError(f"job {self.job} is recovering from a lost worker ({self._recovery.reason}); "
-                            "post the rescale once it runs again")
-        expected = (self._current.generation if self._current else 0) + 1
-        if generation != expected:
-            raise SpecError(f"job {self.job}: directive generation={generation}, expected {expected} "
-                            "(generations count up by one from the current one)")
 
     def check_directive(self, generation: int) -> None:
         """Refuse (SpecError) now what :meth:`directive` would refuse for sequencing reasons, so a launcher
         need not start joiners for it: job not running, another rescale in flight, wrong generation, or
         the job's ``max_steps`` coming before the earliest switch step."""
         with self._cv:
-            self._check_can_post(generation)
+            view = self._view_locked()
+            if (why := refusal(view, generation)) is not None:
+                raise SpecError(why)
+            cur = self._current
             if self._recovery is not None:  # held after a step ran out of memory: it switches at that step
-                self._check_before_max_steps(generation, self._oom_step_locked(self._recovery)[0] + 1)
-            elif self._current is not None:
-                self._check_before_max_steps(generation, self._switch_step_locked())
-
-    def _check_before_max_steps(self, generation: int, switch: int) -> None:
-        """A rescale must switch before the job's last step, or the old layout finishes first and the
-        joiners wait for a boundary that never comes."""
-        if self.settings.max_steps is None or generation == 1 or switch < self.settings.max_steps:
-            return
-        raise SpecError(
-            f"job {self.job}: generation {generation} would switch at step {switch} (after the step in progress "
-            f"and the lookahead), but the job ends at max_steps={self.settings.max_steps} "
-            f"(last step {self.settings.max_steps - 1}); nothing changed: the job finishes on its current layout"
-        )
+                switch: int | None = self._oom_step_locked(self._recovery)[0] + 1
+            else:
+                switch = switch_step(self.settings, cur, self._max_begun) if cur is not None else None
+            if switch is not None and (why := max_steps_refusal(self.settings, self.job, generation, switch)):
+                raise SpecError(why)
 
     def status(self) -> JobStatus:
         with self._cv:
@@ -651,9 +585,9 @@ class Coordinator(_Routes, _Liveness):
             self._note_checkpoint_locked(w[0])
         failed = sorted(f"{w}: {r.checkpoint_error}" for w, r in reps.items() if r.checkpoint_error)
         if failed:
-            at = self._save_inflight[1] if self._save_inflight else "?"
+            at = self._saves.inflight[1] if self._saves.inflight else "?"
             self._save_failures.append(f"step {at}: " + "; ".join(failed))
-            self._save_inflight = None  # given up: the next is due by the usual rules
+            self._saves = write_failed(self._saves)
             self.metrics.record_checkpoint_failure()
             log.error("job %s: the checkpoint at step %s will not complete (%s); the previous complete one stands",
                       self.job, at, "; ".join(failed))

@@ -6,10 +6,17 @@ import logging
 import math
 from typing import Any
 
-from elastic.model import Layout, SpecError
+from elastic.train.rendezvous.meeting import (
+    RECOVERY_QUIET_BEATS,
+    first_silent,
+    join_overdue,
+    silent_in_recovery,
+)
 from elastic.train.rendezvous.messages import Directive, RescaleRecord, StepRecord
+from elastic.train.rendezvous.posting import recoverable
+from elastic.train.rendezvous.recovery import Stop, consistent_step, plan_recovery, recovery_candidates
 from elastic.train.rendezvous.requests import Broken, Exit, Fail, Status
-from elastic.train.rendezvous.state import _Gen, _Pending, _Recovery, recovery_candidates, recovery_members
+from elastic.train.rendezvous.state import _Gen, _Pending, _Recovery
 
 log = logging.getLogger(__name__)
 
@@ -79,13 +86,8 @@ class _Liveness:
         return p.directive.rollback and set(p.directive.members) <= p.exchanged
 
     def _recoverable(self, gen: _Gen) -> bool:
-        """A loss in ``gen`` can be recovered: every box has a surviving copy (replicas, dp >= 2,
-        without ZeRO sharding their optimizer state) and recovery is on."""
-        if not self.settings.recover or gen.hold:
-            return False
-        lay = gen.layout
-        # a user job says whether its data-parallel ranks hold copies (DDP) or shards (FSDP) of the state
-        return lay.dp >= 2 and not lay.zero and bool(self.config.get("dp_replicas", True))
+        """A loss in ``gen`` can be recovered (:func:`~elastic.train.rendezvous.posting.recoverable`)."""
+        return recoverable(self.settings, gen, bool(self.config.get("dp_replicas", True)))
 
     def _rollback_pending_locked(self) -> _Pending | None:
         """The transactional rescale a loss now rolls back: bytes moving (``go``), not every member
@@ -251,7 +253,6 @@ class _Liveness:
             self._left.add(w)
             self._seen.pop(w, None)
             self._building.pop(w, None)
-        survivors = sorted((w for w in cur.ranks if w not in rec.lost), key=cur.ranks.__getitem__)
         why = "lost " + ", ".join(sorted(rec.lost)) + " (" + "; ".join(rec.lost[w] for w in sorted(rec.lost)) + ")"
         if rec.rollback:
             why = f"{rec.reason}; " + (why if rec.lost else "every old member alive")
@@ -269,39 +270,22 @@ class _Liveness:
                 log.warning("job %s: %s", self.job, self._reason)
                 self._cv.notify_all()
             return
-        if not rec.lost and not rec.rollback:  # every worker is alive: a bug or a network fault, which a retry would repeat
-            self._fail_locked(f"{rec.reason}; every worker reported back alive, so no worker was lost: failing "
-                              "rather than retrying the step")
-            return
-        if not survivors:
-            self._fail_locked(f"{why}; no survivor to recover from")
-            return
-        # 1. the step every survivor can reach: a survivor that applied step r passed r's commit,
-        #    so every rank had reduced r's gradients; the others hold them ready and apply them
-        reps = {w: rec.reports[w] for w in survivors}
-        r = max(int(x["applied"]) for x in reps.values())
-        for w, x in reps.items():
-            applied, ready = int(x["applied"]), x.get("ready")
-            if x.get("dirty"):
-                self._fail_locked(f"{why}; worker {w} broke inside an optimizer update (state at two steps); "
-                                  "cannot recover")
+        gb = self.config.get("global_batch")
+        plan = plan_recovery(cur.layout, cur.ranks, rec.reports, rec.lost, why=why, rollback=rec.rollback,
+                             max_steps=self.settings.max_steps, validator=self.validator,
+                             global_batch=int(gb) if gb is not None else None,
+                             micro_batch=int(self.config.get("micro_batch") or 1), first_reason=rec.reason)
+        if isinstance(plan, Stop):
+            if not plan.finished:
+                self._fail_locked(plan.reason)
                 return
-            if applied != r and not (applied == r - 1 and ready == r and x.get("local_apply")):
-                self._fail_locked(f"{why}; worker {w} holds step {applied} (ready {ready}) while others applied "
-                                  f"{r}; cannot recover a consistent state")
-                return
-        # 2. the layout: the same model-parallel split, as many replicas as the survivors fill
-        old = cur.layout
-        per = old.tp * old.pp
-        members, lay, refusals = self._recovery_members(old, survivors)
-        if lay is None:
-            self._fail_locked(f"{why}; no layout fits the {len(survivors)} survivor(s): {'; '.join(refusals)}")
-            return
-        if self.settings.max_steps is not None and r + 1 >= self.settings.max_steps:
             self._recovery = None
-            self._phase, self._reason = "finished", f"reached max_steps={self.settings.max_steps} ({why})"
+            self._phase, self._reason = "finished", plan.reason
             self._cv.notify_all()
             return
+        r, lay, members = plan.commit_step, plan.layout, list(plan.members)
+        survivors = [w for w in cur.ranks if w not in rec.lost]
+        per = cur.layout.tp * cur.layout.pp
         # 3. the step of the commit goes on record if a survivor reported it
         gen = cur.generation
         # a fresh number: a rolled-back rescale used cur + 1 already (stores and records are keyed by it)
@@ -332,51 +316,9 @@ class _Liveness:
 
     @staticmethod
     def _oom_step_locked(rec: _Recovery) -> tuple[int, str]:
-        """The step every member of a job held after a step ran out of memory can stand at (the last
-        one any applied: the others hold its reduced gradients, ready to apply alone), and why there
-        is none ("" when there is): a member broke inside an optimizer update, or is a step behind
-        without the gradients to catch up."""
-        r = max(int(x["applied"]) for x in rec.reports.values())
-        for w, x in sorted(rec.reports.items()):
-            applied, ready = int(x["applied"]), x.get("ready")
-            if x.get("dirty"):
-                return r, f"worker {w} ran out of memory inside an optimizer update (state at two steps); cannot go on"
-            if applied != r and not (applied == r - 1 and ready == r and x.get("local_apply")):
-                return r, (f"worker {w} holds step {applied} (ready {ready}) while others applied {r}; no consistent "
-                           "state to go on from")
-        return r, ""
-
-    def _recovery_members(self, old: Layout, survivors: list[str]) -> tuple[list[str], Layout | None, list[str]]:
-        """The most replicas the survivors fill whose layout the validator accepts; intact replicas
-        first. A replica slot takes one survivor of every model-parallel coordinate, from whichever
-        broken replicas hold them; with a coordinate that no survivor holds, none."""
-        cur = self._current
-        assert cur is not None
-        candidates, missing = recovery_candidates(old, {w: cur.ranks[w] for w in survivors})
-        if missing:
-            return [], None, [f"no survivor holds {', '.join(missing)} of {old} (every worker that held it was "
-                              "lost); the state cannot be rebuilt from the survivors"]
-        refusals: list[str] = []
-        gb, mb = self.config.get("global_batch"), int(self.config.get("micro_batch") or 1)
-        for dp in range(min(len(ws) for ws in candidates.values()), 0, -1):
-            # an interleaved pipeline needs a micro-batch count that pp divides: where the smaller dp
-            # leaves none, the same stages run without interleaving
-            for vpp in dict.fromkeys((old.vpp, 1)):
-                lay = Layout(old.tp, old.pp, dp, vpp=vpp)
-                members = recovery_members(old, lay, candidates)
-                try:
-                    if self.validator is not None:
-                        self.validator(lay, members)
-                    if gb is not None and int(gb) % (dp * mb):
-                        raise SpecError(f"global_batch={gb} does not split into dp={dp} x micro_batch={mb}")
-                    if gb is not None and vpp > 1 and (int(gb) // (dp * mb)) % old.pp:
-                        raise SpecError(f"{int(gb) // (dp * mb)} micro-batches per replica is not a multiple of "
-                                        f"pp={old.pp} (interleaved)")
-                except SpecError as e:
-                    refusals.append(f"{lay}: {e}")
-                    continue
-                return members, lay, refusals
-        return [], None, refusals
+        """The step every member of a job held after a step ran out of memory can stand at, and why
+        there is none ("" when there is): :func:`~elastic.train.rendezvous.recovery.consistent_step`."""
+        return consistent_step(dict(sorted(rec.reports.items())), oom=True)
 
     def _h_exit(self, m: Exit) -> dict[str, Any]:
         """A worker exits on purpose (stop, finish, abandoned joiner): stop watching it."""
@@ -406,11 +348,11 @@ class _Liveness:
             if rec is not None and not rec.posted and cur is not None:
                 # a survivor stuck in a collective still beats (its heartbeat has its own thread): a
                 # member silent for a few beats is dead, whether or not its launcher has noticed yet
-                quiet = 2.5 * self.settings.heartbeat_interval_s
-                for w in [w for w in cur.ranks if w not in rec.lost and w not in rec.reports]:
-                    if now - self._seen.get(w, now) > quiet:
-                        self._lost_locked(w, f"worker {w} silent for {now - self._seen[w]:.1f} s during a recovery "
-                                             f"(> {quiet:g} s: {2.5:g} heartbeats)")
+                interval = self.settings.heartbeat_interval_s
+                waiting = [w for w in cur.ranks if w not in rec.lost and w not in rec.reports]
+                for w, silent in silent_in_recovery(waiting, self._seen, now, interval):
+                    self._lost_locked(w, f"worker {w} silent for {silent:.1f} s during a recovery (> "
+                                         f"{RECOVERY_QUIET_BEATS * interval:g} s: {RECOVERY_QUIET_BEATS:g} heartbeats)")
             if (rec is not None and not rec.posted and now - rec.started_at > self.settings.recovery_timeout
                     and not self._waits_for_a_blocked_survivor_locked(rec, cur, now)):
                 self._maybe_post_recovery_locked(timed_out=True)
@@ -432,7 +374,7 @@ class _Liveness:
             return False
         if now - rec.started_at > self.settings.rendezvous_timeout_s + self.settings.recovery_timeout:
             return False
-        quiet = 2.5 * self.settings.heartbeat_interval_s
+        quiet = RECOVERY_QUIET_BEATS * self.settings.heartbeat_interval_s
         beating = [w for w in cur.ranks if w not in rec.lost and w not in rec.reports
                    and now - self._seen.get(w, float("-inf")) <= quiet]
         if any(self._building.get(w) is not None for w in beating):
@@ -449,15 +391,9 @@ class _Liveness:
         p = self._pending
         if p is None or p.decision is not None:
             return
-        waited = self._clock() - p.issued_at
-        if waited <= p.directive.join_timeout_s:
-            return
-        missing = sorted(set(p.directive.members) - set(p.arrived))
-        joiners = [m for m in missing if m in p.directive.joiners]
-        who = ", ".join(missing)
-        what = "joiner(s)" if joiners and len(joiners) == len(missing) else "member(s)"
-        self._abandon_locked(f"{what} {who} did not arrive within join_timeout_s={p.directive.join_timeout_s:g}; "
-                             "nothing moved, the job continues on its old layout")
+        why = join_overdue(p.directive, p.arrived, p.issued_at, self._clock())
+        if why is not None:
+            self._abandon_locked(why)
 
     def _check_heartbeats_locked(self) -> None:
         if self._phase in ("failed", "stopped", "stopping", "finished"):
@@ -466,11 +402,10 @@ class _Liveness:
         watched: set[str] = set(self._current.ranks) if self._current else set()
         if self._pending is not None and self._pending.decision == "go":
             watched |= set(self._pending.directive.members)
-        for w in sorted(watched - self._left):
-            last = self._seen.get(w)
-            if last is not None and now - last > self.settings.heartbeat_timeout_s:
-                step = self._history[-1].step if self._history else -1
-                self._lost_locked(w, f"worker {w} lost: no heartbeat for {now - last:.1f} s "
-                                     f"(heartbeat_timeout_s={self.settings.heartbeat_timeout_s:g}; process died or hung; "
-                                     f"last completed step {step})")
-                return
+        lost = first_silent(watched - self._left, self._seen, now, self.settings.heartbeat_timeout_s)
+        if lost is not None:
+            w, silent = lost
+            step = self._history[-1].step if self._history else -1
+            self._lost_locked(w, f"worker {w} lost: no heartbeat for {silent:.1f} s "
+                                 f"(heartbeat_timeout_s={self.settings.heartbeat_timeout_s:g}; process died or hung; "
+                                 f"last completed step {step})")

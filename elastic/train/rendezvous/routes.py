@@ -10,6 +10,7 @@ from typing import Any
 
 from elastic.model import SpecError
 from elastic.train.checkpoint import CheckpointRef
+from elastic.train.rendezvous.meeting import meet
 from elastic.train.rendezvous.messages import API, LONG_POLL_MAX_S, CheckpointFailed
 from elastic.train.rendezvous.requests import (
     REQUESTS,
@@ -24,6 +25,7 @@ from elastic.train.rendezvous.requests import (
     Step,
     parse,
 )
+from elastic.train.rendezvous.saves import SaveAsk, decide_save, requested
 from elastic.train.rendezvous.state import _Pending
 
 log = logging.getLogger(__name__)
@@ -211,47 +213,20 @@ class _Routes:
         c = self.settings.checkpoint
         if c is None:
             return False
-        key = (gen, step)
-        if key in self._save_answers:
-            return self._save_answers[key]
-        now = self._clock()
-        if self._save_last_step is None:  # the first step asked for: the clocks start here
-            self._save_last_step, self._save_last_at = step, now
-        if self._save_inflight is not None:
-            g, at = self._save_inflight
-            if self._checkpoint_step >= at:
-                self._save_inflight = None
-            elif g != gen:
-                # begun on an older generation, then a rescale or a recovery: complete once each of its
-                # ranks has reported its write (survivors report theirs with their next steps); a rank
-                # gone without reporting it (a leaver exits at once, its GPU is not held back for a
-                # write; a lost one) leaves it incomplete, and one is taken on the new layout at once
-                members = set(self._current.ranks) if self._current is not None else set()
-                gone = sorted(w for w in self._save_writers - members if self._written_by.get(w) != (at, g))
-                if all(self._written_by.get(w) == (at, g) for w in self._save_writers):
-                    self._note_checkpoint_locked(at)
-                    self._save_inflight = None
-                elif gone:
-                    log.warning("job %s: the checkpoint at step %d is incomplete (%s left generation %d before "
-                                "reporting its write); taking one on %s now", self.job, at, ", ".join(gone), g,
-                                self._current.layout if self._current is not None else "the new layout")
-                    self._save_inflight = None
-                    self._save_redo = True
-        due = (self._save_redo or self._save_requested
-               or (c.every_steps is not None and (step + 1) // c.every_steps > self._save_last_step // c.every_steps)
-               or (c.every_seconds is not None and self._save_last_at is not None
-                   and now - self._save_last_at >= c.every_seconds))
-        in_flight = self._pending is not None and self._pending.decision is None  # a rescale not decided yet
-        save = due and self._save_inflight is None and not in_flight
-        if save:
-            self._save_inflight, self._save_last_step, self._save_last_at = (gen, step + 1), step + 1, now
-            self._save_writers = frozenset(self._current.ranks) if self._current is not None else frozenset()
-            self._save_requested = self._save_redo = False
-        self._save_answers[key] = save
-        if len(self._save_answers) > 64:  # members are at most a step or two apart
-            for k in sorted(self._save_answers)[:-32]:
-                del self._save_answers[k]
-        return save
+        cur = self._current
+        members = frozenset(cur.ranks) if cur is not None else frozenset()
+        undecided = self._pending is not None and self._pending.decision is None
+        a = decide_save(c, self._saves, SaveAsk(gen, step, self._clock(), members, self._checkpoint_step,
+                                                self._written_by, undecided))
+        self._saves = a.state
+        if a.completed is not None:
+            self._note_checkpoint_locked(a.completed)
+        if a.incomplete is not None:
+            at, g, gone = a.incomplete
+            log.warning("job %s: the checkpoint at step %d is incomplete (%s left generation %d before reporting "
+                        "its write); taking one on %s now", self.job, at, ", ".join(gone), g,
+                        cur.layout if cur is not None else "the new layout")
+        return a.save
 
     def request_checkpoint(self) -> tuple[int, int]:
         """Ask for a checkpoint at the next step that allows one. Returns a ticket for
@@ -266,7 +241,7 @@ class _Routes:
             if self._current is not None and self._current.hold:
                 raise SpecError(f"job {self.job} is paused: its keepers hold the state and run no step; resume it "
                                 "to save a checkpoint")
-            self._save_requested = True
+            self._saves = requested(self._saves)
             return self._checkpoint_step, len(self._save_failures)
 
     def wait_checkpoint(self, ticket: tuple[int, int], timeout: float) -> int:
@@ -288,7 +263,7 @@ class _Routes:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     why = ("a rescale is in flight" if self._pending is not None and self._pending.decision is None else
-                           "the previous checkpoint is still being written" if self._save_inflight is not None else
+                           "the previous checkpoint is still being written" if self._saves.inflight is not None else
                            "the workers have not reached a step boundary")
                     raise TimeoutError(f"job {self.job}: no checkpoint after step {after} within {timeout:g} s "
                                        f"({why})")
@@ -433,28 +408,14 @@ class _Routes:
     def _arrive_locked(self, w: str, m: Arrive) -> None:
         p = self._pending
         assert p is not None
-        if m.error:
-            self._abandon_locked(f"worker {w} could not plan or prepare the reshard: {m.error}; nothing moved, "
-                                 "the job continues on its old layout")
-            return
-        if w not in p.arrived:
-            plan, ranks = m.plan, dict(m.plan.new_ranks)
-            d = p.directive
-            if ranks and (set(ranks) != set(d.workers) or sorted(ranks.values()) != list(range(len(d.workers)))):
-                # a plan for another directive (of the same number): never make it the job's layout
-                self._abandon_locked(f"worker {w} arrived with a plan for other workers ({ranks}) than generation "
-                                     f"{d.generation}'s {list(d.workers)}; nothing moved, the job continues on its "
-                                     "old layout")
-                return
-            p.arrived[w] = m.digest
-            if plan != PlanInfo():  # one that sent no plan keeps the plan another member sent
-                p.plan_info = plan.to_wire()
-        digests = sorted(set(p.arrived.values()))
-        if len(digests) > 1:
-            by = {dg: sorted(x for x, y in p.arrived.items() if y == dg) for dg in digests}
-            self._abandon_locked(f"members computed different reshard plans {by}; the planner must be "
-                                 "deterministic for equal inputs")
-        elif set(p.directive.members) <= set(p.arrived):
+        met = meet(p.directive, p.arrived, w, m.digest, m.plan.new_ranks, m.error)
+        if met.counted:
+            p.arrived = dict(met.arrived)
+            if m.plan != PlanInfo():  # one that sent no plan keeps the plan another member sent
+                p.plan_info = m.plan.to_wire()
+        if met.decision == "abandon":
+            self._abandon_locked(met.reason)
+        elif met.decision == "go":
             self._go_locked()
 
     def _h_result(self, m: Result) -> dict[str, Any]:

@@ -72,43 +72,6 @@ MEMORY_GENERATIONS_KEPT = 4
 """Generations whose worst measured memory the coordinator keeps (the status shows the current one's)."""
 
 
-def _keeps_work(old: Layout, new: Layout) -> bool:
-    """Whether ``new`` can finish a step ``old`` gave up from its kept work (the agent decides for
-    good with the plan's ranks): one pipeline stage on both sides and the same TP split."""
-    return old.pp == new.pp == 1 and old.tp == new.tp and old.ep == new.ep == 1
-
-
-def recovery_candidates(old: Layout, ranks: dict[str, int]) -> tuple[dict[tuple[int, int], list[str]], list[str]]:
-    """The survivors of ``old`` (worker -> old rank) by the model-parallel coordinate ``(tp rank,
-    pp rank)`` whose shards they hold, each list with the workers of intact replicas first (a
-    replica whose every coordinate survived), then by replica and rank; and the coordinates no
-    survivor holds, as text (a recovery from these survivors is impossible while any is missing).
-
-    Example: ``tp2.pp1.dp2`` with ranks ``{w0: 0, w1: 1, w2: 2, w3: 3}`` that lost ``w1`` and
-    ``w2`` has ``(0, 0): [w0]`` and ``(1, 0): [w3]``: one complete set, from two broken replicas.
-    """
-    per = old.tp * old.pp
-    replica_of = {w: old.coords(r)[1] for w, r in ranks.items()}
-    size = {d: sum(1 for x in replica_of.values() if x == d) for d in set(replica_of.values())}
-    out: dict[tuple[int, int], list[str]] = {(t, p): [] for p in range(old.pp) for t in range(old.tp)}
-    for w in sorted(ranks, key=lambda w: (size[replica_of[w]] < per, replica_of[w], ranks[w])):
-        t, _, p = old.coords(ranks[w])
-        out[(t, p)].append(w)
-    missing = [f"tp rank {t}, pp rank {p}" for (t, p), ws in out.items() if not ws]
-    return out, missing
-
-
-def recovery_members(old: Layout, new: Layout, candidates: dict[tuple[int, int], list[str]]) -> list[str]:
-    """The workers of ``new`` (``old``'s model-parallel split, fewer replicas) in its rank order:
-    the rank of ``(t, k, p)`` is the ``k``-th candidate of coordinate ``(t, p)``, so that every
-    survivor keeps the shard it holds. ``new.dp`` must not exceed the shortest candidate list."""
-    out = []
-    for i in range(new.world_size):
-        t, k, p = new.coords(i)
-        out.append(candidates[(t, p)][k])
-    return out
-
-
 def _check_members(layout: Layout, members: list[str]) -> None:
     if len(members) != layout.world_size:
         raise SpecError(f"layout {layout} needs {layout.world_size} workers (tp*pp*dp = {layout.tp}*{layout.pp}*"
