@@ -107,6 +107,13 @@ frozen dataclass per route) before a handler sees it: :meth:`Coordinator.handle`
 followed by :meth:`Coordinator.receive`, which tests drive directly. A body that does not read is
 refused with HTTP 400 naming the route and the field.
 
+The decisions above are pure functions of the state the coordinator passes in and ``now``, with
+no lock, clock or I/O inside: posting a directive (:mod:`~elastic.train.rendezvous.posting`, 1),
+a rescale's meeting and the deadlines (:mod:`~elastic.train.rendezvous.meeting`, 2 and 4),
+recovering from the survivors (:mod:`~elastic.train.rendezvous.recovery`, 4) and the save
+schedule (:mod:`~elastic.train.rendezvous.saves`, 6). The coordinator reads its state under its
+lock, calls them and applies what they return.
+
 What it must not do: touch tensors, run collectives, or decide layouts (the controller
 does; :meth:`Coordinator.directive` only validates and sequences them).
 """
