@@ -79,6 +79,7 @@ from elastic.torch.manager import Manager, RescaleRecord, World
 from elastic.torch.rescale import RescaleMixin
 from elastic.torch.session_io import _LONG_POLL_S, _REASK_S, GroupsMixin, _Sockets
 from elastic.train.agent import AgentOptions, _is_comm_error, _short
+from elastic.train.rendezvous.replies import Answer, Registered
 
 log = logging.getLogger(__name__)
 
@@ -237,10 +238,10 @@ class Session(RescaleMixin, GroupsMixin):
         """Register with the coordinator (once) and begin heartbeats; the job's config."""
         if self.phase != "new":
             return self.config
-        reg = self.client.call("register", pid=os.getpid(), host=socket.gethostname())
-        self.config = dict(reg.get("config") or {})
-        self.job = str(reg.get("job") or self.job)
-        self._beat = threading.Thread(target=self._heartbeat, args=(float(reg.get("heartbeat_interval_s", 1.0)),),
+        reg = self.client.ask("register", Registered, pid=os.getpid(), host=socket.gethostname())
+        self.config = dict(reg.config)
+        self.job = reg.job or self.job
+        self._beat = threading.Thread(target=self._heartbeat, args=(reg.heartbeat_interval_s,),
                                       name=f"heartbeat-{self.worker}", daemon=True)
         self._beat.start()
         self.phase = "registered"
@@ -248,14 +249,12 @@ class Session(RescaleMixin, GroupsMixin):
 
     def _wait_directive(self) -> Any:
         """A registered worker with no generation polls until a directive lists it; None when the job ends."""
-        from elastic.train.rendezvous import Directive
-
         while True:
-            resp = self.client.call("poll", wait_s=_LONG_POLL_S)
-            if resp["action"] == "join":
-                return Directive.from_json(resp["directive"])
-            if resp["action"] == "exit":
-                self.reasons.append(str(resp.get("reason", "")))
+            resp = self.client.ask("poll", Answer, wait_s=_LONG_POLL_S)
+            if resp.action == "join" and resp.directive is not None:
+                return resp.directive
+            if resp.action == "exit":
+                self.reasons.append(resp.reason or "")
                 self._end("done")
                 return None
             time.sleep(_REASK_S)
@@ -295,25 +294,23 @@ class Session(RescaleMixin, GroupsMixin):
         False when the job stopped or finished, or this worker left."""
         if self.granted == step and self.phase == "training":
             return True
-        from elastic.train.rendezvous import Directive
-
         while True:
             if self.phase not in ("training", "broken", "held"):
                 return False
             broken = self.phase != "training"  # a broken member or a keeper: it waits for a directive
             result, self._last_result = self._last_result, None
             gave_up, self._gave_up = self._gave_up, None
-            resp = self.client.call("step", generation=self.gen, step=step, result=result,
-                                    **({"wait_s": _LONG_POLL_S} if broken else {}),
-                                    **({"gave_up": gave_up} if gave_up else {}))
-            action = resp["action"]
+            resp = self.client.ask("step", Answer, generation=self.gen, step=step, result=result,
+                                   **({"wait_s": _LONG_POLL_S} if broken else {}),
+                                   **({"gave_up": gave_up} if gave_up else {}))
+            action = resp.action
             if action == "go" and not broken:
-                if resp.get("give_up") is not None:  # asked to give this step up before it began
-                    self._give_up_req = (self.gen, int(resp["give_up"]))
+                if resp.give_up is not None:  # asked to give this step up before it began
+                    self._give_up_req = (self.gen, resp.give_up)
                 self.granted = self.next_step = step
                 return True
-            if action == "switch":
-                d = Directive.from_json(resp["directive"])
+            if action == "switch" and resp.directive is not None:
+                d = resp.directive
                 if d.commit_step is not None and self.applied < d.commit_step:
                     self._fail(f"recovery asks for step {d.commit_step}, whose update this worker did not apply "
                                f"(applied {self.applied})")
@@ -323,12 +320,12 @@ class Session(RescaleMixin, GroupsMixin):
                     return False
                 step = self.next_step = nxt
             elif action == "break" and not broken:
-                self._break(step, f"told to break: {resp.get('reason', '')}")
+                self._break(step, f"told to break: {resp.reason or ''}")
             elif action in ("hold", "break"):
                 time.sleep(_REASK_S)
             elif action in ("stop", "finish"):
-                log.info("worker %s: %s at step %d (%s)", self.worker, action, step, resp.get("reason", ""))
-                self.reasons.append(f"{action}: {resp.get('reason', '')}")
+                log.info("worker %s: %s at step %d (%s)", self.worker, action, step, resp.reason or "")
+                self.reasons.append(f"{action}: {resp.reason or ''}")
                 self._end("done")
                 return False
             else:

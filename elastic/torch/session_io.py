@@ -21,6 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from elastic.train.agent import FAILED_JOB_GRACE_S, _hard_exit
+from elastic.train.rendezvous.replies import Beat, Decision
 
 log = logging.getLogger("elastic.torch.coordinated")
 
@@ -99,27 +100,27 @@ class GroupsMixin:
                 return None
             asked[0] = time.monotonic()
             try:
-                resp = asker.call("heartbeat", generation=self.gen, building=building)
+                resp = asker.ask("heartbeat", Beat, generation=self.gen, building=building)
             except RendezvousError:
                 return None
-            return str(resp.get("abort_reason") or "given up") if resp.get("abort") == building else None
+            return (resp.abort_reason or "given up") if resp.abort == building else None
 
         return aborted
 
     # ---- coordinator I/O --------------------------------------------------------------------------
     def _meet(self, d: Any, digest: str, plan: dict[str, Any], error: str) -> tuple[str, str]:
         while True:
-            resp = self.client.call("arrive", generation=d.generation, digest=digest, plan=plan, error=error,
-                                    wait_s=_LONG_POLL_S)
-            if resp["decision"] != "wait":
-                return resp["decision"], str(resp.get("reason", ""))
+            resp = self.client.ask("arrive", Decision, generation=d.generation, digest=digest, plan=plan, error=error,
+                                   wait_s=_LONG_POLL_S)
+            if resp.decision != "wait":
+                return resp.decision, resp.reason
             time.sleep(_REASK_S)
 
     def _exchanged(self, d: Any) -> tuple[str, str]:
         while True:
-            resp = self.client.call("exchanged", generation=d.generation, wait_s=_LONG_POLL_S)
-            if resp["decision"] != "wait":
-                return resp["decision"], str(resp.get("reason", ""))
+            resp = self.client.ask("exchanged", Decision, generation=d.generation, wait_s=_LONG_POLL_S)
+            if resp.decision != "wait":
+                return resp.decision, resp.reason
             time.sleep(_REASK_S)
 
     def _exit_notice(self) -> None:
@@ -171,8 +172,8 @@ class GroupsMixin:
             now = time.monotonic()
             try:
                 sent_from = self.gen
-                resp = beat.call("heartbeat", generation=sent_from, wait_s=interval,
-                                 **({"building": self._building} if self._building is not None else {}))
+                resp = beat.ask("heartbeat", Beat, generation=sent_from, wait_s=interval,
+                                **({"building": self._building} if self._building is not None else {}))
                 lost_since = None
             except RendezvousError as e:
                 lost_since = lost_since or now
@@ -182,7 +183,7 @@ class GroupsMixin:
                 pause = interval
                 continue
             pause = 0.0 if time.monotonic() - now >= 0.5 * interval else interval
-            if resp.get("interrupt") is not None and int(resp["interrupt"]) == sent_from:
+            if resp.interrupt is not None and resp.interrupt == sent_from:
                 if self._interrupt_gen != sent_from:
                     log.warning("worker %s: a peer of generation %d was lost; the step gives up", self.worker,
                                 sent_from)
@@ -190,12 +191,12 @@ class GroupsMixin:
                     # own: gloo has no way to interrupt it but its connections failing
                     self._comm_sockets.cut()
                 self._interrupt_gen = sent_from
-            if (g := resp.get("give_up")) is not None and int(g["generation"]) == sent_from:
-                self._give_up_req = (sent_from, int(g["step"]))  # checked before the next micro-batch
-            if resp.get("failed"):
+            if (g := resp.give_up) is not None and g.generation == sent_from:
+                self._give_up_req = (sent_from, g.step)  # checked before the next micro-batch
+            if resp.failed:
                 failed_since = failed_since or now
                 if now - failed_since > min(self.opts.pg_timeout_s, FAILED_JOB_GRACE_S):
-                    _hard_exit(1, f"worker {self.worker}: job failed ({resp.get('reason')}); exiting")
+                    _hard_exit(1, f"worker {self.worker}: job failed ({resp.reason}); exiting")
 
 
 class _RolledBack(RuntimeError):

@@ -26,6 +26,7 @@ from elastic.train.rendezvous import (
     RendezvousError,
     RescaleFailed,
 )
+from elastic.train.rendezvous.replies import read, wire
 from elastic.train.rendezvous.requests import parse
 from tests.fakes import Clock
 
@@ -42,8 +43,14 @@ def make(**kw) -> tuple[Coordinator, Clock, CollectorRegistry]:
 
 
 def call(c: Coordinator, route: str, worker: str, **body) -> dict:
-    """``worker``'s request to ``route`` as its typed message (no wire: the HTTP tests below have it)."""
-    return c.receive(parse(route, {"worker": worker, **body}))
+    """``worker``'s request to ``route`` as its typed message (no wire: the HTTP tests below have it),
+    and the coordinator's typed answer as the JSON object the worker gets; every answer must read
+    back as what the coordinator said (the worker's side of the wire)."""
+    reply = c.receive(parse(route, {"worker": worker, **body}))
+    out = wire(reply)
+    if route != "status":
+        assert read(route, out) == reply, (route, out)
+    return out
 
 
 def started(workers=("w0", "w1"), layout="tp1.pp1.dp2", **kw) -> tuple[Coordinator, Clock, CollectorRegistry]:

@@ -238,7 +238,7 @@ def test_a_start_without_a_checkpoint_begins_at_step_0_and_the_coordinator_names
     c = Coordinator("j", {"model": "tiny"}, CoordinatorSettings(checkpoint=settings))
     d = c.directive(1, "tp1.pp1.dp1", ["w0"])
     assert d.switch_step == 0 and d.resume is None and c.resumed_from is None
-    assert c.receive(parse("register", {"worker": "w0"}))["checkpoint"] == settings.to_json()
+    assert c.receive(parse("register", {"worker": "w0"})).checkpoint == settings.to_json()
     assert c.status().checkpoint_step == -1
     assert Coordinator("k", {"model": "tiny"}).status().checkpoint_step is None  # off
 

@@ -234,7 +234,7 @@ def test_nulls_the_clients_send_read_as_the_defaults_and_unknown_fields_are_igno
 
 def test_receive_takes_requests_only() -> None:
     c = Coordinator("job", {"model": "tiny"}, registry=CollectorRegistry())
-    assert c.receive(Register("w0"))["config"] == {"model": "tiny"} and c.registered("w0")
+    assert c.receive(Register("w0")).config == {"model": "tiny"} and c.registered("w0")
     with pytest.raises(TypeError, match="not a coordinator request: dict"):
         c.receive({"worker": "w0"})  # type: ignore[arg-type]
 

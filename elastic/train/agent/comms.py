@@ -14,6 +14,7 @@ from elastic.model import Layout
 from elastic.train.agent.options import FAILED_JOB_GRACE_S
 from elastic.train.agent.support import ROLL_CALL_ASK_S, _hard_exit, _short, _shutdown
 from elastic.train.rendezvous import Directive, RendezvousClient, RendezvousError
+from elastic.train.rendezvous.replies import Beat
 
 log = logging.getLogger(__name__)
 
@@ -129,12 +130,12 @@ class _Comms:
                 self._asker = RendezvousClient(self.client.url, self.worker, timeout_s=5.0, retry_s=0,
                                                secret=self.client.secret)
             try:
-                resp = self._asker.call("heartbeat", generation=self.generation, building=d.generation)
+                resp = self._asker.ask("heartbeat", Beat, generation=self.generation, building=d.generation)
             except RendezvousError:
                 return None  # the heartbeat thread decides what a lost coordinator means
-            if resp.get("abort") != d.generation:
+            if resp.abort != d.generation:
                 return None
-            why = str(resp.get("abort_reason") or "a peer was lost")
+            why = resp.abort_reason or "a peer was lost"
             log.warning("worker %s: a peer of generation %d was lost while its groups were built; giving "
                         "their rendezvous up (%s)", self.worker, d.generation, why)
             return why
@@ -230,8 +231,8 @@ class _Comms:
             now = time.monotonic()
             try:
                 building, sent_from = self._building, self.generation
-                resp = beat.call("heartbeat", generation=sent_from, wait_s=interval, seen=self._seen_post,
-                                 **({"building": building} if building is not None else {}))
+                resp = beat.ask("heartbeat", Beat, generation=sent_from, wait_s=interval, seen=self._seen_post,
+                                **({"building": building} if building is not None else {}))
                 lost_since = None
             except RendezvousError as e:
                 lost_since = lost_since or now
@@ -242,21 +243,21 @@ class _Comms:
                 continue
             # a coordinator that long-polled has already waited; one that answered at once has not
             pause = 0.0 if time.monotonic() - now >= 0.5 * interval else interval
-            if resp.get("interrupt") is not None:
-                self._interrupt(int(resp["interrupt"]))
-            if resp.get("give_up") is not None:
-                self._give_up(int(resp["give_up"]["generation"]), int(resp["give_up"]["step"]))
-            if resp.get("pending") is not None:  # a rescale of our generation was posted: prepare meanwhile
-                self._seen_post = int(resp["pending_seq"])
+            if resp.interrupt is not None:
+                self._interrupt(resp.interrupt)
+            if resp.give_up is not None:
+                self._give_up(resp.give_up.generation, resp.give_up.step)
+            if resp.pending is not None:  # a rescale of our generation was posted: prepare meanwhile
+                self._seen_post = resp.pending_seq if resp.pending_seq is not None else self._seen_post
                 try:
-                    self._prepare_early(Directive.from_json(resp["pending"]), told_on=sent_from)
+                    self._prepare_early(resp.pending, told_on=sent_from)
                 except Exception as e:  # noqa: BLE001 - the step loop prepares at the switch instead
                     log.warning("worker %s: could not begin preparing generation %s early: %s", self.worker,
-                                resp["pending"].get("generation"), e)
-            if resp.get("failed"):
+                                resp.pending.generation, e)
+            if resp.failed:
                 # The main thread may sit in a collective with a dead peer; give it a grace period
                 # to notice on its own (and exit with its own reason), then leave so no process
                 # outlives its job. The job's reason is already recorded: a few seconds suffice.
                 failed_since = failed_since or now
                 if now - failed_since > min(self.opts.pg_timeout_s, FAILED_JOB_GRACE_S):
-                    _hard_exit(1, f"worker {self.worker}: job failed ({resp.get('reason')}); exiting")
+                    _hard_exit(1, f"worker {self.worker}: job failed ({resp.reason}); exiting")

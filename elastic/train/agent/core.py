@@ -33,6 +33,7 @@ from elastic.train.agent.support import HeldState, _is_comm_error, _preload, _re
 from elastic.train.agent.transition import _Transition
 from elastic.train.groups import StepGivenUp
 from elastic.train.rendezvous import Directive, RendezvousClient, RendezvousError
+from elastic.train.rendezvous.replies import Answer, Registered
 
 log = logging.getLogger(__name__)
 
@@ -102,14 +103,15 @@ class WorkerAgent(_Transition, _Comms):
             if self.opts.checkpoint_dir:
                 ref = checkpoint.latest(self.opts.checkpoint_dir)
                 seen = ref.to_json() if ref else None
-            reg = self.client.call("register", pid=os.getpid(), host=socket.gethostname(), checkpoint_latest=seen)
+            reg = self.client.ask("register", Registered, pid=os.getpid(), host=socket.gethostname(),
+                                  checkpoint_latest=seen)
         except RendezvousError as e:
             log.error("worker %s: %s", self.worker, e)
             return 3
-        self.config = dict(reg.get("config") or {})
-        self._ckpt = checkpoint.CheckpointSettings.from_json(reg.get("checkpoint"))
-        self._job = str(reg.get("job", ""))
-        beat = threading.Thread(target=self._heartbeat, args=(float(reg.get("heartbeat_interval_s", 1.0)),),
+        self.config = dict(reg.config)
+        self._ckpt = checkpoint.CheckpointSettings.from_json(dict(reg.checkpoint) if reg.checkpoint else None)
+        self._job = reg.job
+        beat = threading.Thread(target=self._heartbeat, args=(reg.heartbeat_interval_s,),
                                 name=f"heartbeat-{self.worker}", daemon=True)
         beat.start()
         try:
@@ -145,11 +147,11 @@ class WorkerAgent(_Transition, _Comms):
     def _wait_for_directive(self) -> Directive | None:
         """A worker with no generation yet polls until a directive lists it (or the job ends)."""
         while True:
-            resp = self.client.call("poll", wait_s=self.opts.long_poll_s)  # long poll: answered on the event
-            if resp["action"] == "join":
-                return Directive.from_json(resp["directive"])
-            if resp["action"] == "exit":
-                log.info("worker %s: exiting without joining (%s)", self.worker, resp.get("reason"))
+            resp = self.client.ask("poll", Answer, wait_s=self.opts.long_poll_s)  # long poll: answered on the event
+            if resp.action == "join" and resp.directive is not None:
+                return resp.directive
+            if resp.action == "exit":
+                log.info("worker %s: exiting without joining (%s)", self.worker, resp.reason)
                 self._exit_notice()
                 return None
             time.sleep(_REASK_S)  # never spin on a coordinator that answers "wait" at once (shutting down)
@@ -163,20 +165,20 @@ class WorkerAgent(_Transition, _Comms):
             held = isinstance(self.engine, HeldState) or self._broken
             gave_up, self._gave_up = self._gave_up, None
             asked_at = time.monotonic()
-            resp = self.client.call("step", generation=self.generation, step=step, result=last,
-                                    **({"wait_s": self.opts.long_poll_s} if held else {}),
-                                    **({"gave_up": gave_up} if gave_up else {}))
-            action = resp["action"]
+            resp = self.client.ask("step", Answer, generation=self.generation, step=step, result=last,
+                                   **({"wait_s": self.opts.long_poll_s} if held else {}),
+                                   **({"gave_up": gave_up} if gave_up else {}))
+            action = resp.action
             log.debug("worker %s gen %d step %d: %s", self.worker, self.generation, step, action)
             if action == "go":
-                if resp.get("pending"):
-                    self._prepare_early(Directive.from_json(resp["pending"]))
+                if resp.pending is not None:
+                    self._prepare_early(resp.pending)
                 else:
                     self._drop_stale_prep(asked_at)
-                save = bool(resp.get("save"))
+                save = bool(resp.save)
                 assert self.engine is not None
-                if resp.get("give_up") is not None:  # asked to give this step up before it began
-                    self._give_up(self.generation, int(resp["give_up"]))
+                if resp.give_up is not None:  # asked to give this step up before it began
+                    self._give_up(self.generation, resp.give_up)
                 try:
                     result = self.engine.train_step(step)
                 except StepGivenUp as e:
@@ -212,10 +214,10 @@ class WorkerAgent(_Transition, _Comms):
                 self._bury()  # the first step after a rescale is done: its old groups may go now
             elif action == "break" and not self._broken:
                 last = None  # a peer was lost while we were between steps: report what we hold, then wait
-                self._break(step, f"told to break: {resp.get('reason', '')}")
-            elif action == "switch":
+                self._break(step, f"told to break: {resp.reason or ''}")
+            elif action == "switch" and resp.directive is not None:
                 last = None
-                d = Directive.from_json(resp["directive"])
+                d = resp.directive
                 if d.commit_step is not None and self._applied < d.commit_step:
                     # recovery: a survivor passed this step's commit, so our reduced gradients are final
                     self.engine.apply_ready(d.commit_step)  # type: ignore[union-attr]
@@ -235,8 +237,8 @@ class WorkerAgent(_Transition, _Comms):
                 self._bury()  # a keeper: the reshard group that brought the state in
                 time.sleep(_REASK_S)
             elif action in ("stop", "finish"):
-                log.info("worker %s: %s at step %d (%s)", self.worker, action, step, resp.get("reason", ""))
-                if resp.get("save") and not self._broken:
+                log.info("worker %s: %s at step %d (%s)", self.worker, action, step, resp.reason or "")
+                if resp.save and not self._broken:
                     self._checkpoint(step, final=True)
                 self._close_engine()
                 self._exit_notice()

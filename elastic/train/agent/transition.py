@@ -37,6 +37,7 @@ from elastic.train.agent.support import (
     plan_digest,
 )
 from elastic.train.rendezvous import Directive, RendezvousError
+from elastic.train.rendezvous.replies import Decision
 
 log = logging.getLogger(__name__)
 
@@ -168,9 +169,9 @@ class _Transition:
         # 1. meet: the coordinator decides go / abandoned before any byte moves
         decision, reason, told = self._meet(d, prep)
         clock.mark("meet")
-        if decision == "go" and told.get("switch_step") not in (None, d.switch_step):
+        if decision == "go" and told.switch_step not in (None, d.switch_step):
             # a joiner: the members gave the step in progress up, and the switch moved there
-            d = dataclasses.replace(d, switch_step=int(told["switch_step"]))
+            d = dataclasses.replace(d, switch_step=told.switch_step)
         if decision != "go":
             log.warning("worker %s: rescale to generation %d abandoned: %s", self.worker, d.generation, reason)
             if self.engine is None:  # a joiner: nothing to continue
@@ -295,9 +296,9 @@ class _Transition:
         """Report our part of a transactional rescale done; long-poll for the commit (``go``), a
         ``rollback``, or ``stop``."""
         while True:
-            resp = self.client.call("exchanged", generation=d.generation, wait_s=self.opts.long_poll_s)
-            if resp["decision"] != "wait":
-                return resp["decision"], resp.get("reason", "")
+            resp = self.client.ask("exchanged", Decision, generation=d.generation, wait_s=self.opts.long_poll_s)
+            if resp.decision != "wait":
+                return resp.decision, resp.reason
             time.sleep(_REASK_S)
 
     def _exchange_broke(self, d: Directive, snapshot: _Snapshot | None, error: str, *,
@@ -325,25 +326,25 @@ class _Transition:
                     "state, waiting for the recovery", self.worker, d.generation, what, error, snapshot.generation)
         return self._stand_broken(snapshot, d.switch_step, f"rescale to generation {d.generation} {what}: {error}")
 
-    def _meet(self, d: Directive, prep: _Prep) -> tuple[str, str, dict[str, Any]]:
+    def _meet(self, d: Directive, prep: _Prep) -> tuple[str, str, Decision]:
         """Arrive with the plan digest (or the preparation error) and long-poll for the decision;
         returns it, the reason and the whole answer (a ``go`` says the switch step as it stands and
         whether the step given up for it was kept)."""
         while True:
-            resp = self.client.call("arrive", generation=d.generation, digest=prep.digest, plan=prep.plan_info,
-                                    error=prep.error, wait_s=self.opts.long_poll_s)
-            if resp["decision"] != "wait":
-                return resp["decision"], resp.get("reason", ""), resp
+            resp = self.client.ask("arrive", Decision, generation=d.generation, digest=prep.digest,
+                                   plan=prep.plan_info, error=prep.error, wait_s=self.opts.long_poll_s)
+            if resp.decision != "wait":
+                return resp.decision, resp.reason, resp
             time.sleep(_REASK_S)
 
-    def _kept_step(self, d: Directive, told: dict[str, Any], carry: Any,
+    def _kept_step(self, d: Directive, told: Decision, carry: Any,
                    new_ranks: dict[str, int]) -> tuple[Any, bool] | None:
         """(the given-up step's kept work, whether this worker adds it) when the new layout finishes
         that step from it, else None. Every member agrees: the ``go`` said every old member kept it
         (``gave_up.kept``) and :func:`_kept_contributors` reads the directive and the agreed plan.
         A joiner holds no kept work: it computes its share of the samples left and adds nothing."""
-        gave = told.get("gave_up") or {}
-        if not gave.get("kept") or int(gave.get("step", -1)) != d.switch_step:
+        gave = told.gave_up
+        if gave is None or not gave.kept or gave.step != d.switch_step:
             return None
         contributors = _kept_contributors(d, new_ranks)
         if contributors is None:
@@ -356,7 +357,7 @@ class _Transition:
         from elastic.train.engine import PartialStep
 
         cfg, old = train_config(self.config), Layout.parse(d.old_layout or "")
-        return PartialStep(d.switch_step, int(gave["micro"]), old.dp, cfg.grad_accum(old), cfg.micro_batch_for(old),
+        return PartialStep(d.switch_step, gave.micro, old.dp, cfg.grad_accum(old), cfg.micro_batch_for(old),
                            None, 0.0), False
 
     def _old_group_is_members(self, d: Directive, prep: _Prep) -> bool:

@@ -12,9 +12,10 @@ from elastic.train.rendezvous.meeting import (
     join_overdue,
     silent_in_recovery,
 )
-from elastic.train.rendezvous.messages import Directive, RescaleRecord, StepRecord
+from elastic.train.rendezvous.messages import Directive, JobStatus, RescaleRecord, StepRecord
 from elastic.train.rendezvous.posting import recoverable
 from elastic.train.rendezvous.recovery import Stop, consistent_step, plan_recovery, recovery_candidates
+from elastic.train.rendezvous.replies import Ack, Answer
 from elastic.train.rendezvous.requests import Broken, Exit, Fail, Status
 from elastic.train.rendezvous.state import _Gen, _Pending, _Recovery
 
@@ -24,13 +25,13 @@ class _Liveness:
     """The half of :class:`Coordinator` that hears of lost workers and broken steps and recovers
     the job from its survivors (the coordinator's state; every method runs with ``_cv`` held)."""
 
-    def _h_fail(self, m: Fail) -> dict[str, Any]:
+    def _h_fail(self, m: Fail) -> Ack:
         """A worker failed and exits: a lost worker (the job recovers without it if it can, else fails)."""
         w = m.worker
         self._lost_locked(w, f"worker {w}: {m.reason}")
-        return {}
+        return Ack()
 
-    def _h_broken(self, m: Broken) -> dict[str, Any]:
+    def _h_broken(self, m: Broken) -> Answer:
         """A worker's collective broke (a peer died) or it was told to ``break``: it has shut its
         communicators down and reports what it holds: ``applied`` (last step whose update it
         applied), ``ready`` (a step whose reduced gradients it holds unapplied, or None),
@@ -47,10 +48,10 @@ class _Liveness:
             self._left.add(w)
             self._seen.pop(w, None)
             self._building.pop(w, None)
-            return {"action": "stop", "reason": self._rolled_back[gen]}
+            return Answer("stop", self._rolled_back[gen])
         cur = self._current
         if self._phase in ("failed", "stopping", "stopped") or cur is None or gen != cur.generation:
-            return {"action": "stop", "reason": self._error or self._reason or f"generation {gen} is over"}
+            return Answer("stop", self._error or self._reason or f"generation {gen} is over")
         oom = m.out_of_memory
         if oom and self._recovery is None and self._phase in ("running", "rescaling", "starting", "recovering"):
             # the worker whose step ran out of memory reports before it breaks its peers' collectives:
@@ -61,14 +62,14 @@ class _Liveness:
         if self._recovery is None:
             if not self._can_recover_locked():
                 self._fail_locked(f"worker {w} at step {m.step}: {error}")
-                return {"action": "stop", "reason": self._error or ""}
+                return Answer("stop", self._error or "")
             self._start_recovery_locked(f"worker {w}'s collective broke at step {m.step}: {error}")
         assert self._recovery is not None
         if w not in self._recovery.lost:
             self._recovery.reports[w] = {"step": m.step, "applied": m.applied, "ready": m.ready, "dirty": m.dirty,
                                          "local_apply": m.local_apply}
         self._maybe_post_recovery_locked()
-        return {"action": "hold"}
+        return Answer("hold")
 
     # ---- recovery from surviving replicas (call with _cv held) ----------------------------
     def _can_recover_locked(self) -> bool:
@@ -216,7 +217,7 @@ class _Liveness:
         self._building.pop(w, None)
         self._maybe_post_recovery_locked()
 
-    def _recovery_answer_locked(self, w: str, gen: int, wait_s: float) -> dict[str, Any]:
+    def _recovery_answer_locked(self, w: str, gen: int, wait_s: float) -> Answer:
         """A survivor of the broken generation asks before a step: break (report first), switch to
         the recovery directive, stop (given up for lost), or hold (after a long poll)."""
 
@@ -224,14 +225,14 @@ class _Liveness:
             rec = self._recovery
             return rec is None or rec.generation != gen or w in rec.lost or w not in rec.reports
 
-        def answer() -> dict[str, Any] | None:
+        def answer() -> Answer | None:
             rec = self._recovery
             if rec is None or rec.generation != gen:
-                return {"action": "stop", "reason": self._error or self._reason or "the recovery is over"}
+                return Answer("stop", self._error or self._reason or "the recovery is over")
             if w in rec.lost:
-                return {"action": "stop", "reason": f"worker {w} was given up for lost"}
+                return Answer("stop", f"worker {w} was given up for lost")
             if w not in rec.reports:
-                return {"action": "break", "reason": rec.reason}
+                return Answer("break", rec.reason)
             return None
 
         return self._wait_for_switch_locked(w, answer, over, wait_s)
@@ -320,7 +321,7 @@ class _Liveness:
         there is none ("" when there is): :func:`~elastic.train.rendezvous.recovery.consistent_step`."""
         return consistent_step(dict(sorted(rec.reports.items())), oom=True)
 
-    def _h_exit(self, m: Exit) -> dict[str, Any]:
+    def _h_exit(self, m: Exit) -> Ack:
         """A worker exits on purpose (stop, finish, abandoned joiner): stop watching it."""
         w = m.worker
         self._left.add(w)
@@ -329,10 +330,10 @@ class _Liveness:
         if self._phase == "stopping" and self._current and set(self._current.ranks) <= self._left:
             self._phase = "stopped"
             self._cv.notify_all()
-        return {}
+        return Ack()
 
-    def _h_status(self, m: Status) -> dict[str, Any]:
-        return self._status_locked().to_json()
+    def _h_status(self, m: Status) -> JobStatus:
+        return self._status_locked()
 
     # ---- watcher ----------------------------------------------------------------------------
     def _watch(self) -> None:

@@ -117,6 +117,15 @@ class _Message:
         part = isinstance(hint, type) and issubclass(hint, _Message)
         if part and isinstance(value, Mapping):
             return hint._read(value, route, f"{where}.")
+        if isinstance(hint, type) and hasattr(hint, "from_json"):  # a wire type of its own (a Directive)
+            if not isinstance(value, Mapping):
+                raise BadRequest(route, where, f"must be a JSON object, got {_clip(repr(value))}")
+            try:
+                return hint.from_json(dict(value))
+            except (KeyError, TypeError, ValueError) as e:
+                raise BadRequest(
+                    route, where, f"does not read as a {hint.__name__}: {_clip(str(e))}"
+                ) from None
         origin = typing.get_origin(hint)
         ok = not part and (
             (hint is int and isinstance(value, int) and not isinstance(value, bool))
@@ -156,6 +165,8 @@ class _Message:
 def _wire(value: Any) -> Any:
     if isinstance(value, _Message):
         return value.to_wire()
+    if hasattr(value, "to_json"):
+        return value.to_json()
     if isinstance(value, tuple):
         return list(value)
     if isinstance(value, Mapping):

@@ -11,7 +11,18 @@ from typing import Any
 from elastic.model import SpecError
 from elastic.train.checkpoint import CheckpointRef
 from elastic.train.rendezvous.meeting import meet
-from elastic.train.rendezvous.messages import API, LONG_POLL_MAX_S, CheckpointFailed
+from elastic.train.rendezvous.messages import API, LONG_POLL_MAX_S, CheckpointFailed, JobStatus
+from elastic.train.rendezvous.replies import (
+    Ack,
+    Answer,
+    Beat,
+    Decision,
+    GaveUpInfo,
+    GiveUpAsk,
+    Registered,
+    Reply,
+    wire,
+)
 from elastic.train.rendezvous.requests import (
     REQUESTS,
     Arrive,
@@ -40,18 +51,19 @@ class _Routes:
         (:class:`BadRequest` names the field when it does not read)."""
         if _ROUTES.get(route) is None:
             raise KeyError(route)
-        return self.receive(parse(route, body))
+        return wire(self.receive(parse(route, body)))
 
-    def receive(self, m: Request) -> dict[str, Any]:
-        """The answer to a typed request (:mod:`elastic.train.rendezvous.requests`)."""
+    def receive(self, m: Request) -> Reply | JobStatus:
+        """The answer to a typed request (:mod:`elastic.train.rendezvous.requests`), typed
+        (:mod:`elastic.train.rendezvous.replies`; ``status``: the :class:`JobStatus`)."""
         name = _HANDLERS.get(type(m))
         if name is None:
             raise TypeError(f"not a coordinator request: {type(m).__name__} (one of {', '.join(REQUESTS)})")
-        answer: Callable[[Request], dict[str, Any]] = getattr(self, name)
+        answer: Callable[[Request], Reply | JobStatus] = getattr(self, name)
         with self._cv:
             return answer(m)
 
-    def _h_register(self, m: Register) -> dict[str, Any]:
+    def _h_register(self, m: Register) -> Registered:
         w = m.worker
         self._touch(w)
         self._left.discard(w)
@@ -59,11 +71,10 @@ class _Routes:
         if self.settings.checkpoint is not None:
             seen = m.checkpoint_latest
             self._reported_checkpoints[w] = CheckpointRef(seen.path, seen.step, seen.layout) if seen else None
-        return {"job": self.job, "config": self.config, "heartbeat_interval_s": self.settings.heartbeat_interval_s,
-                "heartbeat_timeout_s": self.settings.heartbeat_timeout_s,
-                "checkpoint": self.settings.checkpoint.to_json() if self.settings.checkpoint else None}
+        return Registered(self.job, self.config, self.settings.heartbeat_interval_s, self.settings.heartbeat_timeout_s,
+                          self.settings.checkpoint.to_json() if self.settings.checkpoint else None)
 
-    def _h_heartbeat(self, m: Heartbeat) -> dict[str, Any]:
+    def _h_heartbeat(self, m: Heartbeat) -> Beat:
         """A worker's liveness beat. With ``generation`` and ``wait_s`` it long-polls: answered at
         once with ``interrupt: <generation>`` when that generation is being recovered and this
         worker has not reported yet (it is still computing a step that cannot complete). With
@@ -125,45 +136,40 @@ class _Routes:
             self._alarm.wait_for(answer_now, wait_s)
             if w not in self._left:
                 self._touch(w)
-        out: dict[str, Any] = {"phase": self._phase, "failed": self._phase == "failed", "reason": self._error or ""}
-        if interrupt():
-            out["interrupt"] = gen
-        if (s := give_up()) is not None:
-            out["give_up"] = {"generation": gen, "step": s}
-        if (why := abort()) is not None:
-            out["abort"], out["abort_reason"] = building, why
-        if (p := pending()) is not None:
-            out["pending"], out["pending_seq"] = p.directive.to_json(), p.seq
-        return out
+        s, why, p = give_up(), abort(), pending()
+        return Beat(self._phase, self._phase == "failed", self._error or "",
+                    interrupt=gen if interrupt() else None,
+                    give_up=GiveUpAsk(gen, s) if s is not None and gen is not None else None,
+                    abort=building if why is not None else None, abort_reason=why,
+                    pending=p.directive if p is not None else None, pending_seq=p.seq if p is not None else None)
 
-    def _h_poll(self, m: Poll) -> dict[str, Any]:
+    def _h_poll(self, m: Poll) -> Answer:
         """A worker without a generation asks whether a directive includes it (``wait_s``: long poll)."""
         w = m.worker
         self._touch(w)
         wait_s = min(m.wait_s, LONG_POLL_MAX_S)
-        answer: dict[str, Any] = {}
+        answer = [self._poll_answer_locked(w)]
 
         def decided() -> bool:
-            answer.clear()
-            answer.update(self._poll_answer_locked(w))
-            return answer["action"] != "wait" or self._closing.is_set()
+            answer[0] = self._poll_answer_locked(w)
+            return answer[0].action != "wait" or self._closing.is_set()
 
         if not decided() and wait_s > 0:
             self._cv.wait_for(decided, wait_s)
-        return answer
+        return answer[0]
 
-    def _poll_answer_locked(self, w: str) -> dict[str, Any]:
+    def _poll_answer_locked(self, w: str) -> Answer:
         if self._phase in ("failed", "stopping", "stopped", "finished"):
-            return {"action": "exit", "reason": self._error or self._reason or self._phase}
+            return Answer("exit", self._error or self._reason or self._phase)
         p = self._pending
         if p is not None and p.decision is None and w in p.directive.workers:
-            return {"action": "join", "directive": p.directive.to_json()}
+            return Answer("join", directive=p.directive)
         if p is not None and p.decision == "abandoned" and w in p.directive.joiners:
             # launched for a rescale that will not happen: leave now rather than wait to be killed
-            return {"action": "exit", "reason": p.record.reason}
-        return {"action": "wait"}
+            return Answer("exit", p.record.reason)
+        return Answer("wait")
 
-    def _h_step(self, m: Step) -> dict[str, Any]:
+    def _h_step(self, m: Step) -> Answer:
         """Before step ``step``: go, switch to the pending generation, or stop. Carries the last result."""
         w, gen, step = m.worker, m.generation, m.step
         self._touch(w)
@@ -173,14 +179,14 @@ class _Routes:
         if self._phase in ("failed", "stopping", "stopped"):
             # a requested stop at a step boundary: every worker of the generation is at the same step
             # with a whole state, which is worth a last checkpoint (a failed job's is not)
-            return {"action": "stop", "reason": self._error or self._reason or self._phase,
-                    "save": self._phase != "failed" and self._recovery is None}
+            return Answer("stop", self._error or self._reason or self._phase,
+                          save=self._phase != "failed" and self._recovery is None)
         if self._recovery is not None and gen == self._recovery.generation:
             return self._recovery_answer_locked(w, gen, m.wait_s)
         cur = self._current
         if cur is None or gen != cur.generation:
-            return {"action": "stop", "reason": f"worker {w} is on generation {gen}, the job on "
-                                                f"{cur.generation if cur else 'none'}; stale worker"}
+            return Answer("stop", f"worker {w} is on generation {gen}, the job on "
+                                  f"{cur.generation if cur else 'none'}; stale worker")
         if cur.hold:
             return self._hold_answer_locked(w, gen, m.wait_s)
         if self.settings.max_steps is not None and step >= self.settings.max_steps:
@@ -191,21 +197,20 @@ class _Routes:
                                          f"{self._pending.directive.switch_step}")
                 self._phase, self._reason = "finished", f"reached max_steps={self.settings.max_steps}"
                 self._cv.notify_all()
-            return {"action": "finish", "reason": f"reached max_steps={self.settings.max_steps}", "save": True}
+            return Answer("finish", f"reached max_steps={self.settings.max_steps}", save=True)
         p = self._pending
         if p is not None and p.decision is None and w in p.directive.old_ranks:
             if m.gave_up is not None and m.gave_up.step == step:
                 self._gave_up_locked(p, w, step, m.gave_up.seconds, m.gave_up.micro, m.gave_up.kept)
             if step >= p.directive.switch_step:
                 self._note_boundary_locked(p, w)
-                return {"action": "switch", "directive": p.directive.to_json()}
+                return Answer("switch", directive=p.directive)
             self._begin_step_locked(step)
-            out = {"action": "go", "pending": p.directive.to_json()}  # no save while a rescale is in flight
-            if self._give_up_asked_locked(w, gen) == step:  # its peers may be computing it: give it up too
-                out["give_up"] = step
-            return out
+            # no save while a rescale is in flight; a step its peers may be computing is given up too
+            return Answer("go", pending=p.directive,
+                          give_up=step if self._give_up_asked_locked(w, gen) == step else None)
         self._begin_step_locked(step)
-        return {"action": "go", "save": True} if self._save_answer_locked(gen, step) else {"action": "go"}
+        return Answer("go", save=True) if self._save_answer_locked(gen, step) else Answer("go")
 
     def _save_answer_locked(self, gen: int, step: int) -> bool:
         """Whether the state after ``step`` of generation ``gen`` is to be checkpointed: decided when
@@ -270,7 +275,7 @@ class _Routes:
                 self._cv.wait(min(left, 1.0))
             return self._checkpoint_step
 
-    def _hold_answer_locked(self, w: str, gen: int, wait_s: float) -> dict[str, Any]:
+    def _hold_answer_locked(self, w: str, gen: int, wait_s: float) -> Answer:
         """A keeper of a held generation asks before the step it sits at: switch when the next
         directive is posted, stop when the job stops, else ``hold`` (after a long poll)."""
 
@@ -278,17 +283,17 @@ class _Routes:
             cur = self._current
             return cur is None or cur.generation != gen
 
-        def answer() -> dict[str, Any] | None:
+        def answer() -> Answer | None:
             if over():
                 cur = self._current
-                return {"action": "stop", "reason": f"worker {w} is on generation {gen}, the job on "
-                                                    f"{cur.generation if cur else 'none'}; stale worker"}
+                return Answer("stop", f"worker {w} is on generation {gen}, the job on "
+                                      f"{cur.generation if cur else 'none'}; stale worker")
             return None
 
         return self._wait_for_switch_locked(w, answer, over, wait_s)
 
-    def _wait_for_switch_locked(self, w: str, answer: Callable[[], dict[str, Any] | None],
-                                over: Callable[[], bool], wait_s: float) -> dict[str, Any]:
+    def _wait_for_switch_locked(self, w: str, answer: Callable[[], Answer | None],
+                                over: Callable[[], bool], wait_s: float) -> Answer:
         """For a worker that waits between steps (a keeper, a survivor): ``stop`` when the job stops,
         ``answer()`` when it has one, ``switch`` once a directive lists it as an old member, else
         ``hold`` after a long poll of up to ``wait_s`` (``over()``: ``answer`` would now say something)."""
@@ -297,15 +302,15 @@ class _Routes:
             p = self._pending
             return p is not None and p.decision is None and w in p.directive.old_ranks
 
-        def now() -> dict[str, Any] | None:
+        def now() -> Answer | None:
             if self._phase in ("failed", "stopping", "stopped"):
-                return {"action": "stop", "reason": self._error or self._reason or self._phase}
+                return Answer("stop", self._error or self._reason or self._phase)
             out = answer()
             if out is None and switch():
                 p = self._pending
                 assert p is not None
                 self._note_boundary_locked(p, w)
-                out = {"action": "switch", "directive": p.directive.to_json()}
+                out = Answer("switch", directive=p.directive)
             return out
 
         out = now()
@@ -313,7 +318,7 @@ class _Routes:
             self._cv.wait_for(lambda: (self._closing.is_set() or self._phase in ("failed", "stopping", "stopped")
                                        or over() or switch()), min(wait_s, LONG_POLL_MAX_S))
             out = now()
-        return out or {"action": "hold", "reason": self._reason}
+        return out or Answer("hold", self._reason)
 
     def _give_up_asked_locked(self, w: str, gen: int) -> int | None:
         """The step a pending shrink asks ``w``, a member of the current generation ``gen``, to give
@@ -372,7 +377,7 @@ class _Routes:
                     p.record.pause_seconds = self._clock() - p.stopped_at
             self._cv.notify_all()  # wait_resumed
 
-    def _h_arrive(self, m: Arrive) -> dict[str, Any]:
+    def _h_arrive(self, m: Arrive) -> Decision:
         """A member is at the meeting point of ``generation`` with its plan digest; returns the decision.
 
         ``error`` (optional): this member could not plan or prepare the reshard; the rescale is
@@ -385,7 +390,7 @@ class _Routes:
         p = self._pending
         if gen not in self._decisions and (p is None or p.directive.generation != gen
                                            or w not in p.directive.members):
-            return {"decision": "abandoned", "reason": f"worker {w} is not a member of generation {gen}"}
+            return Decision("abandoned", f"worker {w} is not a member of generation {gen}")
         if gen not in self._decisions:
             self._arrive_locked(w, m)
         wait_s = min(m.wait_s, LONG_POLL_MAX_S)
@@ -393,17 +398,15 @@ class _Routes:
             self._cv.wait_for(lambda: gen in self._decisions or self._closing.is_set(), wait_s)
         if gen in self._decisions:
             decision, reason = self._decisions[gen]
-            out: dict[str, Any] = {"decision": decision, "reason": reason}
             p = self._pending
             if decision == "go" and p is not None and p.directive.generation == gen:
                 # the switch step as it stands (a joiner's copy predates a give-up's amendment) and
                 # whether every old member kept the given-up step's work (the new layout finishes it)
-                out["switch_step"] = p.directive.switch_step
-                if p.record.gave_up_step is not None:
-                    out["gave_up"] = {"step": p.record.gave_up_step, "micro": p.gave_up_micro,
-                                      "kept": set(p.directive.old_ranks) <= p.kept_by}
-            return out
-        return {"decision": "wait", "reason": ""}
+                gave_up = (GaveUpInfo(p.record.gave_up_step, p.gave_up_micro, set(p.directive.old_ranks) <= p.kept_by)
+                           if p.record.gave_up_step is not None else None)
+                return Decision(decision, reason, p.directive.switch_step, gave_up)
+            return Decision(decision, reason)
+        return Decision("wait")
 
     def _arrive_locked(self, w: str, m: Arrive) -> None:
         p = self._pending
@@ -418,13 +421,13 @@ class _Routes:
         elif met.decision == "go":
             self._go_locked()
 
-    def _h_result(self, m: Result) -> dict[str, Any]:
+    def _h_result(self, m: Result) -> Ack:
         """A member finished (or failed) its part of a rescale."""
         w, gen = m.worker, m.generation
         self._touch(w)
         if not m.ok:
             self._fail_locked(f"worker {w} failed during the rescale to generation {gen}: {m.error}")
-            return {}
+            return Ack()
         p = self._pending
         self._note_written_locked(w, m.checkpoint)
         if p is not None and p.directive.generation == gen:
@@ -435,9 +438,9 @@ class _Routes:
                 self._building.pop(w, None)
             self._maybe_complete_locked()
             self._cv.notify_all()  # wait_resumed
-        return {}
+        return Ack()
 
-    def _h_exchanged(self, m: Exchanged) -> dict[str, Any]:
+    def _h_exchanged(self, m: Exchanged) -> Decision:
         """A member of a transactional rescale (``Directive.rollback``) moved its part of the bytes and
         still holds its old state: ``go`` once every member has (the commit: from here the old state
         may go and the new layout is built), ``rollback`` when the rescale was rolled back meanwhile,
@@ -446,19 +449,19 @@ class _Routes:
         self._touch(w)
         wait_s = min(m.wait_s, LONG_POLL_MAX_S)
 
-        def answer() -> dict[str, Any] | None:
+        def answer() -> Decision | None:
             if gen in self._rolled_back:
-                return {"decision": "rollback", "reason": self._rolled_back[gen]}
+                return Decision("rollback", self._rolled_back[gen])
             if self._phase in ("failed", "stopping", "stopped"):
-                return {"decision": "stop", "reason": self._error or self._reason or self._phase}
+                return Decision("stop", self._error or self._reason or self._phase)
             p = self._pending
             if p is None or p.directive.generation != gen:
                 # committed and finished already (a late ask), or never ours
                 rec = self._rescales.get(gen)
-                return ({"decision": "go", "reason": ""} if rec is not None and rec.ok
-                        else {"decision": "stop", "reason": f"generation {gen} is not in flight"})
+                return (Decision("go") if rec is not None and rec.ok
+                        else Decision("stop", f"generation {gen} is not in flight"))
             if self._committed(p):
-                return {"decision": "go", "reason": ""}
+                return Decision("go")
             return None
 
         p = self._pending
@@ -470,7 +473,7 @@ class _Routes:
         if out is None and wait_s > 0:
             self._cv.wait_for(lambda: answer() is not None or self._closing.is_set(), wait_s)
             out = answer()
-        return out or {"decision": "wait", "reason": ""}
+        return out or Decision("wait")
 
 
 # path -> the method answering it (on :class:`Coordinator`, which has both halves: ``_h_fail``,

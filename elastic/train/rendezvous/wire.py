@@ -15,18 +15,21 @@ import time
 import urllib.parse
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client import generate_latest
 
 from elastic.model import SpecError
 from elastic.train.rendezvous.messages import API, SECRET_ENV, RendezvousError
+from elastic.train.rendezvous.replies import REPLIES, Reply
 from elastic.train.rendezvous.requests import BadRequest
 
 if TYPE_CHECKING:
     from elastic.train.rendezvous.coordinator import Coordinator
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R", bound=Reply)
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
@@ -168,6 +171,14 @@ class RendezvousClient:
                 if status != 200:
                     raise RendezvousError(f"coordinator {self.url} {route}: HTTP {status} {payload[:300]!r}")
                 return json.loads(payload or b"{}")
+
+    def ask(self, route: str, kind: type[R], **body: Any) -> R:
+        """:meth:`call`, with the answer read as ``kind``, the type ``route`` answers with
+        (:data:`~elastic.train.rendezvous.replies.REPLIES`); BadReply (naming the field) when it
+        does not read."""
+        if REPLIES.get(route) is not kind:
+            raise TypeError(f"{route} answers with {REPLIES.get(route)}, not {kind.__name__}")
+        return kind.from_wire(self.call(route, **body), route)
 
     def _post(self, path: str, data: bytes, timeout: float) -> tuple[int, bytes]:
         fresh = self._conn is None
