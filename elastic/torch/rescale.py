@@ -40,7 +40,7 @@ class RescaleMixin:
         t0 = time.perf_counter()
         clock = _Phases()
         was, will, first = self.worker in d.old_ranks, self.worker in d.workers, not d.old_ranks
-        rec = RescaleRecord(d.switch_step, MeshLayout(self._dims(Layout.parse(d.layout)), tuple(range(len(d.workers)))),
+        rec = RescaleRecord(d.switch_step, MeshLayout(self._dims(d.layout), tuple(range(len(d.workers)))),
                             done=False, role="stays" if was and will else "joins" if will else "leaves")
         if not first:
             self.records.append(rec)
@@ -172,7 +172,7 @@ class RescaleMixin:
             return self._hold(d, dst, extras, new_ranks, rec, result, t0)
         assert built is not None
         self._adopt(built, extras)
-        self.gen, self.layout, self.ranks = d.generation, Layout.parse(d.layout), dict(new_ranks)
+        self.gen, self.layout, self.ranks = d.generation, d.layout, dict(new_ranks)
         self._checks = bool(getattr(d, "give_up_checks", False))
         self._src, self.phase = None, "training"
         self.applied = d.switch_step - 1
@@ -225,7 +225,7 @@ class RescaleMixin:
                 n_old = len(old)
                 joiners = [w for w in d.workers if w not in old]
                 ids = {**old, **{w: n_old + i for i, w in enumerate(joiners)}}
-                lay = Layout.parse(d.layout)
+                lay = d.layout
                 replicas = _replicas_only(live, self.layout, lay)
                 if replicas:
                     # every old member holds all of it: any order keeps every byte local, and each
@@ -305,7 +305,7 @@ class RescaleMixin:
         """The user's ``build`` on the new mesh: ``(built, "")`` or ``(None, error)``."""
         from torch.distributed.device_mesh import DeviceMesh
 
-        lay = Layout.parse(d.layout)
+        lay = d.layout
         dims = self._dims(lay)
         ml = MeshLayout(dims, tuple(range(len(d.workers))))
         try:
@@ -342,7 +342,7 @@ class RescaleMixin:
         waits (:meth:`ask` long-polls) for the directive that sends it on."""
         self._held, self._kept_extras = dst, extras
         self.applied = int(extras.get("applied", d.switch_step - 1)) if extras else d.switch_step - 1
-        self.gen, self.layout, self.ranks = d.generation, Layout.parse(d.layout), dict(new_ranks)
+        self.gen, self.layout, self.ranks = d.generation, d.layout, dict(new_ranks)
         self._src, self.phase = None, "held"
         rec.done, rec.seconds = True, time.perf_counter() - t0
         held = sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes for t in dst.values())
@@ -487,7 +487,7 @@ def bound_gloo_timeouts(groups: Any, seconds: float) -> None:
 def _recovery_ranks(d: Any) -> dict[str, int]:
     """Recovery positions: each survivor keeps its tensor/pipeline coordinate, replicas renumbered in the
     directive's order (its complete replicas first); the directive's order where that is no bijection."""
-    old, new = Layout.parse(d.old_layout), Layout.parse(d.layout)
+    old, new = d.old_layout, d.layout
     replicas: dict[int, int] = {}
     out: dict[str, int] = {}
     for w in d.workers:

@@ -81,10 +81,11 @@ def test_an_early_preparation_serves_only_the_directive_it_was_made_for() -> Non
 
 
 def directive(layout: str, workers: tuple[str, ...], generation: int = 2):
+    from elastic.model import Layout
     from elastic.train.rendezvous import Directive
 
-    return Directive(job="j", generation=generation, layout=layout, workers=workers, remap=True,
-                     old_layout="tp1.pp1.dp2", old_ranks={"w0": 0, "w1": 1}, switch_step=5,
+    return Directive(job="j", generation=generation, layout=Layout.parse(layout), workers=workers, remap=True,
+                     old_layout=Layout.parse("tp1.pp1.dp2"), old_ranks={"w0": 0, "w1": 1}, switch_step=5,
                      store_host="127.0.0.1", store_port=1, join_timeout_s=10.0)
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic.model import Layout
 from elastic.train.rendezvous.meeting import first_silent, join_overdue, meet, silent_in_recovery
 from elastic.train.rendezvous.messages import Directive
 
@@ -14,10 +15,10 @@ from elastic.train.rendezvous.messages import Directive
 D = Directive(
     job="j",
     generation=2,
-    layout="tp1.pp1.dp3",
+    layout=Layout.parse("tp1.pp1.dp3"),
     workers=("a", "b", "c"),
     remap=True,
-    old_layout="tp1.pp1.dp2",
+    old_layout=Layout.parse("tp1.pp1.dp2"),
     old_ranks={"a": 0, "b": 1},
     switch_step=5,
     store_host="h",

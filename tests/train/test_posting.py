@@ -233,9 +233,9 @@ def test_a_shrink_directive_and_its_record() -> None:
     assert (d.job, d.generation, d.layout, d.workers, d.old_layout) == (
         "j",
         4,
-        "tp1.pp1.dp2",
+        L("tp1.pp1.dp2"),
         ("w2", "w0"),
-        "tp1.pp1.dp4",
+        L("tp1.pp1.dp4"),
     )
     assert d.old_ranks == DP4.ranks and d.switch_step == 15 and d.join_timeout_s == 7.0
     assert (d.store_host, d.store_port) == ("10.0.0.1", 29400)

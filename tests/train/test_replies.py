@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from elastic.model import Layout
 from elastic.train.rendezvous import Coordinator, RendezvousClient
 from elastic.train.rendezvous.messages import Directive
 from elastic.train.rendezvous.replies import (
@@ -24,10 +25,10 @@ from elastic.train.rendezvous.requests import REQUESTS
 D = Directive(
     job="j",
     generation=3,
-    layout="tp1.pp1.dp2",
+    layout=Layout.parse("tp1.pp1.dp2"),
     workers=("a", "b"),
     remap=True,
-    old_layout="tp1.pp1.dp1",
+    old_layout=Layout.parse("tp1.pp1.dp1"),
     old_ranks={"a": 0},
     switch_step=9,
     store_host="127.0.0.1",
@@ -134,3 +135,14 @@ def test_a_client_asks_for_the_kind_its_route_answers_with() -> None:
             cl.ask("poll", Decision)
     finally:
         c.stop()
+
+
+def test_a_directive_carries_layouts_and_writes_text_only_at_the_wire() -> None:
+    body = D.to_json()
+    assert (body["layout"], body["old_layout"]) == ("tp1.pp1.dp2", "tp1.pp1.dp1")
+    assert (
+        Directive.from_json(body) == D
+        and Directive.from_json({**body, "old_layout": None}).old_layout is None
+    )
+    with pytest.raises(TypeError, match=r"Directive.layout: a Layout \(Layout.parse the text\), got str"):
+        Directive(**{**body, "workers": ("a", "b"), "old_layout": D.old_layout})

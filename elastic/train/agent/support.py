@@ -132,7 +132,7 @@ def _kept_contributors(d: Directive, new_ranks: dict[str, int]) -> set[str] | No
     only the directive and the agreed plan's ranks."""
     if d.hold or d.commit_step is not None or not d.old_layout:
         return None
-    old, new = Layout.parse(d.old_layout), Layout.parse(d.layout)
+    old, new = d.old_layout, d.layout
     if old.pp != 1 or new.pp != 1 or old.tp != new.tp or old.ep != 1 or new.ep != 1:
         return None
     chosen: dict[int, tuple[int, str]] = {}

@@ -139,7 +139,7 @@ class _Transition:
         dtype = config_dtype(self.config)
         kinds = config_kinds(self.config)
         t0 = time.perf_counter()
-        plan = plan_reshard(model, Layout.parse(d.old_layout or ""), d.old_ranks, Layout.parse(d.layout),
+        plan = plan_reshard(model, _old_layout(d), d.old_ranks, d.layout,
                             list(d.workers), kinds=kinds,
                             bytes_per_element=torch.empty((), dtype=dtype).element_size(), remap=d.remap)
         plan_s = time.perf_counter() - t0
@@ -179,7 +179,7 @@ class _Transition:
                 return None
             return d.switch_step
         new_ranks = {str(k): int(v) for k, v in prep.plan_info["new_ranks"].items()}
-        layout, rank = Layout.parse(d.layout), new_ranks.get(self.worker)
+        layout, rank = d.layout, new_ranks.get(self.worker)
         keep_default = self._keeps_default_group(d, new_ranks)
         old_group = prep.prepared is not None and self._old_group_is_members(d, prep)
         # transactional (Directive.rollback): the old state stays whole, and the new layout is not
@@ -356,7 +356,7 @@ class _Transition:
             return carry, True
         from elastic.train.engine import PartialStep
 
-        cfg, old = train_config(self.config), Layout.parse(d.old_layout or "")
+        cfg, old = train_config(self.config), _old_layout(d)
         return PartialStep(d.switch_step, gave.micro, old.dp, cfg.grad_accum(old), cfg.micro_batch_for(old),
                            None, 0.0), False
 
@@ -410,3 +410,10 @@ class _Transition:
         st = prep.prepared.stats
         return new_state, {"bytes_sent": st.bytes_sent, "bytes_received": st.bytes_received,
                            "prepare_seconds": st.prepare_seconds, "exchange_seconds": st.exchange_seconds}
+
+
+def _old_layout(d: Directive) -> Layout:
+    """The layout ``d`` moves from; a first generation's directive has none, and asks for no reshard."""
+    if d.old_layout is None:
+        raise RuntimeError(f"generation {d.generation}: a directive with no old layout moves no state")
+    return d.old_layout

@@ -258,13 +258,13 @@ class Coordinator(_Routes, _Liveness):
         if (why := max_steps_refusal(self.settings, self.job, generation, r + 1)) is not None:
             raise SpecError(why)
         d = Directive(
-            job=self.job, generation=generation, layout=str(lay), workers=tuple(members), remap=remap,
-            old_layout=str(cur.layout), old_ranks=dict(cur.ranks), switch_step=r + 1,
+            job=self.job, generation=generation, layout=lay, workers=tuple(members), remap=remap,
+            old_layout=cur.layout, old_ranks=dict(cur.ranks), switch_step=r + 1,
             store_host=self.advertise_host, store_port=self.store_port,
             join_timeout_s=join_timeout_s if join_timeout_s is not None else self.settings.join_timeout_s,
             commit_step=r, give_up_checks=self.settings.shrink_gives_up_step,
         )
-        record = RescaleRecord(generation, str(cur.layout), d.layout, list(members), list(d.joiners), list(d.leavers),
+        record = RescaleRecord(generation, str(cur.layout), str(d.layout), list(members), list(d.joiners), list(d.leavers),
                                r + 1, reason=f"out of memory on {cur.layout}: {rec.reason}")
         self._post_seq += 1
         self._pending = _Pending(d, record, self._clock(), seq=self._post_seq)
@@ -495,9 +495,9 @@ class Coordinator(_Routes, _Liveness):
         p.record.plan_seconds = float(info.get("plan_seconds", 0.0))
         self._decisions[d.generation] = ("go", "")
         p.previous = self._current
-        self._current = _Gen(d.generation, Layout.parse(d.layout), new_ranks, d.switch_step, hold=d.hold,
+        self._current = _Gen(d.generation, d.layout, new_ranks, d.switch_step, hold=d.hold,
                              give_up_checks=d.give_up_checks)
-        self._gen_sizes[d.generation] = (d.layout, len(d.workers))
+        self._gen_sizes[d.generation] = (str(d.layout), len(d.workers))
         self._max_begun = d.switch_step - 1
         self.metrics.record_generation(d.generation, len(d.workers))
         if not d.hold:

@@ -298,12 +298,12 @@ class _Liveness:
             self._history.append(step_rec)
             self.metrics.record_step(step_rec.step, step_rec.loss, step_rec.tokens, step_rec.seconds)
         d = Directive(
-            job=self.job, generation=nxt, layout=str(lay), workers=tuple(members), remap=True,
-            old_layout=str(cur.layout), old_ranks={w: cur.ranks[w] for w in survivors}, switch_step=r + 1,
+            job=self.job, generation=nxt, layout=lay, workers=tuple(members), remap=True,
+            old_layout=cur.layout, old_ranks={w: cur.ranks[w] for w in survivors}, switch_step=r + 1,
             store_host=self.advertise_host, store_port=self.store_port, join_timeout_s=self.settings.join_timeout_s,
             commit_step=r, give_up_checks=self.settings.shrink_gives_up_step,
         )
-        record = RescaleRecord(nxt, str(cur.layout), d.layout, list(members), [], list(d.leavers), r + 1,
+        record = RescaleRecord(nxt, str(cur.layout), str(d.layout), list(members), [], list(d.leavers), r + 1,
                                recovery=why)
         self._post_seq += 1
         self._pending = _Pending(d, record, self._clock(), seq=self._post_seq)

@@ -3,8 +3,11 @@ step and rescale records, the job's status, and the errors a caller sees."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+from elastic.layout import Layout
 
 API = "/v1"
 SECRET_ENV = "ELASTIC_JOB_SECRET"
@@ -50,10 +53,10 @@ class Directive:
 
     job: str
     generation: int
-    layout: str
+    layout: Layout
     workers: tuple[str, ...]
     remap: bool
-    old_layout: str | None
+    old_layout: Layout | None
     old_ranks: dict[str, int]
     switch_step: int
     store_host: str
@@ -88,14 +91,25 @@ class Directive:
     def joiners(self) -> tuple[str, ...]:
         return tuple(sorted(set(self.workers) - set(self.old_ranks)))
 
+    def __post_init__(self) -> None:
+        # one type per concept: text only at the wire (to_json/from_json)
+        for name in ("layout", "old_layout"):
+            value = getattr(self, name)
+            if not (isinstance(value, Layout) or (value is None and name == "old_layout")):
+                raise TypeError(f"Directive.{name}: a Layout (Layout.parse the text), got {type(value).__name__} "
+                                f"{value!r}")
+
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["workers"] = list(self.workers)
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d.update(layout=str(self.layout), old_layout=str(self.old_layout) if self.old_layout else None,
+                 workers=list(self.workers), old_ranks=dict(self.old_ranks))
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Directive:
+    def from_json(cls, d: Mapping[str, Any]) -> Directive:
         d = dict(d)
+        d["layout"] = Layout.parse(d["layout"])
+        d["old_layout"] = Layout.parse(d["old_layout"]) if d.get("old_layout") else None
         d["workers"] = tuple(d["workers"])
         d["old_ranks"] = {str(k): int(v) for k, v in d["old_ranks"].items()}
         return cls(**d)

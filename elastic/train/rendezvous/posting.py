@@ -205,10 +205,10 @@ def plan_post(settings: CoordinatorSettings, view: JobView, ask: PostAsk, now: f
     d = Directive(
         job=view.job,
         generation=ask.generation,
-        layout=str(lay),
+        layout=lay,
         workers=members,
         remap=ask.remap,
-        old_layout=str(cur.layout) if cur else None,
+        old_layout=cur.layout if cur else None,
         old_ranks=dict(cur.ranks) if cur else {},
         switch_step=switch,
         store_host=view.store_host,
@@ -225,8 +225,8 @@ def plan_post(settings: CoordinatorSettings, view: JobView, ask: PostAsk, now: f
     )
     record = RescaleRecord(
         ask.generation,
-        d.old_layout,
-        d.layout,
+        str(d.old_layout) if d.old_layout else None,
+        str(d.layout),
         list(members),
         list(d.joiners),
         list(d.leavers),
