@@ -59,7 +59,9 @@ FAST_TESTS = tests/parallel tests/scheduler tests/sim tests/inference/test_polic
 	tests/inference/test_policy_forecast.py tests/inference/test_policy_stages.py tests/inference/test_policy_backlog.py tests/reshard/test_plan.py \
 	tests/reshard/test_plan_props.py tests/reshard/test_plan_regions.py tests/reshard/test_regions.py \
 	tests/test_model.py tests/test_model_params.py tests/test_spec.py tests/test_hostile_specs.py \
-	tests/test_contracts.py tests/test_phases.py tests/test_reasons.py
+	tests/test_contracts.py tests/test_phases.py tests/test_reasons.py tests/train/test_posting.py \
+	tests/train/test_recovery_plan.py tests/train/test_saves.py tests/train/test_meeting.py tests/train/test_replies.py \
+	tests/train/test_requests.py tests/controller/test_rescale_outcome.py
 FAST_SKIP = --ignore=tests/parallel/test_plan_cli.py --ignore=tests/sim/test_family.py \
 	--deselect tests/sim/test_sim.py::test_cli_bad_input_is_one_line_exit_2 \
 	--deselect tests/parallel/test_planner.py::test_deepseek_v3_2048_h800_has_a_pp16_plan_with_64_slots \
