@@ -397,7 +397,7 @@ class RescaleMixin:
         mine = self._kept_extras
         self._drop_world()
         old = {w: r for w, r in self.ranks.items()}
-        fake = _Restore(d.job, self.gen, str(self.layout), tuple(sorted(old, key=old.__getitem__)), d.store_host,
+        fake = _Restore(d.job, self.gen, self.layout, tuple(sorted(old, key=old.__getitem__)), d.store_host,
                         d.store_port)
         self._building = self.gen
         try:
@@ -457,7 +457,7 @@ class _Restore:
 
     job: str
     generation: int
-    layout: str
+    layout: Layout
     workers: tuple[str, ...]
     store_host: str
     store_port: int
