@@ -221,7 +221,7 @@ class Coordinator(_Routes, _Liveness):
             # an abandoned (or rolled back) earlier try of this number decided nothing about this one
             self._decisions.pop(generation, None)
             self._rolled_back.pop(generation, None)
-            self._phase = post.phase
+            self._phase = "rescaling" if d.old_layout is not None else "starting"
             self._cv.notify_all()
             return d
 

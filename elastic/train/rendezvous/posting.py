@@ -66,7 +66,6 @@ class Posting:
     record: RescaleRecord
     give_up_step: int | None  # the step in progress the members are asked to give up
     give_up_begun_at: float  # when it was begun
-    phase: str  # the job's phase once posted
 
 
 def refusal(view: JobView, generation: int) -> str | None:
@@ -258,5 +257,4 @@ def plan_post(settings: CoordinatorSettings, view: JobView, ask: PostAsk, now: f
         record,
         give_up_step,
         view.max_begun_at if give_up_step is not None else 0.0,
-        "rescaling" if cur else "starting",
     )
