@@ -9,6 +9,7 @@ and through ``importlib`` or ``__import__`` too, which a static scan cannot see.
 
 from __future__ import annotations
 
+import ast
 import json
 import pkgutil
 import subprocess
@@ -16,6 +17,8 @@ import sys
 import tomllib
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,3 +108,53 @@ def test_the_contract_covers_the_pure_code() -> None:
         "elastic.metrics",
         "operators",
     } <= set(FORBIDDEN)
+
+
+# ---- the coordinator's decisions (rendezvous/posting, recovery, saves, meeting) -------------------
+# Their contract (``coordinator-decisions``) forbids stdlib I/O (threading, socket, time, ...) as well,
+# which the interpreter loads anyway (logging imports threading), so it is checked on the source:
+# every import a decision module makes at run time (not under TYPE_CHECKING), with the same rule
+# import-linter applies to each direct import.
+
+DECISIONS = _contract("coordinator-decisions")
+
+
+def _runtime_imports(source: str) -> set[str]:
+    """The modules ``source`` imports outside ``if TYPE_CHECKING:`` blocks."""
+    tree = ast.parse(source)
+    skipped = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        for n in ast.walk(node)
+    }
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+    return out
+
+
+def _forbidden(imports: set[str]) -> set[str]:
+    banned = DECISIONS["forbidden_modules"]
+    return {m for m in imports if any(m == f or m.startswith(f + ".") for f in banned)}
+
+
+@pytest.mark.parametrize("module", DECISIONS["source_modules"])
+def test_a_coordinator_decision_imports_no_io(module: str) -> None:
+    source = (ROOT / (module.replace(".", "/") + ".py")).read_text()
+    imports = _runtime_imports(source)
+    assert imports and _forbidden(imports) == set(), (
+        f"{module} imports {_forbidden(imports)}; keep decisions pure"
+    )
+
+
+def test_the_decision_check_catches_a_violation_and_ignores_type_only_imports() -> None:
+    bad = "import threading\nfrom elastic.train.rendezvous.wire import RendezvousClient\nfrom time import monotonic\n"
+    assert _forbidden(_runtime_imports(bad)) == {"threading", "elastic.train.rendezvous.wire", "time"}
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n"
+    assert _forbidden(_runtime_imports(typed)) == set()

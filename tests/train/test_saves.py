@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
 import pytest
 
 from elastic.train.checkpoint import CheckpointSettings
@@ -141,18 +138,3 @@ def test_answers_are_bounded() -> None:
     _, s = run(every(1000), [ask(i) for i in range(10 * ANSWERS_KEPT)])
     assert len(s.answers) <= 2 * ANSWERS_KEPT
     assert (1, 10 * ANSWERS_KEPT - 1) in s.answers
-
-
-def test_the_schedule_holds_no_lock_and_does_no_io() -> None:
-    src = Path(__file__).parents[2] / "elastic" / "train" / "rendezvous" / "saves.py"
-    imported = {
-        a.name.split(".")[0]
-        for n in ast.walk(ast.parse(src.read_text()))
-        for a in (n.names if isinstance(n, (ast.Import, ast.ImportFrom)) else [])
-    }
-    modules = {
-        n.module.split(".")[0]
-        for n in ast.walk(ast.parse(src.read_text()))
-        if isinstance(n, ast.ImportFrom) and n.module
-    }
-    assert not (imported | modules) & {"threading", "time", "logging", "os", "socket", "http", "json"}

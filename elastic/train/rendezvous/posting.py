@@ -14,12 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from elastic.model import Layout, SpecError
-from elastic.train.checkpoint import CheckpointRef
 from elastic.train.rendezvous.messages import Directive, RescaleRecord
 from elastic.train.rendezvous.settings import CoordinatorSettings
 from elastic.train.rendezvous.state import _Gen
+
+if TYPE_CHECKING:  # a value only (the module that finds checkpoints on disk is not needed to decide)
+    from elastic.train.checkpoint import CheckpointRef
 
 ENDED = ("failed", "stopped", "stopping", "finished")
 

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
-from elastic.train.checkpoint import CheckpointSettings
+if TYPE_CHECKING:  # settings only (the module that writes checkpoints is not needed to decide)
+    from elastic.train.checkpoint import CheckpointSettings
 
 ANSWERS_KEPT = 32
 """Answers kept per (generation, step): members are at most a step or two apart."""

@@ -4,9 +4,12 @@ launcher (:func:`elastic.train.launch.coordinator_settings`) and passed whole.""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from elastic.model import SpecError
-from elastic.train.checkpoint import CheckpointSettings
+
+if TYPE_CHECKING:  # a field's type only: the settings carry the value, they write nothing
+    from elastic.train.checkpoint import CheckpointSettings
 
 
 @dataclass(frozen=True)
