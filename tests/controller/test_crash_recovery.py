@@ -3,7 +3,7 @@ shrink and restarted; the job ends on a consistent layout, keeps its step counte
 lost step), and no GPU is booked twice.
 
 How recovery works (see ``elastic.backends.ray``): Ray runs as its own local cluster
-(``ray start --head --block`` on loopback with 8 logical GPUs), the controller joins it in
+(``ray start --head --block`` on loopback with 5 logical GPUs), the controller joins it in
 detached mode, so the job's coordinator, its workers and the replicas are detached named actors
 that outlive the controller. The workers finish the directive they were given; the restarted
 controller adopts the actors by name, closes the interrupted action and the reshard event from
@@ -34,8 +34,16 @@ ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 RAY = str(Path(PY).with_name("ray"))
 
+# Five GPUs: one replica beside the job on its maximum of 4, so a second replica takes a GPU from the
+# job (4 -> 3). A bigger pool would only add replicas that start beside the shrink; each is one more
+# process importing torch on a 2-core CI machine.
+POOL_GPUS = 5
+# 840 samples a step: long steps keep the cores busy. With short ones the restarted controller comes up
+# before the [give-up] leaver is gone; its adoption kills the leaver without waiting for Ray to take the
+# GPU back, and a tick it reports before it leads fails the count check below. (Under 240 the planner
+# also leaves tp1.pp1.dp4 -> tp1.pp1.dp3 for layouts with two pipeline stages, where no step is given up.)
 CONFIG = {
-    "pool": {"name": "crash", "nodes": 1, "gpus_per_node": 8, "hardware": "h100-80g",
+    "pool": {"name": "crash", "nodes": 1, "gpus_per_node": POOL_GPUS, "hardware": "h100-80g",
              "rescale_interval_seconds": 0, "gain_threshold": 0.0},
     "services": [{"name": "chat", "gpus_per_replica": 1, "min_replicas": 1, "max_replicas": 6,
                   "metric": {"preset": "vllm-running", "target": 10}, "startup_seconds": 0,
@@ -80,9 +88,9 @@ def ray_cluster(request, tmp_path: Path):
     temp = tempfile.mkdtemp(prefix="erc", dir="/tmp")
     port = _free_port()
     proc = subprocess.Popen(
-        [RAY, "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-gpus=8",
-         "--num-cpus=2", "--include-dashboard=false", f"--temp-dir={temp}", "--disable-usage-stats",
-         f"--object-store-memory={200 * 2**20}"],
+        [RAY, "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
+         f"--num-gpus={POOL_GPUS}", "--num-cpus=2", "--include-dashboard=false", f"--temp-dir={temp}",
+         "--disable-usage-stats", f"--object-store-memory={200 * 2**20}"],
         env={**_env(), **extra}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 60
     while True:
@@ -93,13 +101,11 @@ def ray_cluster(request, tmp_path: Path):
             assert proc.poll() is None and time.monotonic() < deadline, "ray start --head did not come up"
             time.sleep(0.5)
     yield f"127.0.0.1:{port}"
-    # the test is over: no grace for the job's workers (SIGTERM alone waited 30 s on them)
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+    # the test is over: no grace for Ray or the job's workers (given SIGTERM, the head waits on them
+    # for longer than any wait worth having); every process of the cluster is killed and its
+    # temp dir removed below
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(10)
     for pid in _pids_under(temp):
         try:
             os.kill(pid, signal.SIGKILL)
@@ -173,11 +179,11 @@ def test_controller_killed_mid_shrink_restarts_and_the_job_carries_on(ray_cluste
     try:
         # 1. steady state: 1 replica, the job on its maximum of 4 GPUs, training
         a.wait(lambda t: _job_gpus(t) == 4 and t["job"]["step"] >= 3, 300, "the job on 4 GPUs at step 3")
-        # 2. load rises: the controller begins shrinking the job 4 -> 3 to make room for replicas
+        # 2. load doubles: the controller begins shrinking the job 4 -> 3 to make room for a second replica
         hold = tmp_path / "hold-step"
         if not give_up:
             hold.touch()  # the step in progress does not end until the controller is dead
-        load.write_text("50")
+        load.write_text("20")
         store = db.Store.from_url(db_url)
         deadline = time.monotonic() + 120
         while not any(x.kind == "shrink_training" for x in db.open_actions(store, "crash")):
@@ -190,9 +196,12 @@ def test_controller_killed_mid_shrink_restarts_and_the_job_carries_on(ray_cluste
         assert any(x.kind == "shrink_training" for x in db.open_actions(store, "crash")), "kill came too late"
         hold.unlink(missing_ok=True)
         gen_before, step_before = before["job"]["generation"], before["job"]["step"]
-        # 4. restart: it adopts the actors, reconciles, and finishes the move to 5 replicas + 3 workers
+        # one pipeline stage: a shrink may give its step up ([give-up]) only on such a layout
+        assert Layout.parse(before["job"]["layout"]).pp == 1, before["job"]
+        # 4. restart: it adopts the actors, reconciles, and finishes the move to 2 replicas + 3 workers
         b = Driver(tmp_path, "b", ray_cluster, db_url, load, give_up)
-        end = b.wait(lambda t: _job_gpus(t) == 3 and len(t["service_gpus"]) == 5, 300, "3 training + 5 replicas")
+        end = b.wait(lambda t: _job_gpus(t) == 3 and len(t["service_gpus"]) == 2, 300,
+                     "3 training + 2 replicas")
         started = next(x for x in b.lines() if x["event"] == "started")
         assert any(n.startswith("adopted job tiny-job") for n in started["adopted"]), started
         b.wait(lambda t: t["job"]["step"] >= end["job"]["step"] + 2, 120, "training to go on")
@@ -207,7 +216,7 @@ def test_controller_killed_mid_shrink_restarts_and_the_job_carries_on(ray_cluste
         # no GPU booked twice: inference and training disjoint, and Ray agrees on the count
         for t in ticks:
             assert not set(t["service_gpus"]) & set(t["job"]["gpus"]), t
-            assert len(t["service_gpus"]) + _job_gpus(t) + t["ray_gpus_free"] == 8, t
+            assert len(t["service_gpus"]) + _job_gpus(t) + t["ray_gpus_free"] == POOL_GPUS, t
         last = b.ticks()[-1]
         workers = [n for n in last["named_actors"] if n.startswith("worker:")]
         assert len(workers) == 3 and "coordinator:tiny-job" in last["named_actors"], last["named_actors"]

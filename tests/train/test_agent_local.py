@@ -157,11 +157,15 @@ def test_members_prepare_a_rescale_beside_the_step_in_progress_not_in_the_pause(
     """No lookahead (the launcher's default): a rescale switches at the next step boundary, so the
     step loop hears of it only there. The members' heartbeats are told the moment it is posted and
     plan and allocate their receive buffers beside the step in progress; at the switch the step
-    loop takes them ready. Steps of ~1-2 s (120 micro-batches a replica) leave no doubt which it was.
+    loop takes them ready. Steps of ~1-2 s on two workers (60 micro-batches of 2 a replica) leave no
+    doubt which it was. On four (TP 2) every micro-batch meets its TP peer many times on shared cores
+    and a step takes several times longer, so the test runs the fewest of them: the grow's first, then
+    the one the shrink waits for. Micro-batches of 2 rather than 1 halve those meetings and leave the
+    2-worker steps about as long (there a step's time is mostly per-micro-batch overhead).
     The shrink waits for the step's end (``give_up_step=False``): given up, it would switch at the
     next micro-batch, which a member can reach before its own heartbeat's answer is read (all give
     the step up together once any one asks)."""
-    cfg = TrainConfig(model=load_model("tiny"), global_batch=240, micro_batch=1)
+    cfg = TrainConfig(model=load_model("tiny"), global_batch=240, micro_batch=2)
     opts = LaunchOptions(pg_timeout_s=90, heartbeat_timeout_s=60, join_timeout_s=120)
     assert opts.lookahead_steps == 0 and opts.shrink_lookahead_steps == 0
     h = ProcessJobHandle("prepare-ahead", cfg, options=opts, log_dir=str(tmp_path))
@@ -169,7 +173,7 @@ def test_members_prepare_a_rescale_beside_the_step_in_progress_not_in_the_pause(
         h.start("tp1.pp1.dp2", ["w0", "w1"], timeout=180)
         h.wait_step(1, timeout=120)
         grow = h.rescale("tp2.pp1.dp2", ["w0", "w1", "w2", "w3"], timeout=240)  # posted once w2, w3 are up
-        h.wait_step(grow.switch_step + 1, timeout=120)
+        # the grow returned after the new layout's first step: the shrink is posted beside its second
         shrink = h.rescale("tp1.pp1.dp1", ["w0"], timeout=240, give_up_step=False)
         h.wait_step(shrink.switch_step + 1, timeout=120)
     finally:
@@ -189,6 +193,7 @@ def test_members_prepare_a_rescale_beside_the_step_in_progress_not_in_the_pause(
               + f"; pause {res.pause_seconds:.3f} s")
     history = h.history()
     assert [r.step for r in history] == list(range(len(history)))
+    assert {r.layout for r in history} == {"tp1.pp1.dp2", "tp2.pp1.dp2", "tp1.pp1.dp1"}
     ref = _mp.reference_losses(cfg, len(history), one_micro_batch=True)
     for r, want in zip(history, ref, strict=True):
         assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step} ({r.layout}): {r.loss} vs {want}"
