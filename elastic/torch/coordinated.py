@@ -79,6 +79,7 @@ from elastic.torch.manager import Manager, RescaleRecord, World
 from elastic.torch.rescale import RescaleMixin
 from elastic.torch.session_io import _LONG_POLL_S, _REASK_S, GroupsMixin, _Sockets
 from elastic.train.agent import AgentOptions, _is_comm_error, _short
+from elastic.train.rendezvous.messages import Directive
 from elastic.train.rendezvous.replies import Answer, Registered
 
 log = logging.getLogger(__name__)
@@ -247,7 +248,7 @@ class Session(RescaleMixin, GroupsMixin):
         self.phase = "registered"
         return self.config
 
-    def _wait_directive(self) -> Any:
+    def _wait_directive(self) -> Directive | None:
         """A registered worker with no generation polls until a directive lists it; None when the job ends."""
         while True:
             resp = self.client.ask("poll", Answer, wait_s=_LONG_POLL_S)

@@ -9,6 +9,7 @@ Must not: run the user's code other than its ``build(world)``, or talk to the co
 than through the session's client.
 """
 
+from __future__ import annotations
 
 import hashlib
 import json
@@ -24,6 +25,7 @@ from elastic.model import Layout, SpecError
 from elastic.torch.manager import MeshLayout, RescaleRecord, World, apply_carried, carried
 from elastic.torch.session_io import _RolledBack
 from elastic.train.agent import _Phases, _short
+from elastic.train.rendezvous.messages import Directive
 
 log = logging.getLogger("elastic.torch.coordinated")
 
@@ -31,8 +33,12 @@ log = logging.getLogger("elastic.torch.coordinated")
 class RescaleMixin:
     """Taking part in a directive (mixed into :class:`elastic.torch.coordinated.Session`)."""
 
+    # the session's, declared here so that setting them from a directive does not narrow their type
+    layout: Layout | None
+    _building: int | None
+
     # ---- rescale ------------------------------------------------------------------------------------
-    def _transition(self, d: Any) -> int | None:
+    def _transition(self, d: Directive) -> int | None:
         """Take part in directive ``d``; the step to go on at, or None when this worker no longer trains."""
         from elastic.reshard.plan import ReshardError
         from elastic.torch.reshard import NoPeers, execute_reshard, prepare_reshard
@@ -184,7 +190,7 @@ class RescaleMixin:
                                 **({"params": params} if params is not None else {})})
         return d.switch_step
 
-    def _new_ranks(self, d: Any, tag: str) -> dict[str, int]:
+    def _new_ranks(self, d: Directive, tag: str) -> dict[str, int]:
         """Which worker takes which position of the new mesh (the same map on every member)."""
         if not d.old_ranks:
             return {w: i for i, w in enumerate(d.workers)}
@@ -250,17 +256,17 @@ class RescaleMixin:
             return ranks
         return dict(self._shared(d, tag)["ranks"])
 
-    def _publish(self, d: Any, tag: str, ranks: dict[str, int]) -> None:
+    def _publish(self, d: Directive, tag: str, ranks: dict[str, int]) -> None:
         """The first old member's word to the others: the new positions and what is not a tensor."""
         self._sign_set(d, f"{tag}/shared", {"ranks": ranks, "extras": self._kept_extras,
                                              "replicated": self._replicated})
 
-    def _sign_set(self, d: Any, key: str, value: Any) -> None:
+    def _sign_set(self, d: Directive, key: str, value: Any) -> None:
         from elastic.train.rendezvous import sign
 
         self._store_for(d).set(key, sign(self.client.secret, pickle.dumps(value)))
 
-    def _shared(self, d: Any, tag: str) -> dict[str, Any]:
+    def _shared(self, d: Directive, tag: str) -> dict[str, Any]:
         """What the first old member published for directive ``d`` (waiting for it, given up with the rescale)."""
         if self._shared_cache is not None and self._shared_cache[0] == tag:
             return self._shared_cache[1]
@@ -268,7 +274,7 @@ class RescaleMixin:
         self._shared_cache = (tag, out)
         return out
 
-    def _signed_get(self, d: Any, keys: list[str], what: str) -> list[Any]:
+    def _signed_get(self, d: Directive, keys: list[str], what: str) -> list[Any]:
         """The values old members signed and set under ``keys`` (waiting for them, given up with the rescale)."""
         store = self._store_for(d)
         aborted = self._aborter(d.generation)
@@ -286,14 +292,14 @@ class RescaleMixin:
         # the store has no authentication: only what a holder of the job's secret signed is unpickled
         return [pickle.loads(verify(self.client.secret, store.get(k), f"entry {k}")) for k in keys]  # noqa: S301
 
-    def _control_ports(self, d: Any) -> set[int]:
+    def _control_ports(self, d: Directive) -> set[int]:
         """Ports of the connections that are not gloo's: the coordinator's HTTP and the job's store."""
         from urllib.parse import urlparse
 
         return {int(d.store_port), int(urlparse(self.client.url).port or 80)}
 
     @staticmethod
-    def _publisher(d: Any) -> str:
+    def _publisher(d: Directive) -> str:
         return min(d.old_ranks, key=d.old_ranks.__getitem__)
 
     def _dims(self, layout: Layout) -> tuple[tuple[str, int], ...]:
@@ -301,7 +307,7 @@ class RescaleMixin:
 
         return mesh_of_json(self.config, layout)
 
-    def _build_new(self, d: Any, new_ranks: dict[str, int]) -> tuple[Any, str]:
+    def _build_new(self, d: Directive | _Restore, new_ranks: dict[str, int]) -> tuple[Any, str]:
         """The user's ``build`` on the new mesh: ``(built, "")`` or ``(None, error)``."""
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -324,7 +330,7 @@ class RescaleMixin:
             log.warning("worker %s: build on %s raised", self.worker, d.layout, exc_info=True)
             return None, f"{self.worker}: build raised {type(e).__name__}: {_short(e, 300)}"
 
-    def _holder(self, d: Any, tag: str) -> dict[str, Any]:
+    def _holder(self, d: Directive, tag: str) -> dict[str, Any]:
         """A keeper's ``dst`` of the pause: its share of every tensor, on a CPU mesh of the keepers."""
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -336,7 +342,7 @@ class RescaleMixin:
         mesh = DeviceMesh("cpu", torch.arange(len(d.workers)), mesh_dim_names=(KEEP_DIM,))
         return holder_state(table, mesh)
 
-    def _hold(self, d: Any, dst: Any, extras: Any, new_ranks: dict[str, int], rec: RescaleRecord,
+    def _hold(self, d: Directive, dst: Any, extras: Any, new_ranks: dict[str, int], rec: RescaleRecord,
               result: dict[str, Any], t0: float) -> int:
         """A keeper with its share of the paused job's state: holds it and what is not a tensor, and
         waits (:meth:`ask` long-polls) for the directive that sends it on."""
@@ -386,7 +392,7 @@ class RescaleMixin:
         self._hooks = [opt.register_step_pre_hook(pre), opt.register_step_post_hook(post)]
         self._hooked = opt
 
-    def _restore(self, d: Any) -> None:
+    def _restore(self, d: Directive) -> None:
         """An abandoned rescale: the old layout again, from the kept state (every byte local)."""
         from elastic.torch.reshard import reshard
         from elastic.torch.state import training_state
@@ -422,7 +428,7 @@ class RescaleMixin:
         self._kept_extras = self._extras()
         return freeze(live if live is not None else training_state(self.model, self.optimizer))
 
-    def _exchange_broke(self, d: Any, was: bool, error: str) -> int | None:
+    def _exchange_broke(self, d: Directive, was: bool, error: str) -> int | None:
         """A peer was lost after ``go``, before the commit: old members stand again as the old
         generation's members on their kept state; a joiner has nothing to go back to."""
         log.warning("worker %s: the rescale to generation %d broke (%s)", self.worker, d.generation, error)
@@ -484,10 +490,11 @@ def bound_gloo_timeouts(groups: Any, seconds: float) -> None:
             backend._set_default_timeout(timeout)
 
 
-def _recovery_ranks(d: Any) -> dict[str, int]:
+def _recovery_ranks(d: Directive) -> dict[str, int]:
     """Recovery positions: each survivor keeps its tensor/pipeline coordinate, replicas renumbered in the
     directive's order (its complete replicas first); the directive's order where that is no bijection."""
     old, new = d.old_layout, d.layout
+    assert old is not None  # a recovery has an old generation
     replicas: dict[int, int] = {}
     out: dict[str, int] = {}
     for w in d.workers:
@@ -510,7 +517,7 @@ def _replicas_only(live: Any, old: Layout | None, new: Layout) -> bool:
             and not any(is_dtensor(t) for t in live.values()))
 
 
-def _replicated_source(src: Any, d: Any) -> Any:
+def _replicated_source(src: Any, d: Directive) -> Any:
     """The old state as every member's known source of directive ``d`` (ranks in the union group,
     whose members are ``d.members`` in sorted order); None (exchange the descriptions) if it holds
     a DTensor after all."""

@@ -9,6 +9,7 @@ connections so a peer blocked in a collective fails at once. A mixin of
 Must not: decide anything about a rescale; that is the coordinator's.
 """
 
+from __future__ import annotations
 
 import datetime
 import logging
@@ -16,12 +17,16 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from elastic.train.agent import FAILED_JOB_GRACE_S, _hard_exit
+from elastic.train.rendezvous.messages import Directive
 from elastic.train.rendezvous.replies import Beat, Decision
+
+if TYPE_CHECKING:  # rescale imports this module
+    from elastic.torch.rescale import _Restore
 
 log = logging.getLogger("elastic.torch.coordinated")
 
@@ -34,18 +39,18 @@ class GroupsMixin:
     """Groups and coordinator I/O (mixed into :class:`elastic.torch.coordinated.Session`)."""
 
     # ---- groups ---------------------------------------------------------------------------------
-    def _store_for(self, d: Any) -> Any:
+    def _store_for(self, d: Directive | _Restore) -> Any:
         if self._store is None:
             self._store = dist.TCPStore(d.store_host, d.store_port, is_master=False, wait_for_workers=False,
                                         timeout=datetime.timedelta(seconds=self.opts.pg_timeout_s))
         return self._store
 
-    def _roll_call(self, d: Any, store: Any, rank: int, world: int, building: int) -> None:
+    def _roll_call(self, d: Directive | _Restore, store: Any, rank: int, world: int, building: int) -> None:
         from elastic.train.abortable import roll_call
 
         roll_call(store, "roll-call", rank, world, self._aborter(building), self.opts.pg_timeout_s)
 
-    def _raw_group(self, d: Any, prefix: str, members: list[str], *, nccl: bool = False) -> Any:
+    def _raw_group(self, d: Directive, prefix: str, members: list[str], *, nccl: bool = False) -> Any:
         store = dist.PrefixStore(prefix + "/", self._store_for(d))
         me = members.index(self.worker)
         self._roll_call(d, store, me, len(members), d.generation)
@@ -56,7 +61,7 @@ class GroupsMixin:
             return dist.ProcessGroupNCCL(store, me, len(members), opts)
         return dist.ProcessGroupGloo(store, me, len(members), timeout)
 
-    def _init_world(self, d: Any, prefix: str, rank: int, n: int) -> None:
+    def _init_world(self, d: Directive | _Restore, prefix: str, rank: int, n: int) -> None:
         from elastic.torch.caches import clear_dtensor_caches
 
         self._drop_world()
@@ -108,7 +113,7 @@ class GroupsMixin:
         return aborted
 
     # ---- coordinator I/O --------------------------------------------------------------------------
-    def _meet(self, d: Any, digest: str, plan: dict[str, Any], error: str) -> tuple[str, str]:
+    def _meet(self, d: Directive, digest: str, plan: dict[str, Any], error: str) -> tuple[str, str]:
         while True:
             resp = self.client.ask("arrive", Decision, generation=d.generation, digest=digest, plan=plan, error=error,
                                    wait_s=_LONG_POLL_S)
@@ -116,7 +121,7 @@ class GroupsMixin:
                 return resp.decision, resp.reason
             time.sleep(_REASK_S)
 
-    def _exchanged(self, d: Any) -> tuple[str, str]:
+    def _exchanged(self, d: Directive) -> tuple[str, str]:
         while True:
             resp = self.client.ask("exchanged", Decision, generation=d.generation, wait_s=_LONG_POLL_S)
             if resp.decision != "wait":

@@ -124,6 +124,27 @@ def test_an_answer_that_does_not_read_names_the_field(route: str, body: dict, sa
         assert f"answer to {route}" in str(e.value)
 
 
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        (
+            lambda: Answer("jump"),
+            'answer: "action" must be one of break, exit, finish, go, hold, join, stop, switch, wait, '
+            "got 'jump'",
+        ),
+        (
+            lambda: Decision("maybe"),
+            "decision: \"decision\" must be one of abandoned, go, rollback, stop, wait, got 'maybe'",
+        ),
+    ],
+    ids=["answer", "decision"],
+)
+def test_a_value_out_of_its_closed_set_names_the_kind_field_set_and_value(make, says: str) -> None:
+    with pytest.raises(BadReply) as e:
+        make()
+    assert str(e.value) == says
+
+
 def test_a_client_asks_for_the_kind_its_route_answers_with() -> None:
     c = Coordinator("j", {"model": "tiny"}).start()
     try:

@@ -35,6 +35,7 @@ from elastic.train.rendezvous.posting import (
     refusal,
     switch_step,
 )
+from elastic.train.rendezvous.recovery import consistent_step
 from elastic.train.rendezvous.requests import StepReport
 from elastic.train.rendezvous.routes import _Routes
 from elastic.train.rendezvous.saves import SaveState, write_failed
@@ -252,7 +253,7 @@ class Coordinator(_Routes, _Liveness):
         if hold:
             raise SpecError(f"job {self.job}: a step ran out of memory; move it to a layout that fits (or stop it) "
                             "rather than pausing it")
-        r, inconsistent = self._oom_step_locked(rec)
+        r, inconsistent = consistent_step(dict(sorted(rec.reports.items())), oom=True)
         if inconsistent:  # defensive: such a job has failed when the last member reported
             raise SpecError(f"job {self.job}: {inconsistent}")
         if (why := max_steps_refusal(self.settings, self.job, generation, r + 1)) is not None:
@@ -291,7 +292,7 @@ class Coordinator(_Routes, _Liveness):
                 raise SpecError(why)
             cur = self._current
             if self._recovery is not None:  # held after a step ran out of memory: it switches at that step
-                switch: int | None = self._oom_step_locked(self._recovery)[0] + 1
+                switch: int | None = consistent_step(self._recovery.reports, oom=True)[0] + 1
             else:
                 switch = switch_step(self.settings, cur, self._max_begun) if cur is not None else None
             if switch is not None and (why := max_steps_refusal(self.settings, self.job, generation, switch)):

@@ -78,17 +78,13 @@ class _Liveness:
             return False
         if p is not None and p.decision == "go" and not self._committed(p):  # bytes in flight
             return False
-        return self._recoverable(cur)
+        return recoverable(self.settings, cur, bool(self.config.get("dp_replicas", True)))
 
     @staticmethod
     def _committed(p: _Pending) -> bool:
         """Every member of a transactional rescale exchanged its part: the new generation's state
         is whole on its members (a loss from here on is recovered from the new generation)."""
         return p.directive.rollback and set(p.directive.members) <= p.exchanged
-
-    def _recoverable(self, gen: _Gen) -> bool:
-        """A loss in ``gen`` can be recovered (:func:`~elastic.train.rendezvous.posting.recoverable`)."""
-        return recoverable(self.settings, gen, bool(self.config.get("dp_replicas", True)))
 
     def _rollback_pending_locked(self) -> _Pending | None:
         """The transactional rescale a loss now rolls back: bytes moving (``go``), not every member
@@ -260,7 +256,8 @@ class _Liveness:
         if rec.oom is not None and not rec.lost:
             # out of memory, nobody lost: retrying the layout would fail again; every member holds its
             # state and waits for a directive onto a layout that fits (directive(), from the controller)
-            _, inconsistent = self._oom_step_locked(rec)
+            # in worker order: the worker the reason names does not depend on who reported first
+            _, inconsistent = consistent_step(dict(sorted(rec.reports.items())), oom=True)
             if inconsistent:
                 self._fail_locked(f"{rec.reason}; {inconsistent}")
                 return
@@ -314,12 +311,6 @@ class _Liveness:
                         f"({len(members)} of {len(survivors)} survivors, {per} per replica)")
         log.warning("job %s: %s", self.job, self._reason)
         self._cv.notify_all()
-
-    @staticmethod
-    def _oom_step_locked(rec: _Recovery) -> tuple[int, str]:
-        """The step every member of a job held after a step ran out of memory can stand at, and why
-        there is none ("" when there is): :func:`~elastic.train.rendezvous.recovery.consistent_step`."""
-        return consistent_step(dict(sorted(rec.reports.items())), oom=True)
 
     def _h_exit(self, m: Exit) -> Ack:
         """A worker exits on purpose (stop, finish, abandoned joiner): stop watching it."""

@@ -27,6 +27,13 @@ class BadReply(ValueError):
     message (a coordinator and workers of different versions, or a bug)."""
 
 
+def _one_of(kind: str, field: str, value: str, allowed: frozenset[str]) -> None:
+    """BadReply naming the reply's kind, the field, what it may be and what it got, unless ``value``
+    is in the closed set ``allowed``."""
+    if value not in allowed:
+        raise BadReply(f'{kind}: "{field}" must be one of {", ".join(sorted(allowed))}, got {value!r}')
+
+
 @dataclass(frozen=True)
 class Reply(_Message):
     """An answer of the coordinator; ``to_wire()`` leaves out the fields that are None."""
@@ -105,10 +112,7 @@ class Answer(Reply):
     give_up: int | None = None
 
     def __post_init__(self) -> None:
-        if self.action not in ACTIONS:
-            raise BadReply(
-                f'{self.kind}: "action" must be one of {", ".join(sorted(ACTIONS))}, got {self.action!r}'
-            )
+        _one_of(self.kind, "action", self.action, ACTIONS)
 
 
 @dataclass(frozen=True)
@@ -137,11 +141,7 @@ class Decision(Reply):
     gave_up: GaveUpInfo | None = None
 
     def __post_init__(self) -> None:
-        if self.decision not in DECISIONS:
-            raise BadReply(
-                f'{self.kind}: "decision" must be one of {", ".join(sorted(DECISIONS))}, '
-                f"got {self.decision!r}"
-            )
+        _one_of(self.kind, "decision", self.decision, DECISIONS)
 
 
 @dataclass(frozen=True)
