@@ -79,7 +79,8 @@ FORMATTED = elastic/phases.py elastic/reasons.py tests/test_reasons.py elastic/r
 	tests/train/test_engine_protocol.py elastic/train/rendezvous/saves.py elastic/train/rendezvous/posting.py \
 	elastic/train/rendezvous/recovery.py elastic/train/rendezvous/meeting.py tests/train/test_saves.py \
 	tests/train/test_posting.py tests/train/test_recovery_plan.py tests/train/test_meeting.py \
-	tests/controller/test_rescale_outcome.py elastic/train/rendezvous/replies.py tests/train/test_replies.py
+	tests/controller/test_rescale_outcome.py elastic/train/rendezvous/replies.py tests/train/test_replies.py \
+	elastic/train/rendezvous/remote.py elastic/train/rendezvous/host.py tests/train/test_coordinator_host.py
 check: venv
 	@fail=0; \
 	echo "== ruff check"; $(BIN)/ruff check elastic operators tests benchmarks || fail=1; \

@@ -78,10 +78,6 @@ class OperatorSettings:
 
     db_url: str = "sqlite:///./elastic-operator.db"
     instance: str = "elastic-operator"  # POD_NAME: lease owner and Event reportingInstance
-    pod_ip: str | None = None  # advertised to training workers (coordinator runtime)
-    # where the training coordinators (HTTP and TCPStore) listen: the pod's own address (POD_IP), so
-    # nothing else on the node reaches them; "0.0.0.0" only when asked for
-    coordinator_host: str = "0.0.0.0"
     job_runtime: str = "coordinator"
     field_manager: str = "elastic-operator"
     timer_seconds: float = 1.0
@@ -96,8 +92,6 @@ class OperatorSettings:
         e = dict(os.environ if env is None else env)
         return cls(
             db_url=e.get("ELASTIC_DB_URL") or cls.db_url, instance=e.get("POD_NAME") or cls.instance,
-            pod_ip=e.get("POD_IP") or None,
-            coordinator_host=e.get("ELASTIC_COORDINATOR_HOST") or e.get("POD_IP") or cls.coordinator_host,
             job_runtime=e.get("ELASTIC_JOB_RUNTIME") or cls.job_runtime,
             field_manager=e.get("ELASTIC_FIELD_MANAGER") or cls.field_manager,
             timer_seconds=float(e.get("ELASTIC_OPERATOR_TIMER_SECONDS") or cls.timer_seconds),
@@ -167,7 +161,7 @@ class OperatorRuntime(Publishing):
         s = self.settings
         return KubernetesBackend(node_selector=cr.node_selector, gpus_per_node=cr.gpus_per_node,
                                  api_client=self.api_client, field_manager=s.field_manager, job_runtime=s.job_runtime,
-                                 coordinator_host=s.coordinator_host, advertise_host=s.pod_ip, hardware=cr.hardware,
+                                 hardware=cr.hardware,
                                  scale_down_wait_seconds=s.wait_seconds, pod_gone_wait_seconds=s.wait_seconds,
                                  **self.backend_options)
 

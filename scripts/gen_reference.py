@@ -423,13 +423,16 @@ ENV_DOCS: dict[str, str] = {
     "ELASTIC_LOG_LEVEL": "Log level of `elastic serve`, the operator and workers: `DEBUG`, `INFO`, `WARNING`, `ERROR`.",
     "ELASTIC_LOG_FORMAT": "Log format: `text`, or `json` (one object per line).",
     # operator
-    "ELASTIC_JOB_RUNTIME": "Operator: `coordinator` (in-place reshard through a coordinator in the operator; default) or `pods` (pods only).",
+    "ELASTIC_JOB_RUNTIME": "Operator: `coordinator` (in-place reshard through the job's coordinator pod; default) or `pods` (pods only).",
     "ELASTIC_OPERATOR_TIMER_SECONDS": "Operator: seconds between its reconcile ticks.",
     "ELASTIC_LEASE_SECONDS": "Operator: the leader lease's length in seconds.",
     "ELASTIC_METRICS_MAX_AGE_SECONDS": "Operator: readings older than this count as stale (never shrink a service).",
     "ELASTIC_BACKEND_WAIT_SECONDS": "Operator: how long the Kubernetes backend waits for a step (a scale, pods up or down).",
-    "ELASTIC_COORDINATOR_HOST": "Operator: the address its job coordinators listen on and hand to workers; default the pod's IP (`POD_IP`).",
     "ELASTIC_FIELD_MANAGER": "Operator: the field manager name of its server-side applies.",
+    "ELASTIC_COORDINATOR_SPEC": "Coordinator pod (`python -m elastic.train.rendezvous.host`): the job's config and the coordinator's settings as JSON; the operator writes it.",
+    "ELASTIC_COORDINATOR_PORT": "Coordinator pod: the port it serves workers and the operator on (default 29400; 0: any free port).",
+    "ELASTIC_COORDINATOR_BIND": "Coordinator pod: the address it listens on; default the advertised host (the pod's IP), else `0.0.0.0`.",
+    "ELASTIC_ADVERTISE_HOST": "Coordinator pod: the host its workers are told to reach; default `POD_IP`.",
     "ELASTIC_MODEL_DIR": "Operator: the directory model files named by jobs are read from (confined to it).",
     # workers (set by the launcher or the pod template, not by hand)
     "ELASTIC_JOB": "Worker: the job's name (set by the launcher).",

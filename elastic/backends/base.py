@@ -286,10 +286,10 @@ class Fenced(Protocol):
 
 @runtime_checkable
 class Adopts(Protocol):
-    """Re-attaches at start to workloads a previous controller left running; ``adopted`` says
-    what it found, for the controller's recovery notes."""
+    """Re-attaches to workloads a previous controller left running. The controller calls ``adopt``
+    once, in its recovery, before it reads any job's runtime; it returns what was found, as notes."""
 
-    adopted: list[str]
+    def adopt(self) -> list[str]: ...
 
 
 @dataclass(frozen=True)

@@ -20,17 +20,21 @@ What it is for: the operator drives the controller's ``Backend`` protocol agains
 Two job runtimes:
 
 ``coordinator`` (production): :class:`KubernetesJobHandle`, a ``JobHandle`` whose workers are
-pods, hosts the job's rendezvous coordinator inside the operator (bound on all interfaces,
-advertised at the operator pod's IP); start/rescale/stop go through it, so a rescale is the
+pods and whose rendezvous coordinator is a CPU pod of its own, ``<job>-coordinator`` (the job's
+image running ``python -m elastic.train.rendezvous.host``, listening on its pod IP, driven by the
+operator over HTTP with the job's secret); start/rescale/stop go through it, so a rescale is the
 trainer's in-place, checkpoint-free reshard and returns after the new layout's first step. A
 leaver's pod is deleted once it has exited 0 (its bytes landed); a failed pod stays for
 ``kubectl logs`` until the job stops. Every worker pod of a new layout is re-annotated with its
 generation. ``pause_job`` moves a job pushed below its minimum into keeper pods (the template
-without GPU requests or node pinning) and ``set_job_gpus`` resumes it from them in place. Worker
-pods found running without a coordinator in this process (the operator that hosted theirs was
-restarted or replaced) cannot be adopted: they are reported ``Failed`` on the GPUs their
-annotations name, so the controller stops them before anyone else gets those GPUs, and the job
-starts again from its newest checkpoint.
+without GPU requests or node pinning) and ``set_job_gpus`` resumes it from them in place. Because
+the coordinator outlives the operator, a restarted operator (or the standby that takes over)
+re-attaches to each running job (``adopt``, see :mod:`elastic.backends.kubernetes_coordinator`):
+a rescale left in flight is finished by the coordinator and its workers, pods of no current
+generation are deleted before their GPUs count as free, and training goes on from the same step.
+Worker pods whose coordinator pod is gone are reported ``Failed`` on the GPUs their annotations
+name, so the controller stops them before anyone else gets those GPUs, and the job starts again
+from its newest checkpoint.
 
 ``pods`` (an API server without kubelets: the test emulator, dry runs): the job "runs" once
 its pods exist; a rescale deletes the leavers' pods, creates the joiners' and re-annotates the
@@ -93,7 +97,6 @@ class KubernetesBackend(_Training):
 
     def __init__(self, *, node_selector: dict[str, str] | None = None, gpus_per_node: int = 8,
                  api_client: Any = None, field_manager: str = FIELD_MANAGER, job_runtime: str = "coordinator",
-                 coordinator_host: str = "0.0.0.0", advertise_host: str | None = None,
                  hardware: str | None = None, launch_options: Any = None,
                  trainer_config: Callable[[TrainingSpec], Any] | None = None,
                  scale_down_wait_seconds: float = 120.0, pod_gone_wait_seconds: float = 120.0,
@@ -109,8 +112,6 @@ class KubernetesBackend(_Training):
         self.gpus_per_node = gpus_per_node
         self.field_manager = field_manager
         self.job_runtime_mode = job_runtime
-        self.coordinator_host = coordinator_host
-        self.advertise_host = advertise_host
         self.hardware = hardware
         self.launch_options = launch_options
         self.trainer_config = trainer_config
@@ -126,6 +127,9 @@ class KubernetesBackend(_Training):
         self.booked: dict[str, tuple[GPU, ...]] = {}  # service -> GPUs the controller gave its replicas
         self._jobs: dict[str, _Job] = {}
         self._lock = threading.RLock()
+        self.adopted: list[str] = []  # what re-attaching to running jobs found, until ``adopt`` hands it on
+        self._adopt_tried: set[str] = set()  # jobs this process re-attached to, tried to, or started itself
+        self._adopting = threading.Lock()
 
     # ---- targets (the operator keeps these in step with the CRs) -----------------------------
     def set_service(self, workload: str, target: ServiceTarget, booked: Sequence[GPU] = ()) -> None:

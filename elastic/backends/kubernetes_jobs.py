@@ -1,5 +1,6 @@
 """The training half of the Kubernetes backend: a job's worker pods, their Secret and Service,
-keepers, and the in-place rescale through the trainer's coordinator with workers as pods."""
+keepers, and the in-place rescale through the job's coordinator (a pod of its own, see
+:mod:`elastic.backends.kubernetes_coordinator`) with workers as pods."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from elastic.backends.base import (
     layout_of,
     still_held,
 )
+from elastic.backends.kubernetes_coordinator import _Coordinators
 from elastic.backends.kubernetes_names import (
     ANN_GENERATION,
     ANN_GPU,
@@ -42,7 +44,7 @@ from elastic.backends.kubernetes_names import (
 from elastic.model import GPU, Layout, SpecError, TrainingSpec
 from elastic.phases import CoordinatorPhase, JobPhase
 from elastic.train.launch import JobHandle, job_options
-from elastic.train.rendezvous import SECRET_ENV, RescaleCancelled
+from elastic.train.rendezvous import SECRET_ENV, JobFailed, RescaleCancelled
 
 if TYPE_CHECKING:
     from elastic.backends.kubernetes import KubernetesBackend
@@ -50,7 +52,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("elastic.backends.kubernetes")
 
 
-class _Training:
+class _Training(_Coordinators):
     """The training half of :class:`~elastic.backends.kubernetes.KubernetesBackend` (its client, lock
     and bookkeeping are the backend's)."""
 
@@ -99,20 +101,34 @@ class _Training:
     def _coordinator_runtime(self, job: str) -> JobRuntime | None:
         with self._lock:
             j = self._jobs.get(job)
+        if j is None:  # never seen by this process: a previous operator's job, if its coordinator runs
+            j = self._adopt_job(job)
         if j is None or j.handle is None:
             return self._orphaned_runtime(job)
-        st = j.handle.status()
+        try:
+            st = j.handle.status()
+        except JobFailed as e:
+            if self._coordinator_serving(job):  # slow, not gone: the last reading stands
+                log.warning("%s: %s; its coordinator pod still runs, the job's last status stands", job, e)
+                return j.seen
+            # its coordinator pod is gone: nothing can gather the workers' state again
+            log.warning("%s: %s; its worker pods are stopped", job, e)
+            with self._lock:  # the next start makes a new coordinator pod
+                if self._jobs.get(job) is j:
+                    self._jobs.pop(job)
+            return self._orphaned_runtime(job)
         if st.phase == CoordinatorPhase.RUNNING:
             j.workers = still_held(j.workers, st.workers)  # after a recovery on its own: fewer
-        return coordinator_runtime(job, st, j.workers, j.last)
+        j.seen = coordinator_runtime(job, st, j.workers, j.last)
+        return j.seen
 
     def _orphaned_runtime(self, job: str) -> JobRuntime | None:
-        """Worker pods that run with no coordinator in this process: the operator process that hosted
-        theirs is gone (restarted, or a standby took over). Their state lives only in their memory and
-        their coordinator's, neither of which can be adopted, so they are reported ``Failed`` on the GPUs
-        their annotations name: the controller then stops them (their GPUs are on record until their pods
-        are gone, so none is handed out twice) and starts the job again, from its newest checkpoint if
-        it keeps any. None when no such pod runs."""
+        """Worker pods that run with no coordinator this process can reach: their coordinator pod is
+        gone (deleted, or it failed). Their state lives only in their memory, which no coordinator can
+        gather again, so they are reported ``Failed`` on the GPUs their annotations name: the controller
+        then stops them (their GPUs are on record until their pods are gone, so none is handed out
+        twice) and starts the job again, from its newest checkpoint if it keeps any. None when no such
+        pod runs."""
         pods = [p for p in self.worker_pods(job)
                 if not (p.status is not None and p.status.phase in ("Succeeded", "Failed"))]
         if not pods:
@@ -124,10 +140,10 @@ class _Training:
                    if int(a.get(ANN_GENERATION, 0)) == gen}
         names = ", ".join(p.metadata.name for p in pods)
         return JobRuntime(job, JobPhase.FAILED, layouts.pop() if len(layouts) == 1 else None, gpus, gen,
-                          error=f"worker pod(s) {names} run without their coordinator: the operator process that "
-                                "hosted it is gone (restarted or replaced) and their in-memory state cannot be "
-                                "adopted; they are stopped and the job starts again, from its newest checkpoint "
-                                "if it keeps any")
+                          error=f"worker pod(s) {names} run without their coordinator: its pod "
+                                f"{self.coordinator_pod_name(job)} is gone or not serving, and their in-memory "
+                                "state cannot be gathered again; they are stopped and the job starts again, from "
+                                "its newest checkpoint if it keeps any")
 
     def checkpoint_job(self, job: str, wait_seconds: float = 0.0) -> CheckpointOutcome:
         """Coordinator runtime: save ``job``'s state at its next step boundary (``checkpoint_through``)."""
@@ -163,6 +179,7 @@ class _Training:
             raise BackendError(f"{spec.name}: pause of {before.layout} failed: {e}") from e
         with self._lock:
             j.workers, j.next_id = {}, j.next_id + n
+        self.remember_job(spec.name, j, keepers=keepers)
         kept = Layout.parse(res.to_layout)
         self._stamp_generation(spec.name, keepers, res.generation, kept)
         out = RescaleOutcome.from_result(spec.name, running, res, to_layout=kept)
@@ -233,9 +250,21 @@ class _Training:
             return self._stop_coordinated(spec, j)
         assert layout is not None
         if j is None or j.handle is None:
-            j = _Job(handle=self._new_handle(spec))
-            with self._lock:
+            j = j or _Job()
+            with self._lock:  # a handle on its way: no adoption of the coordinator pod it creates
                 self._jobs[spec.name] = j
+                self._adopt_tried.add(spec.name)
+            # pods of an earlier run whose coordinator is gone (ended, kept for `kubectl logs`): their
+            # names are given out again from 0
+            self.delete_pods(spec.name, [p.metadata.name for p in self.worker_pods(spec.name)])
+            try:
+                j.handle = self._new_handle(spec)
+            except Exception:
+                with self._lock:
+                    self._jobs.pop(spec.name, None)
+                self.delete_coordinator(spec.name)
+                raise
+            self.remember_job(spec.name, j, spec=spec)
         new_workers: dict[GPU, str] = {}
         nxt = j.next_id
         base = self._job_target(spec.name).name
@@ -246,6 +275,9 @@ class _Training:
                 new_workers[g] = f"{base}-w{nxt}"
                 nxt += 1
         j.handle.placement = {w: (g, layout) for g, w in new_workers.items()}
+        # every worker's GPU on record with the coordinator before anything moves: a successor that
+        # re-attaches in the middle of this rescale knows where its joiners run
+        self.remember_job(spec.name, j, {**j.workers, **new_workers}, nxt, spec=spec)
         st = j.handle.status()
         starting = st.phase == CoordinatorPhase.STARTING and st.generation == 0
         self.apply_worker_service(spec.name)
@@ -265,6 +297,7 @@ class _Training:
             raise BackendError(f"{spec.name}: {'start' if starting else 'rescale'} on {layout} failed: {e}") from e
         with self._lock:
             j.workers, j.next_id = new_workers, nxt
+        self.remember_job(spec.name, j, keepers=[])
         self._stamp_generation(spec.name, list(new_workers.values()), res.generation, layout)
         out = RescaleOutcome.from_result(spec.name, layout_of(st.layout), res, to_layout=layout)
         j.last = out
@@ -286,19 +319,18 @@ class _Training:
         # the user's code: its config whatever tunes the reference trainer
         cfg = (self.trainer_config(spec) if self.trainer_config and spec.entrypoint is None
                else default_trainer_config(spec))
-        # the coordinator runs in this process, without the workers' volume: it starts a job at the
-        # newest checkpoint its workers report when they register
+        # the coordinator pod mounts no volume of the workers: it starts a job at the newest checkpoint
+        # its workers report when they register
         opts = job_options(self.launch_options, spec, coordinator_sees=False)
-        handle = KubernetesJobHandle(self, spec, cfg, options=opts, hardware=self.hardware,
-                                     gpus_per_node=self.gpus_per_node, host=self.coordinator_host,
-                                     advertise_host=self.advertise_host)
-        # the job's secret reaches its pods through a Secret, not as a literal in the pod spec
-        # (readable by anyone who may get pods)
-        self.apply_job_secret(spec.name, handle.coordinator.secret)
-        return handle
+        client = self.start_coordinator(spec, cfg, opts)
+        return KubernetesJobHandle(self, spec, cfg, coordinator=client, options=opts, hardware=self.hardware,
+                                   gpus_per_node=self.gpus_per_node)
 
     def _stop_coordinated(self, spec: TrainingSpec, j: _Job | None) -> RescaleOutcome:
-        st = j.handle.status() if j and j.handle else None
+        try:
+            st = j.handle.status() if j and j.handle else None
+        except JobFailed:  # its coordinator pod is gone: the pods go all the same
+            st, j = None, None
         if j is not None and j.handle is not None:
             try:
                 j.handle.stop()
@@ -306,6 +338,7 @@ class _Training:
                 log.warning("%s: coordinator stop failed: %s", spec.name, e)
         # whatever the coordinator did, no pod of the job may keep its GPU
         self.delete_pods(spec.name, [p.metadata.name for p in self.worker_pods(spec.name)])
+        self.delete_coordinator(spec.name)
         self.delete_worker_service(spec.name)
         self.delete_job_secret(spec.name)
         with self._lock:
@@ -477,6 +510,7 @@ class _Training:
             except Exception as e:  # noqa: BLE001 - the pods go regardless
                 log.warning("%s: coordinator stop failed: %s", job, e)
         self.delete_pods(job, pods)
+        self.delete_coordinator(job)
         self.delete_worker_service(job)
         self.delete_job_secret(job)
         with self._lock:
@@ -513,16 +547,15 @@ def _worker_index(pod: str) -> int:
 
 
 class KubernetesJobHandle(JobHandle):
-    """A ``JobHandle`` whose workers are pods: ``_spawn`` applies the pod (on the node the allocation
-    chose, with the worker's env pointing at this process's coordinator), ``_exit_reason`` reads the
-    pod's phase, ``_kill`` deletes it. ``placement`` (worker -> (GPU, layout)) is set by the backend
-    before each start/rescale."""
+    """A ``JobHandle`` whose workers are pods and whose coordinator is the job's coordinator pod
+    (``coordinator``: its client): ``_spawn`` applies the pod (on the node the allocation chose, with
+    the worker's env pointing at the coordinator pod), ``_exit_reason`` reads the pod's phase,
+    ``_kill`` deletes it. ``placement`` (worker -> (GPU, layout)) is set by the backend before each
+    start/rescale."""
 
-    def __init__(self, backend: KubernetesBackend, spec: TrainingSpec, cfg: Any, *, host: str = "0.0.0.0",
-                 advertise_host: str | None = None, **kw: Any) -> None:
-        super().__init__(spec.name, cfg, host=host, **kw)
-        if advertise_host:
-            self.coordinator.advertise_host = advertise_host
+    def __init__(self, backend: KubernetesBackend, spec: TrainingSpec, cfg: Any, *, coordinator: Any,
+                 **kw: Any) -> None:
+        super().__init__(spec.name, cfg, coordinator=coordinator, **kw)
         self.backend = backend
         self.spec = spec
         self.placement: dict[str, tuple[GPU, Layout]] = {}

@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from elastic.backends.base import (
+    JobRuntime,
     RescaleOutcome,
 )
 from elastic.model import GPU
@@ -17,6 +18,8 @@ LABEL_JOB = "elastic.dev/job"
 LABEL_WORKER = "elastic.dev/worker"
 LABEL_MANAGED = "app.kubernetes.io/managed-by"
 LABEL_KEEPER = "elastic.dev/keeper"
+LABEL_COORDINATOR = "elastic.dev/coordinator"  # on a job's coordinator pod: the job's name
+COORDINATOR_PORT = 29400  # the coordinator pod serves workers and the operator here
 LABEL_SERVING = "elastic.dev/serving"  # "false": drained, out of a Service that selects "true"
 ANN_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 ANN_DRAIN_UNTIL = "elastic.dev/drained-until"  # unix time: back into the balancer unless asked again
@@ -65,6 +68,7 @@ class _Job:
     workers: dict[GPU, str] = field(default_factory=dict)
     next_id: int = 0
     last: RescaleOutcome | None = None
+    seen: JobRuntime | None = None  # the last reading of the job (coordinator runtime)
 
 
 def _now() -> str:

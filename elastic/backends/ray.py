@@ -30,6 +30,7 @@ holding a GPU that no workload's bookkeeping accounts for.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -477,7 +478,7 @@ class RayBackend:
             log.warning("replicas %s still busy after a %.0f s drain; stopping them cuts their requests",
                         busy, self.drain_seconds)
 
-    def _wait_gpus_free(self, n: int, timeout: float = 10.0) -> None:
+    def _wait_gpus_free(self, n: float, timeout: float = 10.0) -> None:
         import ray
 
         deadline = time.monotonic() + timeout
@@ -485,7 +486,7 @@ class RayBackend:
             if ray.available_resources().get("GPU", 0.0) >= n - 1e-9:
                 return
             time.sleep(0.02)
-        log.warning("Ray still shows fewer than %d GPUs free after stopping replicas", n)
+        log.warning("Ray still shows fewer than %g GPUs free after stopping actors", n)
 
     # ---- training -------------------------------------------------------------------------------
     def job_runtime(self, job: str) -> JobRuntime | None:
@@ -689,6 +690,11 @@ class RayBackend:
         self.jobs.clear()
 
     # ---- re-attach after a controller restart (detached mode) ---------------------------------
+    def adopt(self) -> list[str]:
+        """What ``_adopt`` found: in detached mode this backend re-attaches as it starts, so the
+        replicas and jobs it found are its own before any controller reads it."""
+        return list(self.adopted)
+
     def _adopt(self) -> list[str]:
         """Find this pool's named actors and rebuild the bookkeeping from them. Returns notes.
 
@@ -711,11 +717,17 @@ class RayBackend:
             elif kind == "coordinator":
                 notes.append(self._adopt_job(rest, [w for w in workers if w.startswith(f"worker:{rest}:")]))
         owned = {f"worker:{job}:{w}" for job, j in self.jobs.items() for w in [*j.workers.values(), *j.keepers]}
-        for name in workers:
-            if name not in owned:
-                _kill_named(name, self.namespace)
-                notes.append(f"removed worker actor {name}: in no job's current generation "
-                             "(a leaver still exiting, or a joiner of an abandoned rescale)")
+        strays = [name for name in workers if name not in owned]
+        free_before = ray.available_resources().get("GPU", 0.0)
+        for name in strays:
+            _kill_named(name, self.namespace)
+            notes.append(f"removed worker actor {name}: in no job's current generation "
+                         "(a leaver still exiting, or a joiner of an abandoned rescale)")
+        # a killed actor's GPU is free only once Ray says so: until then the controller's first tick
+        # would count it free while Ray still books it (keepers hold none)
+        holding = [n for n in strays if not re.fullmatch(r".*-k\d+", n)]
+        if holding:
+            self._wait_gpus_free(free_before + len(holding))
         return notes
 
     def _adopt_replica(self, name: str, rest: str) -> str:

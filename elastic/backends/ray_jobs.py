@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -393,9 +392,7 @@ class RayJobHandle(JobHandle):
                 h.actors[w] = ray.get_actor(f"worker:{job}:{w}", namespace=namespace)
             except ValueError:
                 continue  # gone (a leaver that exited)
-            h._spawned.add(w)
-        h._watcher = threading.Thread(target=h._watch, name=f"launcher-{job}", daemon=True)
-        h._watcher.start()
+        h.attach(list(h.actors))
         return h
 
     def remember(self, gpus: dict[str, list[Any]], next_id: int, *, keepers: list[str] | None = None) -> None:
@@ -407,20 +404,6 @@ class RayJobHandle(JobHandle):
             self.meta["keepers"] = list(keepers)
         ray.get(self._actor.update_meta.remote(gpus=self.meta["gpus"], next_id=next_id,
                                                keepers=self.meta.get("keepers", [])), timeout=60)
-
-    def settle(self, timeout: float) -> Any:
-        """Wait for a rescale left in flight (its members finish it without a controller)."""
-        from elastic.train.rendezvous import JobFailed, RescaleFailed
-
-        st = self.coordinator.status()
-        rec = st.last_rescale
-        if rec is not None and rec.ok is None and st.phase in ("rescaling", "starting"):
-            try:
-                self.coordinator.wait_generation(rec.generation, timeout)
-            except (RescaleFailed, JobFailed, TimeoutError) as e:
-                log.warning("job %s: the rescale in flight at adoption ended: %s", self.job, e)
-            st = self.coordinator.status()
-        return st
 
     def forget_except(self, workers: list[str]) -> None:
         """Kill the job's actors that the current generation does not use (leavers that lingered)."""

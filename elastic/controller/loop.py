@@ -116,7 +116,7 @@ class Controller(Applying, Recording):
         4. allocations re-recorded from the backend, and a ``Recovered`` decision with the notes.
         """
         now = self.clock()
-        notes: list[str] = list(cast(Adopts, self.backend).adopted) if self.caps.adopts else []
+        notes: list[str] = cast(Adopts, self.backend).adopt() if self.caps.adopts else []
         for act in db.open_actions(self.db, self.pool):
             rt = self.backend.job_runtime(act.workload) if act.kind.endswith("training") else None
             truth = f"backend reports {_recorded_layout(rt)} on {len(rt.gpus)} GPUs" if rt else "backend reports nothing running"

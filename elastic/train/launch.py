@@ -193,14 +193,17 @@ class JobHandle(ABC):
 
     def __init__(self, job: str, cfg: Any, *, options: LaunchOptions | None = None,
                  hardware: HardwareSpec | str | None = None, gpus_per_node: int | None = None,
-                 registry: CollectorRegistry | None = None, host: str = "127.0.0.1") -> None:
+                 registry: CollectorRegistry | None = None, host: str = "127.0.0.1", coordinator: Any = None) -> None:
         self.job = job
         self.cfg = cfg
         self.opts = options or LaunchOptions()
         self.validate = make_validator(cfg, hardware, gpus_per_node)
         o = self.opts
-        self.coordinator = Coordinator(job, config_json(cfg), host=host, registry=registry,
-                                       validator=self.validate, settings=coordinator_settings(o, user=is_user_config(cfg)))
+        # a coordinator of the job's elsewhere (its own process: rendezvous.remote.CoordinatorClient)
+        # is driven as it is, else the handle hosts one in this process
+        self.coordinator: Any = coordinator if coordinator is not None else Coordinator(
+            job, config_json(cfg), host=host, registry=registry, validator=self.validate,
+            settings=coordinator_settings(o, user=is_user_config(cfg)))
         self._spawned: set[str] = set()
         self._gone: set[str] = set()
         self._lock = threading.Lock()
@@ -434,6 +437,29 @@ class JobHandle(ABC):
                              rec.bytes_moved, rec.planned_bytes, rec.lower_bound_bytes, t_end - t0, rec,
                              leave_seconds=t_end - t_run)
 
+    def settle(self, timeout: float) -> JobStatus:
+        """The job's status once a rescale a launcher that is gone left in flight has ended (its
+        members finish it, or roll it back, without one); at once when none is in flight."""
+        st = self.coordinator.status()
+        rec = st.last_rescale
+        if rec is not None and rec.ok is None and st.phase in (
+                CoordinatorPhase.STARTING, CoordinatorPhase.RUNNING, CoordinatorPhase.RESCALING):
+            try:
+                self.coordinator.wait_generation(rec.generation, timeout)
+            except (RescaleFailed, JobFailed, TimeoutError) as e:
+                log.warning("job %s: the rescale in flight at adoption ended: %s", self.job, e)
+            st = self.coordinator.status()
+        return st
+
+    def attach(self, workers: Sequence[str]) -> None:
+        """Take over ``workers``, started by a launcher that is gone: from now on their exits are
+        watched and reported, as for workers this handle started."""
+        with self._lock:
+            self._spawned.update(workers)
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, name=f"launcher-{self.job}", daemon=True)
+            self._watcher.start()
+
     def _settle(self) -> None:
         """Wait for the first step of a generation that ``_apply`` returned from early (a shrink), so
         the next directive is not posted while it is in flight. Its failure is no error here: the
@@ -544,21 +570,31 @@ class JobHandle(ABC):
         coordinator recovers without it or fails the job. A worker the coordinator gave up for lost
         (heartbeat) but whose process still runs is killed: a frozen process holds its peers' sockets."""
         killed: set[str] = set()
+        unreachable = False
         while not self._watching.wait(0.2):
-            for w in self._live():
-                reason = self._observe_exit(w)
-                if reason is None:
-                    continue
-                with self._lock:
-                    self._gone.add(w)
-                if not self._stopping and not self.coordinator.has_left(w):
-                    self.coordinator.worker_lost(w, f"worker {w} {reason}")
-            for w in self.coordinator.lost_workers():
-                if w not in killed and w in self._live():
-                    log.warning("job %s: killing worker %s, given up for lost", self.job, w)
-                    self._dump_stacks(w)
-                    self._kill(w)
-                    killed.add(w)
+            try:
+                self._watch_once(killed)
+                unreachable = False
+            except JobFailed as e:  # a coordinator in a process of its own that is gone: nobody to tell
+                if not unreachable:
+                    log.warning("job %s: %s", self.job, e)
+                unreachable = True
+
+    def _watch_once(self, killed: set[str]) -> None:
+        for w in self._live():
+            reason = self._observe_exit(w)
+            if reason is None:
+                continue
+            with self._lock:
+                self._gone.add(w)
+            if not self._stopping and not self.coordinator.has_left(w):
+                self.coordinator.worker_lost(w, f"worker {w} {reason}")
+        for w in self.coordinator.lost_workers():
+            if w not in killed and w in self._live():
+                log.warning("job %s: killing worker %s, given up for lost", self.job, w)
+                self._dump_stacks(w)
+                self._kill(w)
+                killed.add(w)
 
     def _dump_stacks(self, worker: str) -> None:
         """Have a worker about to be killed as stuck (given up for lost, or not gone when it was to

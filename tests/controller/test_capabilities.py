@@ -44,6 +44,9 @@ class Full(FakeBackend):
         self.drained.append((service, list(gpus)))
         return []
 
+    def adopt(self) -> list[str]:
+        return list(self.adopted)
+
 
 @pytest.mark.parametrize(("backend", "want"), [
     (FakeBackend, Capabilities(pauses=True, checkpoints=True)),

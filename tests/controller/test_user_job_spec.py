@@ -201,8 +201,7 @@ def _k8s_backend(job_runtime: str) -> Any:
 
     from elastic.backends.kubernetes import JobTarget, KubernetesBackend
 
-    b = KubernetesBackend(api_client=client.ApiClient(), job_runtime=job_runtime, coordinator_host="127.0.0.1",
-                          advertise_host="127.0.0.1")
+    b = KubernetesBackend(api_client=client.ApiClient(), job_runtime=job_runtime)
     b.set_job("llama", JobTarget("ml", "llama", {"image": "team/llama:1", "env": [{"name": "HF_HOME",
                                                                                    "value": "/hf"}]}))
     return b
@@ -227,14 +226,22 @@ def test_a_user_jobs_pod_runs_its_entrypoint() -> None:
 
 def test_the_coordinator_runtime_launches_user_code_with_its_config() -> None:
     """The job handle's config is the user job's, and the pod it spawns carries the entrypoint."""
+    from elastic.train.agent import config_json
+    from elastic.train.rendezvous import Coordinator
     from elastic.train.userjob import UserJobConfig
 
     b = _k8s_backend("coordinator")
     spec = TrainingSpec(**{**USER, "args": ["a b", "c"], "dp_replicas": True})
     applied: list[dict[str, Any]] = []
     b.apply_worker_pod = lambda *a, **kw: applied.append(b.worker_pod_manifest(*a, **kw))  # type: ignore[method-assign]
-    secrets: list[tuple[str, str]] = []
-    b.apply_job_secret = lambda job, secret: secrets.append((job, secret))  # type: ignore[method-assign]
+    pods: list[dict[str, Any]] = []
+
+    def start_coordinator(spec: TrainingSpec, cfg: Any, opts: Any) -> Any:
+        # what the backend would apply, and a coordinator on loopback standing in for the pod's
+        pods.append(b.coordinator_pod_manifest(spec, cfg, opts))
+        return Coordinator(spec.name, secret="s" * 32).start()
+
+    b.start_coordinator = start_coordinator  # type: ignore[method-assign]
     handle = b._new_handle(spec)
     try:
         assert isinstance(handle.cfg, UserJobConfig) and handle.cfg.args == ("a b", "c") and handle.cfg.dp_replicas
@@ -244,10 +251,23 @@ def test_the_coordinator_runtime_launches_user_code_with_its_config() -> None:
         handle.coordinator.stop()
     env = _env(applied[0])
     assert (env["ELASTIC_ENTRYPOINT"], json.loads(env["ELASTIC_ARGS"])) == (ENTRY, ["a b", "c"])
-    assert env["ELASTIC_RENDEZVOUS_URL"].startswith("http://127.0.0.1:")
-    # the job's coordinator secret goes into the job's Secret, the pod only names it
-    assert secrets == [("llama", handle.coordinator.secret)] and "ELASTIC_JOB_SECRET" not in env
+    assert env["ELASTIC_RENDEZVOUS_URL"] == handle.coordinator.url
+    # the job's coordinator secret is in the job's Secret: the pods only name it
+    assert "ELASTIC_JOB_SECRET" not in env
     (ref,) = [e for e in applied[0]["spec"]["containers"][0]["env"] if e["name"] == "ELASTIC_JOB_SECRET"]
+    assert ref["valueFrom"]["secretKeyRef"] == {"name": "llama-rendezvous", "key": "secret"}
+    # the coordinator pod: the job's image running the coordinator host, no GPU, the user job's config
+    (pod,) = pods
+    ctr = pod["spec"]["containers"][0]
+    assert ctr["image"] == "team/llama:1" and ctr["command"] == ["python", "-m", "elastic.train.rendezvous.host"]
+    assert "nvidia.com/gpu" not in json.dumps(ctr["resources"]) and pod["spec"]["restartPolicy"] == "Never"
+    assert pod["metadata"]["labels"]["elastic.dev/coordinator"] == "llama" and "elastic.dev/job" not in pod[
+        "metadata"]["labels"]
+    cenv = _env(pod)
+    doc = json.loads(cenv["ELASTIC_COORDINATOR_SPEC"])
+    assert doc["config"] == config_json(handle.cfg) and doc["settings"]["prepare_beside_step"] is False  # a user job
+    assert (cenv["ELASTIC_JOB"], cenv["HF_HOME"]) == ("llama", "/hf") and "ELASTIC_JOB_SECRET" not in cenv
+    (ref,) = [e for e in ctr["env"] if e["name"] == "ELASTIC_JOB_SECRET"]
     assert ref["valueFrom"]["secretKeyRef"] == {"name": "llama-rendezvous", "key": "secret"}
 
 

@@ -77,8 +77,7 @@ def coordinator_backend(api: Any, job: str, template: dict[str, Any]) -> Any:
     """The Kubernetes backend in its coordinator runtime, with ``job``'s target in namespace ``NS``."""
     from elastic.backends.kubernetes import JobTarget, KubernetesBackend
 
-    b = KubernetesBackend(api_client=api, job_runtime="coordinator", coordinator_host="127.0.0.1",
-                          advertise_host="127.0.0.1", pod_gone_wait_seconds=5.0, poll_seconds=0.05)
+    b = KubernetesBackend(api_client=api, job_runtime="coordinator", pod_gone_wait_seconds=5.0, poll_seconds=0.05)
     b.set_job(job, JobTarget(NS, job, template))
     return b
 
@@ -113,5 +112,23 @@ def node_agent(emulator: tuple[StrictEmulator, Any], tmp_path: Path) -> Iterator
 
     emu, api = emulator
     agent = NodeAgent(emu, api, {"n0": 4, "n1": 4}, namespace=NS, log_dir=tmp_path / "pods", poll=0.05).start()
+    yield agent
+    agent.stop()
+
+
+def runs_coordinators(pod: dict[str, Any]) -> bool:
+    """A ``NodeAgent(runs=...)`` filter: only jobs' coordinator pods."""
+    return "elastic.dev/coordinator" in (pod["metadata"].get("labels") or {})
+
+
+@pytest.fixture
+def coordinator_kubelet(emulator: tuple[StrictEmulator, Any], tmp_path: Path) -> Iterator[Any]:
+    """The node agent running only jobs' coordinator pods: worker pods are applied and never run, so a
+    start waits for registrations that never come (the window a test of a start's beginning needs)."""
+    from .kubelet import NodeAgent
+
+    emu, api = emulator
+    agent = NodeAgent(emu, api, {"n0": 4, "n1": 4}, namespace=NS, log_dir=tmp_path / "pods", poll=0.05,
+                      runs=runs_coordinators).start()
     yield agent
     agent.stop()

@@ -307,7 +307,7 @@ def operator(c: Cluster, *, instance: str = "operator-0", db: Path | None = None
     from .conftest import api_client
 
     env = {**c.config, "ELASTIC_DB_URL": f"sqlite:///{db or c.workdir / 'operator.db'}",
-           "POD_NAME": instance, "POD_IP": "127.0.0.1", "ELASTIC_COORDINATOR_HOST": "127.0.0.1",
+           "POD_NAME": instance,
            "ELASTIC_API_PORT": "0", "ELASTIC_BACKEND_WAIT_SECONDS": "60", **(extra_env or {})}
     settings = OperatorSettings.from_env(env)
     launch = launch or LaunchOptions(pg_timeout_s=90, heartbeat_timeout_s=60, join_timeout_s=120,
@@ -340,7 +340,7 @@ def operator_process(c: Cluster, *, instance: str, db: Path, extra_env: dict[str
     import subprocess
 
     env = {**os.environ, **c.config, "KUBECONFIG": str(c.workdir / "kubeconfig"), "ELASTIC_DB_URL": f"sqlite:///{db}",
-           "POD_NAME": instance, "POD_IP": "127.0.0.1", "ELASTIC_COORDINATOR_HOST": "127.0.0.1",
+           "POD_NAME": instance,
            "ELASTIC_API_PORT": "0", "ELASTIC_OPERATOR_TIMER_SECONDS": "0.3", "ELASTIC_BACKEND_WAIT_SECONDS": "60",
            "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(extra_env or {})}
     kopf = str(Path(sys.executable).parent / "kopf")

@@ -41,6 +41,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -113,7 +114,8 @@ class NodeAgent:
 
     def __init__(self, emu: Any, api: Any, nodes: dict[str, int], *, namespace: str = "ml",
                  labels: dict[str, str] | None = None, log_dir: str | Path, poll: float = 0.1,
-                 ip_base: str = "127.0.3.", env: dict[str, str] | None = None) -> None:
+                 ip_base: str = "127.0.3.", env: dict[str, str] | None = None,
+                 runs: Callable[[dict[str, Any]], bool] | None = None, create_nodes: bool = True) -> None:
         from kubernetes import client
 
         self.emu = emu
@@ -126,6 +128,10 @@ class NodeAgent:
         self.poll = poll
         self.ip_base = ip_base
         self.env = dict(env or {})
+        # which pods this agent schedules and runs (None: all); a test that wants the others applied
+        # but never running (a start that waits for workers) runs only some
+        self.runs = runs
+        self.create_nodes = create_nodes  # False: the nodes exist already (the test made them)
         self.procs: dict[str, _Container] = {}  # pod uid -> its container
         self.started: list[str] = []  # pod names, in the order their processes started
         self.start_times: list[tuple[str, float]] = []  # (pod, time.monotonic()) of every process start
@@ -144,7 +150,7 @@ class NodeAgent:
     def start(self) -> NodeAgent:
         self.emu.graceful_pods = True
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        for name, gpus in self.nodes.items():
+        for name, gpus in self.nodes.items() if self.create_nodes else ():
             self.core.create_node({"metadata": {"name": name, "labels": dict(self.labels)},
                                    "status": {"allocatable": {GPU: str(gpus), "cpu": "8", "memory": "64Gi"},
                                               "capacity": {GPU: str(gpus), "cpu": "8", "memory": "64Gi"},
@@ -178,10 +184,12 @@ class NodeAgent:
     def reconcile(self) -> None:
         with self._lock:
             self._deployments()
-            pods = self.emu.objects("pods", self.namespace)
-            self._schedule(pods)
-            pods = self.emu.objects("pods", self.namespace)
-            self._kubelet(pods)
+            self._schedule(self._pods())
+            self._kubelet(self._pods())
+
+    def _pods(self) -> list[dict[str, Any]]:
+        pods = self.emu.objects("pods", self.namespace)
+        return pods if self.runs is None else [p for p in pods if self.runs(p)]
 
     # 1. Deployments
     def _deployments(self) -> None:

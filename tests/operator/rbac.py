@@ -9,9 +9,10 @@ import yaml
 RBAC = Path(__file__).resolve().parents[2] / "manifests" / "rbac.yaml"
 
 # Granted but not reachable against the emulator in the pods runtime: the coordinator runtime reads a
-# worker pod to learn why it exited (``KubernetesJobHandle._exit_reason``) and applies each job's
-# Secret (its coordinator secret); this test runs the pods runtime.
-NOT_EXERCISED = {("get", "", "pods"), ("patch", "", "secrets"), ("create", "", "secrets")}
+# worker pod to learn why it exited (``KubernetesJobHandle._exit_reason``) and its coordinator pod,
+# applies each job's Secret (its coordinator secret) and reads it back to re-attach to a running job
+# after a restart; this test runs the pods runtime.
+NOT_EXERCISED = {("get", "", "pods"), ("patch", "", "secrets"), ("create", "", "secrets"), ("get", "", "secrets")}
 
 
 # A server-side apply (PATCH) of an object that does not exist yet is authorised by the API server

@@ -20,18 +20,19 @@ TEMPLATE = {"image": "elastic:dev",
             "volumeMounts": [{"name": "ckpt", "mountPath": "/ckpt"}]}
 
 
-def test_worker_pods_get_the_volume_and_the_checkpoint_dir_and_the_coordinator_trusts_them(emulator) -> None:
+def test_worker_pods_get_the_volume_and_the_checkpoint_dir_and_the_coordinator_trusts_them(emulator, coordinator_kubelet) -> None:
     from kubernetes import client
 
     _, api = emulator
     b = coordinator_backend(api, "pretrain", TEMPLATE)
     t, out = start_in_thread(b, SPEC, "tp1.pp1.dp2")
     core = client.CoreV1Api(api)
-    deadline = time.monotonic() + 20
-    while len(core.list_namespaced_pod(NS).items) < 2 and time.monotonic() < deadline:
+    deadline = time.monotonic() + 60
+    workers = "elastic.dev/job=pretrain"
+    while len(core.list_namespaced_pod(NS, label_selector=workers).items) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
-    pods = core.list_namespaced_pod(NS).items
-    assert len(pods) == 2  # applied; no kubelet runs them, so they never register
+    pods = core.list_namespaced_pod(NS, label_selector=workers).items
+    assert len(pods) == 2  # applied; nothing runs them (only the coordinator pod runs), so they never register
     for p in pods:
         env = {e.name: e.value for e in p.spec.containers[0].env}
         assert env["ELASTIC_CHECKPOINT_DIR"] == "/ckpt/pretrain", env  # <dir>/<job name>, as the pod sees it
@@ -40,7 +41,7 @@ def test_worker_pods_get_the_volume_and_the_checkpoint_dir_and_the_coordinator_t
         assert [(m.name, m.mount_path) for m in p.spec.containers[0].volume_mounts] == [("ckpt", "/ckpt")]
     handle = b._jobs["pretrain"].handle
     assert handle.opts.checkpoint.dir == "/ckpt/pretrain" and handle.opts.checkpoint.coordinator_sees is False
-    # a checkpoint on demand reaches the job's coordinator in the operator; nobody steps yet, so it waits
+    # a checkpoint on demand reaches the job's coordinator pod; nobody steps yet, so it waits
     asked = b.checkpoint_job("pretrain", 0)
     assert (asked.previous_step, asked.step) == (-1, None)
     with pytest.raises(TimeoutError, match="the workers have not reached a step boundary"):

@@ -1,8 +1,9 @@
 """The Kubernetes backend (coordinator runtime) calls a job's start off when inference needs its GPUs.
 
-Against the emulator no kubelet runs the worker pods, so the start waits for registrations that
-never come: exactly the window in which a start may be called off. Called off, the half-started
-job is dropped (its pods deleted, its coordinator stopped) and a later start begins afresh.
+Against the emulator the node agent runs only the job's coordinator pod, not its worker pods, so the
+start waits for registrations that never come: exactly the window in which a start may be called off.
+Called off, the half-started job is dropped (its pods deleted, its coordinator pod too) and a later
+start begins afresh with a new coordinator.
 """
 
 from __future__ import annotations
@@ -25,19 +26,20 @@ def _pods(api: Any) -> list[str]:
     return sorted(p.metadata.name for p in pods.items if not p.metadata.deletion_timestamp)
 
 
-def test_a_starting_job_is_called_off_and_its_pods_deleted(emulator) -> None:
+def test_a_starting_job_is_called_off_and_its_pods_deleted(emulator, coordinator_kubelet) -> None:
     _, api = emulator
     b = coordinator_backend(api, "pretrain", {"image": "elastic:dev"})
     for attempt in (1, 2):  # called off, then started afresh (a new coordinator) and called off again
         t, out = start_in_thread(b, SPEC, "tp1.pp1.dp2")
-        deadline = time.monotonic() + 20
-        while len(_pods(api)) < 2 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 60
+        while len(_pods(api)) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _pods(api) == ["pretrain-w0", "pretrain-w1"], attempt  # applied, never registering (no kubelet)
+        # the coordinator pod serves; the workers are applied and never register (nothing runs them)
+        assert _pods(api) == ["pretrain-coordinator", "pretrain-w0", "pretrain-w1"], attempt
         assert b.cancel_grow("pretrain") is True
         t.join(30)
         assert not t.is_alive()
         err = out.get("error")
         assert isinstance(err, GrowCancelled) and "start on tp1.pp1.dp2 called off" in str(err), (attempt, out)
-        assert _pods(api) == []  # no pod of the called-off start keeps a GPU
+        assert _pods(api) == []  # no pod of the called-off start keeps a GPU, and its coordinator is gone
         assert b.job_runtime("pretrain") is None and b.cancel_grow("pretrain") is False

@@ -14,18 +14,19 @@ from .conftest import NS, coordinator_backend, start_in_thread
 SPEC = TrainingSpec(name="pretrain", model="tiny", min_gpus=1, max_gpus=4, global_batch=8)
 
 
-def test_worker_pods_read_the_job_secret_from_a_secret(emulator: Any) -> None:
+def test_worker_pods_read_the_job_secret_from_a_secret(emulator: Any, coordinator_kubelet: Any) -> None:
     from kubernetes import client
 
     emu, api = emulator
     core = client.CoreV1Api(api)
     b = coordinator_backend(api, "pretrain", {"image": "elastic:dev"})
     t, out = start_in_thread(b, SPEC, "tp1.pp1.dp2")
-    deadline = time.monotonic() + 20
-    while len(core.list_namespaced_pod(NS).items) < 2 and time.monotonic() < deadline:
+    deadline = time.monotonic() + 60
+    while len(core.list_namespaced_pod(NS).items) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
     pods = core.list_namespaced_pod(NS).items
-    assert len(pods) == 2
+    # the two workers and the job's coordinator pod, which reads the same Secret
+    assert sorted(p.metadata.name for p in pods) == ["pretrain-coordinator", "pretrain-w0", "pretrain-w1"]
     secret = b._jobs["pretrain"].handle.coordinator.secret
     stored = emu.get("secrets", NS, "pretrain-rendezvous")
     assert stored is not None and base64.b64decode(stored["data"]["secret"]).decode() == secret

@@ -6,15 +6,16 @@ What runs as written: ``kubectl apply -k manifests/``, ``kubectl wait`` for the 
 ``kubectl apply -k manifests/samples/``, the guide's ``kubectl get``/``describe``/events commands,
 ``kubectl scale inferenceservice`` and the ``kubectl patch`` that undoes it. The operator runs as its
 Deployment says: the container's command and environment (``envFrom`` the ConfigMap, the
-downward-API ``POD_NAME``/``POD_IP``), read back from the API server, as a local process.
+downward-API ``POD_NAME``), read back from the API server, as a local process.
 
 What stands in for a cluster (see ``tests/operator/emulator.py``): the emulator with ``admission``
 on (namespaces must exist; custom resources pruned, defaulted and validated against the CRDs'
 schemas and CEL rules); one fake node with 8 allocatable ``nvidia.com/gpu``; for the operator's
 Deployment only, this test is the ReplicaSet controller and the kubelet (a Pod object, the process,
 its readiness probe, the Deployment's status). A pod's private network and volumes become a free
-loopback port and a temporary directory. No kubelet runs the samples' pods (vLLM and the worker
-pods need the images and GPUs), so they stay ``Pending``: the walk checks what the operator
+loopback port and a temporary directory. The test-side node agent runs the sample job's
+coordinator pod (it needs no GPU and this repository is its image) and nothing else: the vLLM and
+worker pods need the images and GPUs, so they stay ``Pending``: the walk checks what the operator
 does and says up to there.
 
 ``python -m tests.operator.test_kubectl_guide`` walks the guide and prints the transcript.
@@ -313,7 +314,10 @@ def walk(workdir: Path, out: dict[str, Any], *, settle: float = 0.0) -> dict[str
     ``settle``: seconds to keep watching the sample job's phase at the end (0: do not wait)."""
     workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    with cluster(workdir) as (emu, url):
+    from .conftest import api_client, runs_coordinators
+    from .kubelet import NodeAgent
+
+    with cluster(workdir) as (emu, url), contextlib.ExitStack() as agents:
         w = Walk(emu, url, workdir)
         out["walk"], out["emu"] = w, emu
         # Install, step 2 (step 1 builds and loads the image: this repository is the image here)
@@ -328,6 +332,11 @@ def walk(workdir: Path, out: dict[str, Any], *, settle: float = 0.0) -> dict[str
             w.run(f"kubectl label node {NODE} elastic.dev/pool=h100")
             w.run("kubectl create namespace ml")
             out["samples"] = w.run("kubectl apply -k manifests/samples/").output
+            # the job's coordinator pod needs no image of its own beyond this repository: a node agent
+            # runs it (and nothing else) as a local process, so the operator goes on to the worker pods
+            agents.callback(NodeAgent(emu, api_client(url, "kubelet"), {NODE: 8}, namespace="ml",
+                                      log_dir=workdir / "pods", runs=runs_coordinators, create_nodes=False
+                                      ).start().stop)
             # Watch: the operator has taken the samples (their Ready conditions) and starts the job
             out["pools"] = wait_for("kubectl get gpupools: READY", lambda: [
                 r for r in w.table("kubectl get gpupools", poll=True) if r.get("READY") == "True"], 30)

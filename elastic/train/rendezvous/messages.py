@@ -4,7 +4,7 @@ step and rescale records, the job's status, and the errors a caller sees."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from elastic.layout import Layout
@@ -130,6 +130,13 @@ class StepRecord:
     def tokens_per_second(self) -> float | None:
         return self.tokens / self.seconds if self.seconds > 0 else None
 
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> StepRecord:
+        return cls(**_known(cls, d))
+
 
 class CheckpointFailed(RuntimeError):
     """A checkpoint asked for could not be written (a rank's write failed); nothing else changed."""
@@ -166,6 +173,13 @@ class RescaleRecord:
     # finished from (0: none, the step was redone whole and gave_up_seconds were thrown away)
     kept_micro_batches: int = 0
 
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> RescaleRecord:
+        return cls(**_known(cls, d))
+
 
 @dataclass
 class JobStatus:
@@ -192,3 +206,22 @@ class JobStatus:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> JobStatus:
+        kw = _known(cls, d)
+        if kw.get("last_rescale") is not None:
+            kw["last_rescale"] = RescaleRecord.from_json(kw["last_rescale"])
+        return cls(**kw)
+
+
+def _known(cls: type, d: Mapping[str, Any]) -> dict[str, Any]:
+    """``d``'s fields of ``cls``; a key it does not know is left out (a coordinator of a newer
+    release may say more), a field it needs and is missing raises ValueError naming it."""
+    if not isinstance(d, Mapping):
+        raise ValueError(f"{cls.__name__}: expected a JSON object, got {type(d).__name__}")
+    names = {f.name: f for f in fields(cls)}
+    need = sorted(n for n, f in names.items() if f.default is MISSING and f.default_factory is MISSING)
+    if missing := [n for n in need if n not in d]:
+        raise ValueError(f"{cls.__name__}: missing field(s) {', '.join(missing)}")
+    return {k: v for k, v in d.items() if k in names}

@@ -1,10 +1,11 @@
 """How one job's coordinator times and decides: one validated value, built once per job by the
-launcher (:func:`elastic.train.launch.coordinator_settings`) and passed whole."""
+launcher (:func:`elastic.train.launch.coordinator_settings`) and passed whole (as JSON, with
+:meth:`CoordinatorSettings.to_json`, to a coordinator in a process of its own)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 from elastic.model import SpecError
 
@@ -82,3 +83,8 @@ class CoordinatorSettings:
     def recovery_timeout(self) -> float:
         """How long survivors have to report after a loss."""
         return self.heartbeat_timeout_s if self.recovery_timeout_s is None else self.recovery_timeout_s
+
+    def to_json(self) -> dict[str, Any]:
+        """Every field as JSON (``checkpoint``: its fields too, or None); the coordinator host reads it
+        back (:func:`elastic.train.rendezvous.host.settings_from_json`)."""
+        return asdict(self)

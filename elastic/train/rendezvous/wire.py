@@ -1,4 +1,7 @@
-"""HTTP server and client of the coordinator protocol, the job's store, and signing of store entries."""
+"""HTTP server and client of the coordinator protocol, the job's store, and signing of store entries.
+
+The server also answers the controller's admin route (``/v1/admin/<method>``, see
+:mod:`elastic.train.rendezvous.remote`) on the same port, behind the same secret."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from prometheus_client import generate_latest
 
 from elastic.model import SpecError
 from elastic.train.rendezvous.messages import API, SECRET_ENV, RendezvousError
+from elastic.train.rendezvous.remote import ADMIN, admin_desk, answer_admin
 from elastic.train.rendezvous.replies import REPLIES, Reply
 from elastic.train.rendezvous.requests import BadRequest
 
@@ -94,6 +98,9 @@ def _make_handler(coord: Coordinator) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:  # noqa: N802 - stdlib name
             if self._gone() or not self._authorized():
                 return
+            if self.path.startswith(f"{ADMIN}/"):
+                self._admin(self.path.removeprefix(f"{ADMIN}/"))
+                return
             try:
                 n = int(self.headers.get("Content-Length", "0"))
                 try:
@@ -116,6 +123,21 @@ def _make_handler(coord: Coordinator) -> type[BaseHTTPRequestHandler]:
                 self._reply(500, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
                 return
             self._reply(200, json.dumps(out).encode())
+
+        def _admin(self, method: str) -> None:
+            """The controller's call of a coordinator method (``remote.answer_admin``); a long wait
+            holds this thread only, and a stop's answer goes out before its host may exit."""
+            try:
+                n = int(self.headers.get("Content-Length", "0"))
+            except ValueError:  # unread body: the connection cannot be reused
+                self.close_connection = True
+                self._reply(400, b'{"error": {"type": "ValueError", "message": "bad Content-Length", "record": null}}')
+                return
+            ans = answer_admin(coord, method, self.rfile.read(n))
+            self._reply(ans.code, json.dumps(ans.body).encode())
+            if ans.ends:
+                self.close_connection = True
+                admin_desk(coord).ended.set()
 
     return Handler
 

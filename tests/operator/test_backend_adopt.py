@@ -1,0 +1,77 @@
+"""A second Kubernetes backend (a restarted operator, or the standby taking over) re-attaches to a
+job the first one started: its coordinator pod, its worker pods and their GPUs, at the same step.
+
+The node agent runs every pod as a local process (the job's coordinator pod and its two worker pods
+train the tiny reference model); the first backend lets go of the job without stopping anything, as
+a killed operator would. The operator-process version, killed in the middle of a shrink, is
+``test_e2e_restart.py``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from elastic.model import GPU, Layout, TrainingSpec
+from elastic.phases import JobPhase
+
+from .conftest import NS, coordinator_backend, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+SPEC = TrainingSpec(name="pretrain", model="tiny", min_gpus=1, max_gpus=4, global_batch=8)
+GPUS = (GPU("n0", 0), GPU("n0", 1))
+
+
+def _uids(api: Any) -> dict[str, str]:
+    from kubernetes import client
+
+    pods = client.CoreV1Api(api).list_namespaced_pod(NS)
+    return {p.metadata.name: p.metadata.uid for p in pods.items if not p.metadata.deletion_timestamp}
+
+
+def test_a_new_backend_adopts_a_running_job_and_rescales_it_in_place(emulator: Any, node_agent: Any) -> None:
+    _, api = emulator
+    first = coordinator_backend(api, "pretrain", {"image": "elastic:dev"})
+    out = first.set_job_gpus(SPEC, GPUS, Layout.parse("tp1.pp1.dp2"))
+    assert out.generation == 1
+    handle = first._jobs["pretrain"].handle
+    handle.wait_step(3, timeout=120)
+    handle._watching.set()  # the first operator is gone: nothing of it watches or acts any more
+    before = _uids(api)
+    assert sorted(before) == ["pretrain-coordinator", "pretrain-w0", "pretrain-w1"]
+
+    second = coordinator_backend(api, "pretrain", {"image": "elastic:dev"})
+    notes = second.adopt()
+    assert len(notes) == 1 and notes[0].startswith("adopted job pretrain: tp1.pp1.dp2 generation 1"), notes
+    assert second.adopt() == []  # once: a second call finds nothing new
+    rt = second.job_runtime("pretrain")
+    assert rt is not None and rt.phase == JobPhase.RUNNING and rt.layout == Layout.parse("tp1.pp1.dp2")
+    assert set(rt.gpus) == set(GPUS) and rt.generation == 1
+    step = rt.step
+    adopted = second._jobs["pretrain"].handle
+    adopted.wait_step(step + 2, timeout=120)  # the same workers train on, under the new backend
+    assert _uids(api) == before  # no pod was replaced
+
+    # the adopted job rescales in place: a shrink onto one of its GPUs, the leaver's pod deleted
+    out = second.set_job_gpus(SPEC, GPUS[:1], Layout.parse("tp1.pp1.dp1"))
+    assert (out.generation, out.from_layout, out.to_layout) == (2, Layout.parse("tp1.pp1.dp2"),
+                                                                Layout.parse("tp1.pp1.dp1"))
+    rec = adopted.coordinator.wait_generation(2, 120)  # a shrink returns before the new layout's first step
+    assert rec.ok and rec.switch_step > step and rec.leavers == ["pretrain-w1"]
+    wait_for("the leaver's pod gone", lambda: sorted(_uids(api)) == ["pretrain-coordinator", "pretrain-w0"], 60)
+    assert _uids(api)["pretrain-w0"] == before["pretrain-w0"]
+    rt = second.job_runtime("pretrain")
+    assert rt is not None and rt.gpus == GPUS[:1] and rt.generation == 2
+    # the stored worker map follows the rescale: a third backend would adopt exactly this
+    meta = adopted.coordinator.get_meta()
+    assert meta["gpus"] == {"pretrain-w0": "n0/0"} and meta["next_id"] == 2
+
+    second.set_job_gpus(SPEC, (), None)  # stop: every pod of the job goes, its coordinator too
+    wait_for("every pod gone", lambda: _uids(api) == {}, 60)
+
+
+def test_a_backend_without_a_coordinator_pod_to_adopt_reports_nothing(emulator: Any) -> None:
+    _, api = emulator
+    b = coordinator_backend(api, "pretrain", {"image": "elastic:dev"})
+    assert b.adopt() == [] and b.job_runtime("pretrain") is None
