@@ -158,3 +158,17 @@ def test_the_decision_check_catches_a_violation_and_ignores_type_only_imports() 
     assert _forbidden(_runtime_imports(bad)) == {"threading", "elastic.train.rendezvous.wire", "time"}
     typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n"
     assert _forbidden(_runtime_imports(typed)) == set()
+
+
+MAX_LINES = 800  # a module past this mixes concerns; split it by concern (see the backends' split)
+
+
+def test_no_module_of_the_package_or_the_operator_is_over_the_line_limit() -> None:
+    sizes = {
+        str(p.relative_to(ROOT)): len(p.read_text().splitlines())
+        for d in ("elastic", "operators")
+        for p in (ROOT / d).rglob("*.py")
+    }
+    assert len(sizes) > 100  # the walk found the code
+    over = {p: n for p, n in sizes.items() if n > MAX_LINES}
+    assert over == {}, f"over {MAX_LINES} lines: {over}; split them by concern"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from elastic.backends.ray import wait_drained
+from elastic.backends.replica_drain import wait_drained
 from elastic.metrics.scrape import scrape_sum
 from elastic.serve.loadgen import LoadGenerator
 from elastic.serve.profiles import ConstantProfile
