@@ -250,35 +250,34 @@ class _Coordinators:
             return None
         pods = {p.metadata.name: p for p in self.worker_pods(job)}
         handle.attach([w for w in st.workers if w in pods])
-        if st.phase == CoordinatorPhase.PAUSED:
-            j = _Job(handle, next_id=int(meta.get("next_id", 0)))
-            handle.keepers.update(st.workers)
-            self._forget_pods_except(job, st.workers)
-            with self._lock:
-                self._jobs[job] = j
-            self._note(f"adopted paused job {job}: state held as {st.layout} at step {st.step + 1} by "
-                       f"{', '.join(st.workers)}")
-            return j
+        next_id = int(meta.get("next_id", 0))
+        gpus = meta.get("gpus", {})
+        paused = st.phase == CoordinatorPhase.PAUSED
+        why = None
         # a recovery goes on in the coordinator as it would have under the old operator (an out-of-memory
         # hold waits for the controller's directive): adopted like a running job
-        if st.phase not in (CoordinatorPhase.RUNNING, CoordinatorPhase.RESCALING, CoordinatorPhase.RECOVERING):
-            self._note(f"job {job} was {st.phase} ({st.error or st.reason}) when adopted; stopped")
+        if not paused and st.phase not in (CoordinatorPhase.RUNNING, CoordinatorPhase.RESCALING,
+                                           CoordinatorPhase.RECOVERING):
+            why = f"it was {st.phase} ({st.error or st.reason})"
+        elif not paused and (unknown := [w for w in st.workers if w not in gpus]):
+            why = f"no GPU on record for worker(s) {', '.join(unknown)}"
+        if why is not None:  # stopping it is the only safe bookkeeping; the job starts again
+            self._note(f"job {job}: {why} when re-attached; stopped it")
             handle.stop(timeout=10.0)
             self.delete_coordinator(job)
             return None
-        gpus = meta.get("gpus", {})
-        unknown = [w for w in st.workers if w not in gpus]
-        if unknown:
-            self._note(f"job {job}: no GPU on record for worker(s) {', '.join(unknown)}; stopped it")
-            handle.stop(timeout=10.0)
-            self.delete_coordinator(job)
-            return None
-        j = _Job(handle, workers={parse_gpu(gpus[w]): w for w in st.workers}, next_id=int(meta.get("next_id", 0)))
+        if paused:  # its keepers hold the state and no GPU
+            handle.keepers.update(st.workers)
+            j = _Job(handle, next_id=next_id)
+            note = f"adopted paused job {job}: state held as {st.layout} at step {st.step + 1} by {', '.join(st.workers)}"
+        else:
+            j = _Job(handle, workers={parse_gpu(gpus[w]): w for w in st.workers}, next_id=next_id)
+            held = ", ".join(str(g) for g in sorted(j.workers, key=lambda g: (g.node, g.index)))
+            note = f"adopted job {job}: {st.layout} generation {st.generation} at step {st.step} on {held}"
         self._forget_pods_except(job, st.workers)
         with self._lock:
             self._jobs[job] = j
-        self._note(f"adopted job {job}: {st.layout} generation {st.generation} at step {st.step} on "
-                   f"{', '.join(str(g) for g in sorted(j.workers, key=lambda g: (g.node, g.index)))}")
+        self._note(note)
         return j
 
     def _forget_pods_except(self, job: str, workers: list[str]) -> None:

@@ -71,6 +71,41 @@ def test_a_new_backend_adopts_a_running_job_and_rescales_it_in_place(emulator: A
     wait_for("every pod gone", lambda: _uids(api) == {}, 60)
 
 
+def test_a_paused_job_is_adopted_with_its_keepers_and_resumed_in_place(emulator: Any, node_agent: Any) -> None:
+    """Keepers (no GPU) hold a paused job's state; a new backend re-attaches to them and resumes the job
+    onto GPUs at the step it paused at."""
+    _, api = emulator
+    first = coordinator_backend(api, "pretrain", {"image": "elastic:dev"})
+    first.set_job_gpus(SPEC, GPUS, Layout.parse("tp1.pp1.dp2"))
+    first._jobs["pretrain"].handle.wait_step(2, timeout=120)
+    out = first.pause_job(SPEC)
+    assert out.to_layout == Layout.parse("tp1.pp1.dp1")  # one copy of the state, in one keeper
+    held = first._jobs["pretrain"].handle.status()
+    assert held.phase == "paused" and held.workers == ["pretrain-k2"]
+    first._jobs["pretrain"].handle._watching.set()  # the first operator is gone
+    wait_for("the workers' pods gone", lambda: sorted(_uids(api)) == ["pretrain-coordinator", "pretrain-k2"], 60)
+    keeper = _uids(api)["pretrain-k2"]
+
+    second = coordinator_backend(api, "pretrain", {"image": "elastic:dev"})
+    notes = second.adopt()
+    assert len(notes) == 1 and notes[0].startswith("adopted paused job pretrain: state held as tp1.pp1.dp1 at step "
+                                                   f"{held.step + 1} by pretrain-k2"), notes
+    rt = second.job_runtime("pretrain")
+    assert rt is not None and rt.phase == JobPhase.PAUSED and rt.gpus == ()
+    assert _uids(api)["pretrain-k2"] == keeper  # the same keeper holds the state
+    # resumed in place onto a GPU: the keeper hands the state over and leaves; the step goes on
+    out = second.set_job_gpus(SPEC, GPUS[:1], Layout.parse("tp1.pp1.dp1"))
+    assert out.generation == held.generation + 1
+    handle = second._jobs["pretrain"].handle
+    rec = handle.coordinator.wait_generation(out.generation, 120)
+    assert rec.ok and rec.switch_step == held.step + 1 and rec.leavers == ["pretrain-k2"]
+    handle.wait_step(held.step + 2, timeout=120)
+    wait_for("the keeper's pod gone", lambda: "pretrain-k2" not in _uids(api), 60)
+    assert second.job_runtime("pretrain").gpus == GPUS[:1]
+    second.set_job_gpus(SPEC, (), None)
+    wait_for("every pod gone", lambda: _uids(api) == {}, 60)
+
+
 def test_a_backend_without_a_coordinator_pod_to_adopt_reports_nothing(emulator: Any) -> None:
     _, api = emulator
     b = coordinator_backend(api, "pretrain", {"image": "elastic:dev"})
