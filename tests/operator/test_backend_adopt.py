@@ -8,6 +8,8 @@ a killed operator would. The operator-process version, killed in the middle of a
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Any
 
 import pytest
@@ -69,6 +71,46 @@ def test_a_new_backend_adopts_a_running_job_and_rescales_it_in_place(emulator: A
 
     second.set_job_gpus(SPEC, (), None)  # stop: every pod of the job goes, its coordinator too
     wait_for("every pod gone", lambda: _uids(api) == {}, 60)
+
+
+def test_a_job_adopted_in_the_middle_of_a_grow_keeps_the_joiner_and_its_gpu(emulator: Any, node_agent: Any) -> None:
+    """The first backend is stopped dead right after it posted a grow's directive (it never hears the
+    result): the workers finish the grow on their own, and the second backend re-attaches to the new
+    layout with the joiner on the GPU the first one placed it on (stored before anything moved)."""
+    _, api = emulator
+    first = coordinator_backend(api, "pretrain", {"image": "elastic:dev"})
+    first.set_job_gpus(SPEC, GPUS[:1], Layout.parse("tp1.pp1.dp1"))
+    h = first._jobs["pretrain"].handle
+    h.wait_step(2, timeout=120)
+    posted, never = threading.Event(), threading.Event()
+    post = h.coordinator.directive
+
+    def directive(*args: Any, **kw: Any) -> Any:
+        d = post(*args, **kw)
+        posted.set()
+        never.wait(300)  # the operator is gone: it neither waits for the result nor records it
+        return d
+
+    h.coordinator.directive = directive
+    def grow_then_die() -> None:
+        with contextlib.suppress(Exception):  # its calls after "death" meet a stopped coordinator
+            first.set_job_gpus(SPEC, GPUS, Layout.parse("tp1.pp1.dp2"))
+
+    grow = threading.Thread(target=grow_then_die, daemon=True)
+    grow.start()
+    assert posted.wait(120)
+    h._watching.set()
+
+    second = coordinator_backend(api, "pretrain", {"image": "elastic:dev"})
+    notes = second.adopt()  # waits for the grow in flight to end
+    assert len(notes) == 1 and notes[0].startswith("adopted job pretrain: tp1.pp1.dp2 generation 2"), notes
+    rt = second.job_runtime("pretrain")
+    assert rt is not None and rt.phase == JobPhase.RUNNING and set(rt.gpus) == set(GPUS) and rt.generation == 2
+    second._jobs["pretrain"].handle.wait_step(rt.step + 1, timeout=120)
+    second.set_job_gpus(SPEC, (), None)
+    wait_for("every pod gone", lambda: _uids(api) == {}, 60)
+    never.set()
+    grow.join(60)
 
 
 def test_a_paused_job_is_adopted_with_its_keepers_and_resumed_in_place(emulator: Any, node_agent: Any) -> None:
