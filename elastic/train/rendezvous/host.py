@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m elastic.train.rendezvous.host",
         description="Serve one elastic training job's coordinator until it is stopped. Input from the "
         f"environment: {JOB_ENV}, {SECRET_ENV}, {SPEC_ENV}, {PORT_ENV} (default {DEFAULT_PORT}), "
-        f"{BIND_ENV} (default {DEFAULT_BIND}), {ADVERTISE_ENV} or {POD_IP_ENV}.",
+        f"{ADVERTISE_ENV} or {POD_IP_ENV}, {BIND_ENV} (default the advertised host, else {DEFAULT_BIND}).",
     ).parse_args(argv)
     try:
         setup_from_env()
