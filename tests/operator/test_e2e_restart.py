@@ -14,6 +14,7 @@ are reported (``WorkerFailed``), deleted, and the job starts again from its newe
 
 from __future__ import annotations
 
+import contextlib
 import signal
 from pathlib import Path
 
@@ -33,13 +34,16 @@ def _sleepers() -> dict:
     return body
 
 
-def test_an_operator_killed_mid_shrink_is_replaced_without_double_booking_a_gpu(tmp_path: Path) -> None:
+@pytest.mark.parametrize("standby", [False, True], ids=["restarted", "standby"])
+def test_an_operator_killed_mid_shrink_is_replaced_without_double_booking_a_gpu(tmp_path: Path, standby: bool) -> None:
+    """``restarted``: the successor starts after the kill. ``standby``: it runs beside the leader from
+    before the shrink, standing by (the lease is the leader's), and takes over once the lease runs out."""
     from kubernetes import client
 
     from elastic import store as db
 
     work = tmp_path / "c"
-    with e2e.cluster(work) as c:
+    with e2e.cluster(work) as c, contextlib.ExitStack() as operators:
         c.apply(_sleepers())
         c.apply(e2e.pool_cr())
         c.apply(e2e.service_cr())
@@ -47,44 +51,49 @@ def test_an_operator_killed_mid_shrink_is_replaced_without_double_booking_a_gpu(
         job["spec"]["template"]["env"] = [{"name": "ELASTIC_FAULT_SLOW_LEAVE", "value": "60"}]
         c.apply(job)
         dbfile = tmp_path / "operator.db"
-        with e2e.operator_process(c, instance="operator-0", db=dbfile, extra_env={"ELASTIC_LEASE_SECONDS": "3"}) as a:
-            wait_for("job on 4 GPUs", lambda: c.refused(e2e.JOB) or c.status("elastictrainingjobs", e2e.JOB).get(
-                "worldSize") == 4, 180)
-            wait_for("a checkpoint", lambda: c.status("elastictrainingjobs", e2e.JOB).get("step", 0) >= 12, 120)
-            # kubectl scale inferenceservice chat --replicas=3
-            client.CustomObjectsApi(c.api).patch_namespaced_custom_object_scale(
-                e2e.G, e2e.V, NS, "inferenceservices", e2e.SERVICE, {"spec": {"replicas": 3}})
-            logs = work / "pods"
-            gen = c.status("elastictrainingjobs", e2e.JOB)["generation"]  # the 4-GPU layout's
+        lease = {"ELASTIC_LEASE_SECONDS": "3"}
+        a = operators.enter_context(e2e.operator_process(c, instance="operator-0", db=dbfile, extra_env=lease))
+        wait_for("job on 4 GPUs", lambda: c.refused(e2e.JOB) or c.status("elastictrainingjobs", e2e.JOB).get(
+            "worldSize") == 4, 180)
+        wait_for("a checkpoint", lambda: c.status("elastictrainingjobs", e2e.JOB).get("step", 0) >= 12, 120)
+        if standby:
+            operators.enter_context(e2e.operator_process(c, instance="operator-1", db=dbfile, extra_env=lease))
+        # kubectl scale inferenceservice chat --replicas=3
+        client.CustomObjectsApi(c.api).patch_namespaced_custom_object_scale(
+            e2e.G, e2e.V, NS, "inferenceservices", e2e.SERVICE, {"spec": {"replicas": 3}})
+        logs = work / "pods"
+        gen = c.status("elastictrainingjobs", e2e.JOB)["generation"]  # the 4-GPU layout's
 
-            def leavers() -> list[str]:
-                return [f.stem for f in logs.glob("train-w*.log") if "left at generation" in f.read_text(errors="replace")]
+        def leavers() -> list[str]:
+            return [f.stem for f in logs.glob("train-w*.log") if "left at generation" in f.read_text(errors="replace")]
 
-            wait_for("both leavers' bytes landed", lambda: len(leavers()) == 2, 120)
-            step_at_kill = c.status("elastictrainingjobs", e2e.JOB).get("step", 0)
-            a.send_signal(signal.SIGKILL)
-            a.wait(10)
-            killed_at = len(c.emu.events)
-            # the shrink's members: the pods that are not leaving (the leavers linger, holding their GPUs)
-            survivors = {p["metadata"]["name"]: p["metadata"]["uid"] for p in c.worker_pods()
-                         if p["metadata"]["name"] not in leavers()}
-            assert len(survivors) == 2, survivors
+        wait_for("both leavers' bytes landed", lambda: len(leavers()) == 2, 120)
+        step_at_kill = c.status("elastictrainingjobs", e2e.JOB).get("step", 0)
+        assert c.status("gpupools", e2e.POOL, None).get("leader") == "operator-0"
+        a.send_signal(signal.SIGKILL)
+        a.wait(10)
+        killed_at = len(c.emu.events)
+        # the shrink's members: the pods that are not leaving (the leavers linger, holding their GPUs)
+        survivors = {p["metadata"]["name"]: p["metadata"]["uid"] for p in c.worker_pods()
+                     if p["metadata"]["name"] not in leavers()}
+        assert len(survivors) == 2, survivors
+        if not standby:  # nobody acts until the successor starts
             assert c.replicas_wanted() == 1, "the Deployment must not grow before the shrink has freed the GPUs"
             assert len(c.worker_pods()) == 4  # the leavers still linger, holding their GPUs
             in_flight = db.in_flight_reshards(db.Store.from_url(f"sqlite:///{dbfile}"))
             assert [r.job for r in in_flight] == [f"{NS}/{e2e.JOB}"], in_flight
-        with e2e.operator_process(c, instance="operator-1", db=dbfile, extra_env={"ELASTIC_LEASE_SECONDS": "3"}):
-            wait_for("Deployment at 3 ready", lambda: c.ready_replicas() == 3, 180)
-            wait_for("job on 2 GPUs training on", lambda: c.status("elastictrainingjobs", e2e.JOB).get("worldSize") == 2
-                     and c.status("elastictrainingjobs", e2e.JOB).get("phase") == "Running"
-                     and c.status("elastictrainingjobs", e2e.JOB).get("step", 0) > step_at_kill, 180)
-            st = c.status("elastictrainingjobs", e2e.JOB)
-            warnings = [(e["reason"], e["note"]) for e in c.events(e2e.JOB) if e["type"] == "Warning"]
-            store = db.Store.from_url(f"sqlite:///{dbfile}")
-            left_in_flight = db.in_flight_reshards(store)
-            done = [r for r in db.list_reshards(store, f"{NS}/{e2e.JOB}") if r.generation == gen + 1]
-            leader = c.status("gpupools", e2e.POOL, None).get("leader")
-            survivors_now = {p["metadata"]["name"]: p["metadata"]["uid"] for p in c.worker_pods()}
+            operators.enter_context(e2e.operator_process(c, instance="operator-1", db=dbfile, extra_env=lease))
+        wait_for("Deployment at 3 ready", lambda: c.ready_replicas() == 3, 180)
+        wait_for("job on 2 GPUs training on", lambda: c.status("elastictrainingjobs", e2e.JOB).get("worldSize") == 2
+                 and c.status("elastictrainingjobs", e2e.JOB).get("phase") == "Running"
+                 and c.status("elastictrainingjobs", e2e.JOB).get("step", 0) > step_at_kill, 180)
+        st = c.status("elastictrainingjobs", e2e.JOB)
+        warnings = [(e["reason"], e["note"]) for e in c.events(e2e.JOB) if e["type"] == "Warning"]
+        store = db.Store.from_url(f"sqlite:///{dbfile}")
+        left_in_flight = db.in_flight_reshards(store)
+        done = [r for r in db.list_reshards(store, f"{NS}/{e2e.JOB}") if r.generation == gen + 1]
+        leader = c.status("gpupools", e2e.POOL, None).get("leader")
+        survivors_now = {p["metadata"]["name"]: p["metadata"]["uid"] for p in c.worker_pods()}
     peak, unsched = e2e.gpu_ledger(c.emu)
     assert peak <= e2e.TOTAL_GPUS and unsched == [], (peak, unsched)
     assert not any("run without their coordinator" in n for _, n in warnings), warnings
