@@ -84,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
                 h.rescale("tp1.pp1.dp3", workers, timeout=300)
                 h.wait_step(h.status().step + 2, timeout=300)
         hist = h.history()
-        step_s = statistics.median(r.seconds for r in hist[1:] if r.layout == "tp1.pp1.dp2"
-                                   and r.step not in finished_at)
-        finished_s = [r.seconds for r in hist if r.step in finished_at and r.layout == "tp1.pp1.dp2"]
+        dp2 = _layout("tp1.pp1.dp2")
+        step_s = statistics.median(r.seconds for r in hist[1:] if r.layout == dp2 and r.step not in finished_at)
+        finished_s = [r.seconds for r in hist if r.step in finished_at and r.layout == dp2]
     finally:
         st = h.stop()
     if st.error:

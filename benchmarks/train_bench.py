@@ -139,7 +139,7 @@ def run_model(name: str, steps: int, timeout: float) -> dict[str, Any]:
                          "tokens_per_second": global_batch * cfg.model.seq_len / step_s})
             if i > 0:
                 rescales.append({
-                    "model": name, "from": res.from_layout, "to": layout, "pause_seconds": res.pause_seconds,
+                    "model": name, "from": str(res.from_layout), "to": layout, "pause_seconds": res.pause_seconds,
                     "pause_x_step": (res.pause_seconds or 0.0) / step_s, "bytes_moved": res.bytes_moved,
                     "planned_bytes": res.planned_bytes, "lower_bound_bytes": res.lower_bound_bytes,
                     "joiners": len(res.record.joiners), "leavers": len(res.record.leavers),
@@ -191,7 +191,7 @@ def _side_by_side(name: str, steps: int, timeout: float, knob: str, on: str, off
                        else h.rescale(layout, workers, remap=True, timeout=timeout))
                 h.wait_step(res.switch_step + steps - 1, timeout=timeout)
                 if i > 0:
-                    rows.append({"from": res.from_layout, "to": layout, "pause_seconds": res.pause_seconds,
+                    rows.append({"from": str(res.from_layout), "to": layout, "pause_seconds": res.pause_seconds,
                                  "phases": _phases(res.record.worker_stats, res.record.joiners)})
         finally:
             st = h.stop()
@@ -261,7 +261,7 @@ def _recover(h: ProcessJobHandle, workers: list[str], steps: int, timeout: float
     h.wait_step(rec.switch_step + 1, timeout=timeout)
     # seconds: from the kill until the first step on the new layout is on record (it includes that
     # step); pause_seconds: the coordinator's, from seeing the loss to that step begun
-    return {"from": layout, "to": st.layout, "victim": victim, "seconds": seconds,
+    return {"from": layout, "to": str(st.layout), "victim": victim, "seconds": seconds,
             "pause_seconds": rec.pause_seconds, "bytes_moved": rec.bytes_moved,
             # killed inside step last + 1: redone unless the survivors had passed its commit
             "steps_redone": max(0, last + 2 - rec.switch_step),

@@ -380,7 +380,7 @@ class Soak:
 
     def _current(self) -> tuple[Layout, list[str]]:
         st = self.h.status()
-        return Layout.parse(st.layout or "tp1.pp1.dp1"), list(st.workers)
+        return st.layout or Layout(1, 1, 1), list(st.workers)
 
     def _draw_start(self) -> dict[str, Any]:
         lay = self.rng.choice(self.layouts)
@@ -470,8 +470,8 @@ class Soak:
         if signalled:
             self.killed.add(victim)
         took = time.monotonic() - t0
-        self.report.events.append({"op": "rescale+kill", "victim": victim, "after_s": after, "from": before.layout,
-                                   "to": st.layout, "wanted": a["layout"], "outcome": outcome,
+        self.report.events.append({"op": "rescale+kill", "victim": victim, "after_s": after, "from": str(before.layout),
+                                   "to": str(st.layout), "wanted": a["layout"], "outcome": outcome,
                                    "killed": bool(signalled), "wall_s": took})
         self.out(f"  rescale {before.layout} -> {a['layout']} with {victim} killed {after:.3f} s after the "
                  f"directive{'' if signalled else ' (already gone)'}: {outcome}; now {st.layout} {st.workers} "
@@ -537,7 +537,9 @@ class Soak:
         before = self.h.status()
         self._claim(a["keepers"], [])
         res = self.h.pause(a["keepers"], timeout=self.opts.op_timeout_s)
-        held = str(Layout.parse(before.layout or "").held())
+        if before.layout is None:
+            raise SoakFailure(f"paused a job with no layout ({before.phase})")
+        held = str(before.layout.held())
         self._check_result(res, before.layout, held)
         if not res.record.hold:
             raise SoakFailure("the pause's record is not a hold")
@@ -570,14 +572,13 @@ class Soak:
             raise SoakFailure(f"recovery moved {rec.bytes_moved} bytes, planned {rec.planned_bytes}")
         if victim in st.workers or not set(st.workers) <= set(before.workers):
             raise SoakFailure(f"recovered onto {st.workers} from {before.workers} after losing {victim}")
-        lay = Layout.parse(st.layout or "")
-        old = Layout.parse(before.layout or "")
-        if (lay.tp, lay.pp) != (old.tp, old.pp) or lay.dp >= old.dp:
+        lay, old = st.layout, before.layout
+        if lay is None or old is None or (lay.tp, lay.pp) != (old.tp, old.pp) or lay.dp >= old.dp:
             raise SoakFailure(f"recovered {before.layout} -> {st.layout}: expected the same tp x pp, fewer replicas")
-        self.report.events.append({"op": "kill", "victim": victim, "from": before.layout, "to": st.layout,
+        self.report.events.append({"op": "kill", "victim": victim, "from": str(old), "to": str(lay),
                                    "generation": st.generation, "switch_step": rec.switch_step,
                                    "pause_s": rec.pause_seconds, "bytes_moved": rec.bytes_moved, "wall_s": took})
-        self.out(f"  kill {victim:>5} {before.layout:>16} -> {st.layout:<16} recovered at step {rec.switch_step}, "
+        self.out(f"  kill {victim:>5} {str(old):>16} -> {str(lay):<16} recovered at step {rec.switch_step}, "
                  f"pause {rec.pause_seconds or 0:.3f} s, moved {rec.bytes_moved:>9,} B, wall {took:.2f} s")
 
     def _wait_recovered(self, generation: int) -> Any:
@@ -592,9 +593,9 @@ class Soak:
         raise TimeoutError(f"not recovered within {self.opts.op_timeout_s:g} s: {self.h.status()}")
 
     # ---- checks ------------------------------------------------------------------------------
-    def _check_result(self, res: RescaleResult, frm: str | None, to: str) -> None:
+    def _check_result(self, res: RescaleResult, frm: Layout | None, to: str) -> None:
         rec = res.record
-        if not rec.ok or res.to_layout != to or res.from_layout != frm:
+        if not rec.ok or res.to_layout != Layout.parse(to) or res.from_layout != frm:
             raise SoakFailure(f"rescale {frm} -> {to}: got {res.from_layout} -> {res.to_layout}, ok={rec.ok} "
                               f"({rec.reason})")
         if res.bytes_moved != res.planned_bytes or res.lower_bound_bytes > res.planned_bytes:
@@ -604,7 +605,7 @@ class Soak:
     def _expect(self, layout: str, workers: Sequence[str], *, ordered: bool, phase: str = "running") -> None:
         st = self.h.status()
         same = list(st.workers) == list(workers) if ordered else sorted(st.workers) == sorted(workers)
-        if st.layout != layout or not same or st.phase != phase:
+        if st.layout != Layout.parse(layout) or not same or st.phase != phase:
             raise SoakFailure(f"expected {phase} on {layout} with {list(workers)}, job is {st.phase} on "
                               f"{st.layout} with {st.workers} ({st.error or st.reason})")
 
@@ -615,7 +616,8 @@ class Soak:
 
     def _event(self, a: dict[str, Any], res: RescaleResult, op: str) -> None:
         rec = res.record
-        ev = {"op": op, "generation": res.generation, "from": res.from_layout, "to": res.to_layout,
+        ev = {"op": op, "generation": res.generation, "from": str(res.from_layout) if res.from_layout else None,
+              "to": str(res.to_layout),
               "switch_step": res.switch_step, "pause_s": res.pause_seconds, "bytes_moved": res.bytes_moved,
               "planned_bytes": res.planned_bytes, "lower_bound_bytes": res.lower_bound_bytes,
               "wall_s": res.wall_seconds, "leave_s": res.leave_seconds, "joiners": len(rec.joiners),
@@ -623,7 +625,7 @@ class Soak:
         self.report.events.append(ev)
         n = sum(1 for e in self.report.events if e["op"] in ("rescale", "resume", "pause"))
         pause = "-" if res.pause_seconds is None else f"{res.pause_seconds:.3f} s"
-        self.out(f"{n:3d} {op:<7} {res.from_layout or '-':>16} -> {res.to_layout:<16} pause {pause:>9}  moved "
+        self.out(f"{n:3d} {op:<7} {str(res.from_layout or '-'):>16} -> {str(res.to_layout):<16} pause {pause:>9}  moved "
                  f"{res.bytes_moved:>9,} B  wall {res.wall_seconds:5.2f} s  (+{len(rec.joiners)} -{len(rec.leavers)}"
                  f", step {res.switch_step})")
 
@@ -660,7 +662,7 @@ class Soak:
             s = ev.get("switch_step")
             if ev["op"] in ("start", "rescale", "resume", "kill") and s is not None and 0 <= s < len(history):
                 r = history[s]
-                if (r.generation, r.layout) != (ev["generation"], ev["to"]):
+                if (r.generation, str(r.layout)) != (ev["generation"], ev["to"]):  # events are text (the report)
                     self.report.mismatches.append(f"step {s}: on record as gen {r.generation} {r.layout}, the "
                                                   f"{ev['op']} put gen {ev['generation']} {ev['to']} there")
 

@@ -45,8 +45,8 @@ class BackendUnavailable(BackendError):
 
 @dataclass(frozen=True)
 class JobRuntime:
-    """What a training job reports about itself. A backend reads the layouts off its own text (the
-    coordinator's status, pod annotations) once, with :func:`layout_of`."""
+    """What a training job reports about itself. Layouts are values: the coordinator's status carries
+    them as such, and a backend parses what arrives as text (pod annotations) once, with :func:`layout_of`."""
 
     name: str
     phase: JobPhase
@@ -110,7 +110,7 @@ def checkpoint_through(handle: Any, job: str, wait_seconds: float) -> Checkpoint
 
 
 def layout_of(text: str | None) -> Layout | None:
-    """A layout as a backend reads it (the coordinator's status, a pod's annotation); None for none."""
+    """A layout as a backend reads it from text (a pod's annotation); None for none."""
     return Layout.parse(text) if text else None
 
 
@@ -130,18 +130,18 @@ def coordinator_runtime(job: str, st: Any, workers: dict[GPU, str], last: Rescal
     if rec is not None and rec.ok and (last is None or recovered):
         last = RescaleOutcome.from_record(job, rec)
     gpus = tuple(sorted(workers, key=lambda g: (g.node, g.index)))
-    return JobRuntime(job, RUNTIME_PHASES[st.phase], layout_of(st.layout), gpus, st.generation, max(st.step, 0),
+    return JobRuntime(job, RUNTIME_PHASES[st.phase], st.layout, gpus, st.generation, max(st.step, 0),
                       st.loss, st.tokens_per_second or 0.0, st.error,
                       last.pause_seconds if last else None, last.bytes_moved if last else None,
                       recovery=rec.recovery if recovered else "",
-                      recovered_from=layout_of(rec.from_layout) if recovered else None,
+                      recovered_from=rec.from_layout if recovered else None,
                       checkpoint_step=getattr(st, "checkpoint_step", None), memory=getattr(st, "memory", None))
 
 
 @dataclass(frozen=True)
 class RescaleOutcome:
     """What one start/rescale/stop did, for the reshard history (layouts as values: a backend
-    parses what its coordinator or its pods report, once)."""
+    parses what its pods report as text, once)."""
 
     job: str
     from_layout: Layout | None
@@ -164,7 +164,7 @@ class RescaleOutcome:
         ``from_layout``: the layout the backend saw before it asked (None for a start);
         ``to_layout``: the layout asked for, else the one ``res`` names. A pause the coordinator did
         not measure (``pause_seconds`` None) counts as none."""
-        return cls(job, from_layout, to_layout if to_layout is not None else layout_of(res.to_layout),
+        return cls(job, from_layout, to_layout if to_layout is not None else res.to_layout,
                    res.generation, pause_seconds=res.pause_seconds or 0.0, total_seconds=res.wall_seconds,
                    bytes_moved=res.bytes_moved, bytes_planned=res.planned_bytes,
                    bytes_lower_bound=res.lower_bound_bytes, step=res.switch_step)
@@ -174,7 +174,7 @@ class RescaleOutcome:
         """A rescale as the job's coordinator recorded it (``JobStatus.last_rescale``): one the backend
         did not ask for itself (a recovery, an adopted job's last). The record has no wall time of the
         whole call, so ``total_seconds`` stays 0."""
-        return cls(job, layout_of(rec.from_layout), layout_of(rec.to_layout), rec.generation,
+        return cls(job, rec.from_layout, rec.to_layout, rec.generation,
                    pause_seconds=rec.pause_seconds or 0.0, bytes_moved=rec.bytes_moved,
                    bytes_planned=rec.planned_bytes, bytes_lower_bound=rec.lower_bound_bytes,
                    step=rec.switch_step)

@@ -165,9 +165,9 @@ class _Training(_Coordinators):
             return RescaleOutcome.not_running(spec.name)
         before = j.handle.status()
         if before.phase == CoordinatorPhase.PAUSED:
-            return RescaleOutcome.still_paused(spec.name, layout_of(before.layout), before.generation,
+            return RescaleOutcome.still_paused(spec.name, before.layout, before.generation,
                                                before.step)
-        running = layout_of(before.layout)  # the coordinator's status is text
+        running = before.layout
         if running is None:
             raise BackendError(f"{spec.name}: cannot pause a job that is {before.phase}")
         n = running.held().world_size
@@ -180,7 +180,7 @@ class _Training(_Coordinators):
         with self._lock:
             j.workers, j.next_id = {}, j.next_id + n
         self.remember_job(spec.name, j, keepers=keepers)
-        kept = Layout.parse(res.to_layout)
+        kept = res.to_layout
         self._stamp_generation(spec.name, keepers, res.generation, kept)
         out = RescaleOutcome.from_result(spec.name, running, res, to_layout=kept)
         j.last = out
@@ -299,7 +299,7 @@ class _Training(_Coordinators):
             j.workers, j.next_id = new_workers, nxt
         self.remember_job(spec.name, j, keepers=[])
         self._stamp_generation(spec.name, list(new_workers.values()), res.generation, layout)
-        out = RescaleOutcome.from_result(spec.name, layout_of(st.layout), res, to_layout=layout)
+        out = RescaleOutcome.from_result(spec.name, st.layout, res, to_layout=layout)
         j.last = out
         return out
 
@@ -345,7 +345,7 @@ class _Training(_Coordinators):
             self._jobs.pop(spec.name, None)
         if st is None:
             return RescaleOutcome.not_running(spec.name)
-        return RescaleOutcome.stopped(spec.name, layout_of(st.layout), st.generation, st.step)
+        return RescaleOutcome.stopped(spec.name, st.layout, st.generation, st.step)
 
     # ---- objects we own -------------------------------------------------------------------------
     def worker_pod_manifest(self, spec: TrainingSpec, pod: str, gpu: GPU, layout: Layout, generation: int,
@@ -565,7 +565,7 @@ class KubernetesJobHandle(JobHandle):
         env = {k: v for k, v in env.items() if k not in ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")}
         if env.get("ELASTIC_KEEPER") == "1":  # holds a paused job's state: no GPU, on any node
             st = self.coordinator.status()
-            held = Layout.parse(st.layout).held() if st.layout else Layout(1, 1, 1)
+            held = st.layout.held() if st.layout is not None else Layout(1, 1, 1)
             self.backend.apply_worker_pod(self.spec, worker, None, held, gen, env)
             return
         gpu, layout = self.placement[worker]

@@ -46,7 +46,6 @@ from elastic.backends.base import (
     RescaleOutcome,
     checkpoint_through,
     coordinator_runtime,
-    layout_of,
     still_held,
 )
 from elastic.backends.ray_jobs import (
@@ -474,9 +473,9 @@ class RayBackend:
             return RescaleOutcome.not_running(spec.name)
         before = j.handle.status()
         if before.phase == CoordinatorPhase.PAUSED:
-            return RescaleOutcome.still_paused(spec.name, layout_of(before.layout), before.generation,
+            return RescaleOutcome.still_paused(spec.name, before.layout, before.generation,
                                                before.step)
-        running = layout_of(before.layout)  # the coordinator's status is text
+        running = before.layout
         if running is None:
             raise BackendError(f"{spec.name}: cannot pause a job that is {before.phase}")
         n = running.held().world_size
@@ -590,7 +589,7 @@ class RayBackend:
             j.workers, j.next_id, j.keepers = new_workers, nxt, []
         if before.phase == CoordinatorPhase.PAUSED:
             _remember_gpus(j.handle, j, keepers=[])
-        out = RescaleOutcome.from_result(spec.name, layout_of(before.layout), res, to_layout=layout)
+        out = RescaleOutcome.from_result(spec.name, before.layout, res, to_layout=layout)
         j.last = out
         return out
 
@@ -604,7 +603,7 @@ class RayBackend:
             raise BackendError(f"{spec.name}: stop failed: {e}") from e
         with self._lock:
             self.jobs.pop(spec.name, None)
-        return RescaleOutcome.stopped(spec.name, layout_of(st.layout), st.generation, st.step)
+        return RescaleOutcome.stopped(spec.name, st.layout, st.generation, st.step)
 
     def shutdown(self) -> None:
         import ray

@@ -303,7 +303,7 @@ class _RemoteCoordinator:
         return self  # the actor started serving when it was created
 
     def directive(self, generation: int, layout: Any, members: Any, **kw: Any) -> Any:
-        return self._call("directive", generation, str(layout), list(members), **kw)
+        return self._call("directive", generation, layout, list(members), **kw)  # a Layout pickles as it is
 
     def wait_generation(self, generation: int, timeout: float) -> Any:
         return self._call("wait_generation", generation, timeout, timeout=timeout + 30)

@@ -210,8 +210,6 @@ def _kill_a_worker(backend: Any, run: DemoRun, t: float, console: Any, *, replic
     from a data-parallel replica (``replicas``: the job's ranks hold full copies, not FSDP shards)."""
     import ray
 
-    from elastic.model import Layout
-
     j = backend.jobs.get(run.job)
     st = j.handle.status() if j else None
     if st is None or not st.workers or st.phase != CoordinatorPhase.RUNNING:
@@ -222,7 +220,7 @@ def _kill_a_worker(backend: Any, run: DemoRun, t: float, console: Any, *, replic
     ray.kill(j.handle.actors[victim], no_restart=True)
     run.kills.append((t, victim))
     console.print(f"killed training worker {victim} of {st.layout} at step {st.step}"
-                  + ("" if Layout.parse(st.layout).dp >= 2 and replicas else
+                  + ("" if st.layout is not None and st.layout.dp >= 2 and replicas else
                      " (no replica of its state: the job cannot recover)"))
 
 

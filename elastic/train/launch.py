@@ -60,8 +60,8 @@ class RescaleResult:
     """What one rescale cost. ``pause_seconds``: training stopped (last old step done -> first new step begun)."""
 
     generation: int
-    from_layout: str | None
-    to_layout: str
+    from_layout: Layout | None
+    to_layout: Layout
     switch_step: int
     pause_seconds: float | None
     bytes_moved: int
@@ -320,10 +320,10 @@ class JobHandle(ABC):
         """
         self._settle()
         st = self.coordinator.status()
-        if st.phase != CoordinatorPhase.RUNNING or not st.layout:
+        if st.phase != CoordinatorPhase.RUNNING or st.layout is None:
             raise SpecError(f"job {self.job} is {st.phase}" + (f" ({st.error})" if st.error else "")
                             + "; only a running job can be paused")
-        lay = Layout.parse(st.layout).held()
+        lay = st.layout.held()
         names = list(keepers) if keepers is not None else [
             f"{self.job}-keep{st.generation + 1}-{i}" for i in range(lay.world_size)]
         if len(names) != lay.world_size:

@@ -1,5 +1,5 @@
-"""A backend reads a job's layout off its own text once: its ``JobRuntime`` carries ``Layout`` values and a
-``JobPhase``, never the coordinator's or a pod annotation's strings."""
+"""A backend's ``JobRuntime`` carries ``Layout`` values and a ``JobPhase``: the coordinator's status hands it
+values, and a pod annotation's text is parsed once."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from elastic.train.rendezvous.messages import JobStatus, RescaleRecord
 
 def test_the_coordinator_runtime_carries_layouts_and_a_job_phase() -> None:
     """Ray and the Kubernetes coordinator runtime both build theirs here, from the coordinator's status."""
-    rec = RescaleRecord(generation=3, from_layout="tp1.pp1.dp4", to_layout="tp1.pp1.dp3", workers=["w0", "w1", "w2"],
+    rec = RescaleRecord(generation=3, from_layout=Layout(1, 1, 4), to_layout=Layout(1, 1, 3), workers=["w0", "w1", "w2"],
                         joiners=[], leavers=["w3"], switch_step=40, ok=True, pause_seconds=0.2,
                         recovery="lost w3 (worker exited with code -9)")
-    st = JobStatus(job="j", phase="running", generation=3, layout="tp1.pp1.dp3", workers=["w0", "w1", "w2"], step=41,
+    st = JobStatus(job="j", phase="running", generation=3, layout=Layout(1, 1, 3), workers=["w0", "w1", "w2"], step=41,
                    loss=2.5, tokens_per_second=100.0, step_seconds=0.1, error=None, last_rescale=rec)
     workers = {GPU("n0", i): f"w{i}" for i in range(3)}
     rt = coordinator_runtime("j", st, workers, None)

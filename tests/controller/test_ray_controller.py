@@ -237,7 +237,7 @@ def test_a_killed_training_worker_is_recovered_in_place_recorded_and_grown_back(
         while not ((st := handle.status()).phase == "running" and st.generation > rt0.generation):
             assert st.phase in ("running", "recovering") and time.monotonic() < deadline, (st.phase, st.error)
             time.sleep(0.05)
-        assert st.layout == "tp1.pp1.dp3" and victim not in st.workers
+        assert st.layout == Layout.parse("tp1.pp1.dp3") and victim not in st.workers
         rt1 = backend.job_runtime("tiny-job")
         assert len(rt1.gpus) == 3 and rt1.recovery.startswith(f"lost {victim}")
 
@@ -589,7 +589,7 @@ def test_a_gpu_changes_hands_between_a_replica_and_a_training_worker_on_the_same
         again = [r for r in backend.replicas["chat"] if r.gpu == gpus[1]][0]
         assert again.lease is replica.lease and backend.leases.handed_over == 2
         assert backend.leases.parked() == set() and _gpus_free(4.0) == 4.0
-        assert h.status().step > step0 and h.status().layout == "tp1.pp1.dp2"
+        assert h.status().step > step0 and h.status().layout == Layout.parse("tp1.pp1.dp2")
     finally:
         backend.shutdown()
     assert _gpus_free(8.0) == 8.0

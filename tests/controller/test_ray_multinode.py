@@ -104,6 +104,6 @@ def test_workers_and_replicas_run_on_their_gpus_nodes_and_the_pool_fills_up(two_
         for g, w in j.workers.items():
             assert _node_of_worker(j.handle, w) == node_id[g.node], (g, w)
         st = j.handle.status()
-        assert st.step >= out.step and st.layout == "tp2.pp1.dp2"
+        assert st.step >= out.step and st.layout == Layout.parse("tp2.pp1.dp2")
     finally:
         backend.shutdown()

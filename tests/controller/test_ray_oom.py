@@ -96,7 +96,7 @@ def test_a_layout_that_runs_out_of_memory_is_dropped_and_the_job_moves_in_place_
         tick()
         handle = backend.jobs[JOB].handle
         st = wait_out_of_memory_hold(handle, 120)
-        assert (st.phase, st.layout, st.step) == ("recovering", "tp1.pp2.dp1", -1)
+        assert (st.phase, st.layout, st.step) == ("recovering", Layout.parse("tp1.pp2.dp1"), -1)
         assert (st.out_of_memory["rank"], st.out_of_memory["step"]) == (0, 0)
         peak = measured_peak(MeasuredMemory.from_json(st.out_of_memory["memory"], "out_of_memory.memory"))
         assert peak > LIMIT
@@ -110,7 +110,7 @@ def test_a_layout_that_runs_out_of_memory_is_dropped_and_the_job_moves_in_place_
         assert backend.jobs[JOB].handle is handle, "the job was restarted, not moved in place"
         handle.wait_step(STEPS - 1, timeout=120)
         hist = handle.history()[:STEPS]
-        assert [r.step for r in hist] == list(range(STEPS)) and {r.layout for r in hist} == {"tp2.pp1.dp1"}
+        assert [r.step for r in hist] == list(range(STEPS)) and {r.layout for r in hist} == {Layout.parse("tp2.pp1.dp1")}
         for r, want in zip(hist, _reference(STEPS), strict=True):
             assert r.loss == pytest.approx(want, rel=1e-9, abs=0), f"step {r.step}: {r.loss} vs {want}"
 

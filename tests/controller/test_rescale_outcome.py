@@ -18,8 +18,8 @@ from elastic.train.rendezvous.messages import RescaleRecord
 
 REC = RescaleRecord(
     generation=5,
-    from_layout="tp1.pp1.dp4",
-    to_layout="tp2.pp1.dp2",
+    from_layout=Layout.parse("tp1.pp1.dp4"),
+    to_layout=Layout.parse("tp2.pp1.dp2"),
     workers=["w0", "w1", "w2", "w3"],
     joiners=[],
     leavers=[],
@@ -35,8 +35,8 @@ REC = RescaleRecord(
 # what a JobHandle reports; its own fields, not its record's, are the ones an outcome takes
 RES = RescaleResult(
     generation=7,
-    from_layout="tp4.pp1.dp1",
-    to_layout="tp1.pp2.dp2",
+    from_layout=Layout.parse("tp4.pp1.dp1"),
+    to_layout=Layout.parse("tp1.pp2.dp2"),
     switch_step=44,
     pause_seconds=0.25,
     bytes_moved=1001,
@@ -51,7 +51,7 @@ ASKED = Layout(2, 2, 1)  # what it asked for, where it names one
 
 CASES: list[tuple[str, Callable[[], RescaleOutcome], RescaleOutcome]] = [
     (
-        "from_result: to_layout parsed from the result",
+        "from_result: to_layout from the result",
         lambda: RescaleOutcome.from_result("j", BEFORE, RES),
         RescaleOutcome(
             "j",
@@ -67,7 +67,7 @@ CASES: list[tuple[str, Callable[[], RescaleOutcome], RescaleOutcome]] = [
         ),
     ),
     (
-        "from_result: the layout asked for stands over the result's text",
+        "from_result: the layout asked for stands over the result's",
         lambda: RescaleOutcome.from_result("j", BEFORE, RES, to_layout=ASKED),
         RescaleOutcome(
             "j",
@@ -99,7 +99,7 @@ CASES: list[tuple[str, Callable[[], RescaleOutcome], RescaleOutcome]] = [
         ),
     ),
     (
-        "from_record: both layouts parsed, no wall time",
+        "from_record: both layouts from the record, no wall time",
         lambda: RescaleOutcome.from_record("j", REC),
         RescaleOutcome(
             "j",

@@ -546,7 +546,7 @@ def run(workdir: Path, *, high_rate: float = 6.0, user: bool = False, nodes: dic
         h = c.handle()
         h.wait_step(h.status().step + 2, timeout=60)
         first_workers = sorted(p["metadata"]["name"] for p in c.worker_pods())
-        detail["start"] = {"layout": h.status().layout, "workers": first_workers, "seconds": time.monotonic() - t0}
+        detail["start"] = {"layout": str(h.status().layout), "workers": first_workers, "seconds": time.monotonic() - t0}
         log(f"started {detail['start']}")
         replicas_seen = [c.replicas_wanted()]
 
@@ -562,7 +562,7 @@ def run(workdir: Path, *, high_rate: float = 6.0, user: bool = False, nodes: dic
             st = h.status()
             h.wait_step(st.step + 2, timeout=60)
             survivors = sorted(p["metadata"]["name"] for p in c.worker_pods())
-            detail["shrink"] = {"layout": st.layout, "generation": st.generation, "workers": survivors,
+            detail["shrink"] = {"layout": str(st.layout), "generation": st.generation, "workers": survivors,
                                 "columns": c.printer_columns("elastictrainingjobs", JOB),
                                 "service_columns": c.printer_columns("inferenceservices", SERVICE),
                                 "seconds": time.monotonic() - t0}
@@ -575,7 +575,7 @@ def run(workdir: Path, *, high_rate: float = 6.0, user: bool = False, nodes: dic
         st = h.status()
         h.wait_step(st.step + 2, timeout=60)
         grown = sorted(p["metadata"]["name"] for p in c.worker_pods())
-        detail["grow"] = {"layout": st.layout, "generation": st.generation, "workers": grown,
+        detail["grow"] = {"layout": str(st.layout), "generation": st.generation, "workers": grown,
                           "columns": c.printer_columns("elastictrainingjobs", JOB), "seconds": time.monotonic() - t0}
         log(f"grown {detail['grow']}")
 
@@ -640,7 +640,7 @@ def run(workdir: Path, *, high_rate: float = 6.0, user: bool = False, nodes: dic
                   api_order={"leavers_gone": leavers_gone, "deployment_to_3": scaled_to_3,
                              "replicas_gone": replicas_gone_rv, "joiners_created": joiners_made},
                   replicas_removed=replicas_gone, joiners=joiners,
-                  layouts=sorted({r.layout for r in history}), seconds=time.monotonic() - t0)
+                  layouts=sorted({str(r.layout) for r in history}), seconds=time.monotonic() - t0)
     return {
         "worker_pods_started": len(started_workers),
         "reshards_in_place": len(gens) - 1,

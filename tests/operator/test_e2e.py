@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from elastic.model import Layout
+
 from . import e2e
 from .e2e import NS, wait_for
 
@@ -84,11 +86,8 @@ PINS = [(4, "tp2.pp1.dp2"), (5, "tp1.pp1.dp3"), (6, "tp1.pp1.dp2"), (2, "tp2.pp1
 NODE_GPUS = 8
 
 
-def _mesh(layout: str) -> dict[str, int]:
+def _mesh(lay: Layout) -> dict[str, int]:
     """What the example logs as its mesh (``{dp: dp_shard, tp: tp}``) for a layout."""
-    from elastic.model import Layout
-
-    lay = Layout.parse(layout)
     return {"dp_shard": lay.dp, "tp": lay.tp}
 
 
@@ -101,7 +100,6 @@ def test_a_user_job_follows_kubectl_scale_through_four_layouts_in_place_on_one_l
     and no GPU is ever held twice."""
     from kubernetes import client
 
-    from elastic.model import Layout
     from tests.operator.test_e2e_restart import _sleepers
 
     work = tmp_path / "e2e"
@@ -142,7 +140,7 @@ def test_a_user_job_follows_kubectl_scale_through_four_layouts_in_place_on_one_l
             st = h.status()
             h.wait_step(st.step + 2, timeout=90)  # it trains on the new mesh
             workers = sorted(p["metadata"]["name"] for p in c.worker_pods())
-            phases.append({"layout": st.layout, "generation": st.generation, "workers": workers,
+            phases.append({"layout": str(st.layout), "generation": st.generation, "workers": workers,
                            "seconds": round(time.monotonic() - t0, 1)})
             if i:  # the leavers' pods are gone once their bytes landed and they exited
                 left = sorted(set(phases[i - 1]["workers"]) - set(workers))
@@ -169,7 +167,7 @@ def test_a_user_job_follows_kubectl_scale_through_four_layouts_in_place_on_one_l
     # the step counter continues across the three rescales, every layout trained
     steps = [r.step for r in history]
     assert steps == list(range(len(steps))), f"a step was lost or repeated: {steps}"
-    assert {r.generation: r.layout for r in history} == {i + 1: lay for i, (_, lay) in enumerate(PINS)}
+    assert {r.generation: r.layout for r in history} == {i + 1: Layout.parse(lay) for i, (_, lay) in enumerate(PINS)}
     # the never-rescaled run: the same loss (float64, 1e-9 relative), samples and learning rate at every step
     ref = e2e.user_reference_steps(job, len(steps) + 2, work / "reference.json")
     for r in history:

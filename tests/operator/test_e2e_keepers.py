@@ -74,17 +74,18 @@ def test_a_job_below_its_minimum_waits_in_keeper_pods_and_resumes_in_place(tmp_p
                 "-k" in n for n in names) and names, 60)
     # the keepers: the held layout (one copy, no data parallelism), no GPU asked, not pinned to a node
     if not user:
-        assert mem["layout"] == running and mem["weights"] > 0 and mem["activations"] > 0, mem
+        assert mem["layout"] == str(running) and mem["weights"] > 0 and mem["activations"] > 0, mem
         assert mem["total"] == mem["weights"] + mem["gradients"] + mem["optimizer"] + mem["activations"], mem
         # beside it the planner's bytes for the same rank, in the run's precision (float64: 8 bytes a
         # weight, exactly what it holds) and the per-GPU budget the layout was fitted in
         assert mem["weights"] == mem["predicted"]["weights"] and mem["predicted"]["activations"] > 0, mem
         assert mem["budgetBytes"] > mem["total"], mem
-    held = Layout.parse(running).held()
-    assert paused.phase == "paused" and paused.layout == str(held), (running, paused)
+    assert running is not None
+    held = running.held()
+    assert paused.phase == "paused" and paused.layout == held, (running, paused)
     assert len(keepers) == held.world_size and gpu_pods == [], (keepers, gpu_pods)
     if not user:
-        assert paused.layout == "tp2.pp1.dp1", paused
+        assert paused.layout == Layout.parse("tp2.pp1.dp1"), paused
     for k in keepers:
         ctr = k["spec"]["containers"][0]
         assert "nvidia.com/gpu" not in str(ctr.get("resources")) and "affinity" not in k["spec"]

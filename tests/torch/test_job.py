@@ -150,7 +150,7 @@ def test_a_user_job_rescaled_by_its_coordinator_through_four_layouts_follows_one
         for layout, workers, joiners, leavers in chain:
             res = _rescale_held(h, tmp_path, layout, workers)
             rec = res.record
-            assert rec.ok and rec.to_layout == layout, rec
+            assert rec.ok and rec.to_layout == Layout.parse(layout), rec
             assert sorted(rec.joiners) == joiners and sorted(rec.leavers) == leavers
             # exactly what the new layout needs beyond what its workers already hold
             assert res.bytes_moved == res.lower_bound_bytes == res.planned_bytes > 0, res
@@ -163,7 +163,7 @@ def test_a_user_job_rescaled_by_its_coordinator_through_four_layouts_follows_one
     assert final.error is None, final.error
     steps = _check_curve(h, tmp_path, reference)
     layouts = [r.layout for r in h.history()]
-    assert sorted(set(layouts)) == sorted({"tp1.pp1.dp4", "tp2.pp1.dp2", "tp2.pp1.dp1", "tp1.pp1.dp3"})
+    assert set(layouts) == set(map(Layout.parse, ["tp1.pp1.dp4", "tp2.pp1.dp2", "tp2.pp1.dp1", "tp1.pp1.dp3"]))
     assert len(steps) >= 10
 
 
@@ -203,13 +203,14 @@ def test_a_paused_user_job_keeps_its_state_in_keepers_and_resumes_on_another_mes
         for k in st.workers:
             assert h.procs[k].wait(30) == 0, f"keeper {k} should exit once the state is back on GPU workers"
         h.wait_step(h.status().step + 2, timeout=120)
-        assert h.status().layout == resume
+        assert h.status().layout == Layout.parse(resume)
     finally:
         final = h.stop()
     assert final.error is None, final.error
     _check_curve(h, tmp_path, reference)
     layouts = [r.layout for r in h.history()]
-    assert layouts[0] == start and layouts[-1] == resume and "paused" not in "".join(layouts)
+    assert layouts[0] == Layout.parse(start) and layouts[-1] == Layout.parse(resume)
+    assert "paused" not in "".join(map(str, layouts))
 
 
 def test_a_shrink_gives_the_step_in_progress_up_and_the_new_layout_redoes_it_on_the_same_curve(
@@ -226,7 +227,7 @@ def test_a_shrink_gives_the_step_in_progress_up_and_the_new_layout_redoes_it_on_
         assert rec.ok and rec.leavers == ["w1"] and rec.gave_up_step == 3 and rec.switch_step == 3, rec
         assert h.procs["w1"].wait(30) == 0, "the leaver should exit cleanly"
         h.wait_step(6, timeout=120)
-        assert h.status().layout == "tp1.pp1.dp2"
+        assert h.status().layout == Layout.parse("tp1.pp1.dp2")
     finally:
         final = h.stop()
     assert final.error is None, final.error
@@ -246,7 +247,7 @@ def test_a_build_that_raises_or_builds_other_keys_abandons_the_rescale_and_the_j
         with pytest.raises(RescaleFailed, match="build raised RuntimeError: out of memory on dp_shard2.tp2"):
             h.rescale("tp2.pp1.dp2", W4, timeout=180)
         st = h.status()
-        assert st.phase == "running" and st.layout == "tp1.pp1.dp4" and "out of memory" in st.reason, st
+        assert st.phase == "running" and st.layout == Layout.parse("tp1.pp1.dp4") and "out of memory" in st.reason, st
         h.wait_step(st.step + 2, timeout=120)
         # the same workers rescale fine once the build works (it failed only the first time)
         res = h.rescale("tp2.pp1.dp2", W4, timeout=180)
@@ -271,7 +272,7 @@ def test_a_build_with_other_keys_is_refused_before_a_byte_moves(
         with pytest.raises(RescaleFailed, match="key\\(s\\) that no worker's old state holds"):
             h.rescale("tp1.pp1.dp3", W4[:3], timeout=180)
         st = h.status()
-        assert st.phase == "running" and st.layout == "tp1.pp1.dp4", st
+        assert st.phase == "running" and st.layout == Layout.parse("tp1.pp1.dp4"), st
         h.wait_step(st.step + 2, timeout=120)
         assert h.procs["w3"].poll() is None, "a leaver of an abandoned rescale stays"
     finally:
@@ -287,7 +288,7 @@ def test_a_worker_killed_mid_step_is_recovered_from_its_replicas_on_the_same_cur
     try:
         h.start("tp1.pp1.dp4", W4, timeout=180)
         st = _wait(lambda st: st.generation >= 2 and st.phase == "running", h, 180, "recovery")
-        assert st.layout == "tp1.pp1.dp3" and "w2" not in st.workers, st
+        assert st.layout == Layout.parse("tp1.pp1.dp3") and "w2" not in st.workers, st
         rec = h.coordinator.rescale_record(2)
         assert rec is not None and rec.ok and "lost w2" in rec.recovery, rec
         assert rec.switch_step == 3, "the step in flight is redone, no other"
@@ -314,7 +315,7 @@ def test_ddp_replicas_with_tensor_parallel_rescale_and_recover_a_lost_worker_on_
         res = _rescale_held(h, tmp_path, "tp2.pp1.dp2", ["w0", "w1", "w2", "w4"])
         assert res.record.ok and res.bytes_moved == res.lower_bound_bytes > 0
         st = _wait(lambda st: st.generation >= 4 and st.phase == "running", h, 180, "recovery")
-        assert st.layout == "tp2.pp1.dp1" and "w4" not in st.workers, st
+        assert st.layout == Layout.parse("tp2.pp1.dp1") and "w4" not in st.workers, st
         rec = h.coordinator.rescale_record(4)
         died = int(re.search(r"dying \(in step (\d+)", (tmp_path / "workers" / "w4.log").read_text()).group(1))
         assert rec is not None and rec.ok and "lost w4" in rec.recovery, rec
@@ -336,7 +337,7 @@ def test_a_worker_killed_inside_a_rescales_exchange_rolls_the_rescale_back(
         with pytest.raises(RescaleFailed, match="rolled back"):
             h.rescale("tp1.pp1.dp2", ["w0", "w1"], timeout=180)
         st = _wait(lambda st: st.phase == "running" and "w1" not in st.workers, h, 180, "recovery after rollback")
-        assert st.layout == "tp1.pp1.dp3", st
+        assert st.layout == Layout.parse("tp1.pp1.dp3"), st
         h.wait_step(st.step + 3, timeout=120)
     finally:
         final = h.stop()
@@ -363,7 +364,7 @@ def test_a_layout_the_global_batch_does_not_split_into_is_refused_before_anythin
         with pytest.raises(SpecError, match="pp=2 but mesh_dims .* names no pp dim"):
             h.rescale("tp1.pp2.dp1", W4[:2])
         st = h.status()
-        assert st.layout == "tp1.pp1.dp2" and st.generation == 1 and sorted(h.procs) == W4[:2]
+        assert st.layout == Layout.parse("tp1.pp1.dp2") and st.generation == 1 and sorted(h.procs) == W4[:2]
     finally:
         h.stop()
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from elastic.model import Layout
 from examples.titan import job
 from tests.reshard._mp import Pool, free_port
 
@@ -107,7 +108,7 @@ def test_titan_llama_job_rescaled_by_its_coordinator_follows_one_process(corpus:
         h.wait_step(1, timeout=180)
         for layout, workers in chain:
             res = h.rescale(layout, workers, timeout=240)
-            assert res.record.ok and res.record.to_layout == layout, res.record
+            assert res.record.ok and res.record.to_layout == Layout.parse(layout), res.record
             assert res.bytes_moved == res.lower_bound_bytes > 0, res
             h.wait_step(h.status().step + 2, timeout=180)
     finally:
@@ -118,7 +119,7 @@ def test_titan_llama_job_rescaled_by_its_coordinator_follows_one_process(corpus:
     steps = [r.step for r in history]
     assert steps == list(range(len(steps))) and len(steps) >= 8, f"a step was lost or repeated: {steps}"
     assert len(steps) <= REF_STEPS, f"the job trained {len(steps)} steps, the reference has {REF_STEPS}"
-    assert {r.layout for r in history} == {"tp2.pp1.dp2", "tp1.pp1.dp4", "tp2.pp1.dp1"}
+    assert {r.layout for r in history} == set(map(Layout.parse, ["tp2.pp1.dp2", "tp1.pp1.dp4", "tp2.pp1.dp1"]))
     worst = 0.0
     for r in history:
         want = reference["losses"][r.step]

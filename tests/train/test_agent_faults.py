@@ -106,7 +106,7 @@ def test_joiner_that_never_arrives_times_out_and_the_job_continues_with_its_stat
     assert rec is not None and (rec.generation, rec.ok, rec.joiners) == (gen, False, ["ghost-a", "ghost-b"]), rec
     assert "join_timeout_s=3;" in rec.reason and "nothing moved" in rec.reason, rec.reason
     st = job.status()
-    assert (st.phase, st.generation, st.layout) == ("running", 1, "tp1.pp1.dp2")
+    assert (st.phase, st.generation, st.layout) == ("running", 1, Layout.parse("tp1.pp1.dp2"))
     assert "abandoned" in st.reason and "ghost-a" in st.reason
     assert st.last_rescale is not None and st.last_rescale.ok is False and st.last_rescale.generation == gen
     # state intact: training goes on and still follows the never-rescaled curve
@@ -132,7 +132,7 @@ def test_member_that_cannot_prepare_abandons_the_rescale_and_the_job_keeps_its_s
                                                 r".*not contiguous.*nothing moved"):
             h.rescale("tp1.pp1.dp2", ["w0", "w1"], timeout=120)
         st = h.status()
-        assert (st.phase, st.generation, st.layout, st.workers) == ("running", 1, "tp1.pp1.dp1", ["w0"])
+        assert (st.phase, st.generation, st.layout, st.workers) == ("running", 1, Layout.parse("tp1.pp1.dp1"), ["w0"])
         assert "abandoned" in st.reason and "w0 could not plan or prepare" in st.reason, st.reason
         assert st.error is None and st.last_rescale is not None and st.last_rescale.ok is False
         # the joiner was told and left on its own (the launcher did not have to kill it)

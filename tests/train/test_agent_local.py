@@ -12,7 +12,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from elastic.model import load_model
+from elastic.model import Layout, load_model
 from elastic.train.engine import TrainConfig
 from elastic.train.launch import LaunchOptions, ProcessJobHandle
 from tests.train import _mp
@@ -39,7 +39,7 @@ def test_grow_then_shrink_in_place_follows_the_never_rescaled_loss_curve(tmp_pat
         h.wait_step(1, timeout=120)
         # 2. grow to four: w2, w3 join with no state and receive theirs
         grow = h.rescale("tp2.pp1.dp2", ["w0", "w1", "w2", "w3"], timeout=240)
-        assert (grow.generation, grow.from_layout, grow.to_layout) == (2, "tp1.pp1.dp2", "tp2.pp1.dp2")
+        assert (grow.generation, grow.from_layout, grow.to_layout) == (2, Layout.parse("tp1.pp1.dp2"), Layout.parse("tp2.pp1.dp2"))
         assert grow.bytes_moved == grow.planned_bytes > 0 and grow.lower_bound_bytes <= grow.planned_bytes
         assert grow.pause_seconds is not None and grow.pause_seconds > 0
         h.wait_step(grow.switch_step + 1, timeout=120)
@@ -50,7 +50,7 @@ def test_grow_then_shrink_in_place_follows_the_never_rescaled_loss_curve(tmp_pat
             assert h.procs[w].poll() == 0, f"leaver {w} should have exited cleanly"
         h.wait_step(shrink.switch_step + 2, timeout=120)
         st = h.status()
-        assert (st.phase, st.generation, st.layout, st.workers) == ("running", 3, "tp1.pp1.dp1", ["w2"])
+        assert (st.phase, st.generation, st.layout, st.workers) == ("running", 3, Layout.parse("tp1.pp1.dp1"), ["w2"])
     finally:
         final = h.stop()
     history = h.history()
@@ -127,11 +127,11 @@ def test_a_grow_called_off_before_its_directive_changes_nothing(tmp_path) -> Non
         assert isinstance(out.get("error"), RescaleCancelled), out
         assert h.procs["w1"].poll() is not None, "the dismissed joiner must be gone"
         st = h.status()
-        assert (st.phase, st.generation, st.layout, st.workers) == ("running", 1, "tp1.pp1.dp1", ["w0"])
+        assert (st.phase, st.generation, st.layout, st.workers) == ("running", 1, Layout.parse("tp1.pp1.dp1"), ["w0"])
         h.wait_step(st.step + 2, timeout=120)  # still training
         # the same grow, not called off, goes through afterwards
         res = h.rescale("tp1.pp1.dp2", ["w0", "w2"], timeout=240)
-        assert (res.generation, res.to_layout) == (2, "tp1.pp1.dp2")
+        assert (res.generation, res.to_layout) == (2, Layout.parse("tp1.pp1.dp2"))
         assert h.cancel_pending() is False  # finished: nothing to call off
     finally:
         h.stop()
@@ -193,7 +193,7 @@ def test_members_prepare_a_rescale_beside_the_step_in_progress_not_in_the_pause(
               + f"; pause {res.pause_seconds:.3f} s")
     history = h.history()
     assert [r.step for r in history] == list(range(len(history)))
-    assert {r.layout for r in history} == {"tp1.pp1.dp2", "tp2.pp1.dp2", "tp1.pp1.dp1"}
+    assert {r.layout for r in history} == set(map(Layout.parse, ["tp1.pp1.dp2", "tp2.pp1.dp2", "tp1.pp1.dp1"]))
     ref = _mp.reference_losses(cfg, len(history), one_micro_batch=True)
     for r, want in zip(history, ref, strict=True):
         assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step} ({r.layout}): {r.loss} vs {want}"

@@ -105,7 +105,8 @@ def test_first_generation_starts_all_members_and_steps_aggregate_into_history_an
     for s in range(3):
         assert run_step(c, ["w0", "w1"], 1, s, loss=3.0 - s) == ["go", "go"]
     st = c.status()
-    assert (st.phase, st.generation, st.layout, st.workers, st.step) == ("running", 1, "tp1.pp1.dp2", ["w0", "w1"], 1)
+    assert (st.phase, st.generation, st.layout, st.workers, st.step) == (
+        "running", 1, Layout.parse("tp1.pp1.dp2"), ["w0", "w1"], 1)
     assert [r.loss for r in c.history()] == [2.0, 1.0]  # step 0's loss is reported with step 1's request
     assert st.tokens_per_second == pytest.approx(512.0)
     assert metric(reg, "elastic_training_steps_total") == 2
@@ -181,7 +182,7 @@ def test_joiner_that_never_arrives_abandons_the_rescale_before_anything_moves() 
     out = call(c, "arrive", "w0", generation=2, digest="x")
     assert out["decision"] == "abandoned" and "ghost" in out["reason"]
     st = c.status()
-    assert (st.phase, st.generation, st.layout) == ("running", 1, "tp1.pp1.dp2")
+    assert (st.phase, st.generation, st.layout) == ("running", 1, Layout.parse("tp1.pp1.dp2"))
     assert "ghost" in st.reason and "did not arrive" in st.reason
     assert run_step(c, ["w0", "w1"], 1, d.switch_step) == ["go", "go"]  # the old layout continues
     out = call(c, "poll", "w2")  # a joiner launched for the abandoned rescale leaves instead of idling
@@ -201,7 +202,7 @@ def test_joiner_that_never_arrives_abandons_the_rescale_before_anything_moves() 
     assert call(c, "step", "w0", generation=2, step=d2.switch_step)["action"] == "go"
     assert run_step(c, ["w0"], 2, d2.switch_step + 1) == ["go"]
     st = c.status()
-    assert (st.phase, st.generation, st.layout) == ("running", 2, "tp1.pp1.dp1")
+    assert (st.phase, st.generation, st.layout) == ("running", 2, Layout.parse("tp1.pp1.dp1"))
 
 
 def test_a_joiner_of_an_abandoned_rescale_lost_on_its_way_out_costs_the_job_nothing() -> None:
@@ -214,7 +215,7 @@ def test_a_joiner_of_an_abandoned_rescale_lost_on_its_way_out_costs_the_job_noth
     assert out["decision"] == "abandoned"
     c.worker_lost("w3", "worker w3 exited with signal 9")  # told to go, killed before its exit notice
     st = c.status()
-    assert (st.phase, st.error, st.generation, st.layout) == ("running", None, 1, "tp1.pp1.dp2")
+    assert (st.phase, st.error, st.generation, st.layout) == ("running", None, 1, Layout.parse("tp1.pp1.dp2"))
     assert run_step(c, ["w0", "w1"], 1, 2) == ["go", "go"]
 
 
@@ -228,7 +229,7 @@ def test_a_plan_for_other_workers_than_the_directives_abandons_the_rescale() -> 
     out = call(c, "arrive", "w0", generation=2, digest="stale", plan=stale)
     assert out["decision"] == "abandoned" and "plan for other workers" in out["reason"]
     st = c.status()
-    assert (st.phase, st.generation, st.layout) == ("running", 1, "tp1.pp1.dp2")
+    assert (st.phase, st.generation, st.layout) == ("running", 1, Layout.parse("tp1.pp1.dp2"))
 
 
 def test_members_with_different_plans_abandon_the_rescale() -> None:
@@ -400,7 +401,7 @@ def test_member_that_cannot_prepare_abandons_the_rescale_for_everyone(order, fai
     assert [answers[w] for w in order] == ["wait"] * first_bad + ["abandoned"] * (len(order) - first_bad)
     assert call(c, "arrive", "w3", generation=2, digest="same")["decision"] == "abandoned"
     st = c.status()
-    assert (st.phase, st.generation, st.layout, st.error) == ("running", 1, "tp1.pp1.dp2", None)
+    assert (st.phase, st.generation, st.layout, st.error) == ("running", 1, Layout.parse("tp1.pp1.dp2"), None)
     assert f"worker {failing} could not plan or prepare the reshard: ReshardError: staging cap" in st.reason
     assert "nothing moved" in st.reason
     assert run_step(c, ["w0", "w1"], 1, d.switch_step) == ["go", "go"]  # the old layout goes on
@@ -564,7 +565,8 @@ def test_a_held_generation_pauses_the_job_until_the_next_directive_and_resumes_a
     rec = c.wait_generation(2, timeout=1)  # a hold completes without a step: nothing will step
     assert (rec.ok, rec.hold, rec.bytes_moved, rec.pause_seconds) == (True, True, 100, pytest.approx(0.25))
     st = c.status()
-    assert (st.phase, st.workers, st.layout, st.step) == ("paused", ["k0"], "tp1.pp1.dp1", d.switch_step - 1)
+    assert (st.phase, st.workers, st.layout, st.step) == (
+        "paused", ["k0"], Layout.parse("tp1.pp1.dp1"), d.switch_step - 1)
     assert "paused at step" in st.reason
     assert (metric(reg, "elastic_training_paused"), metric(reg, "elastic_training_world_size")) == (1, 0)
     assert metric(reg, "elastic_training_rescales_total") == 0  # a pause is not a rescale; its bytes count
@@ -663,7 +665,7 @@ def test_a_lost_worker_is_recovered_from_the_surviving_replica_at_the_step_they_
     rec = c.wait_generation(2, timeout=1)
     assert rec.ok and rec.pause_seconds == pytest.approx(0.5)  # from the loss to the first step again
     st = c.status()
-    assert (st.phase, st.workers, st.layout) == ("running", ["w0", "w2"], "tp1.pp2.dp1")
+    assert (st.phase, st.workers, st.layout) == ("running", ["w0", "w2"], Layout.parse("tp1.pp2.dp1"))
     assert st.reason.startswith("recovered (lost w3")
     assert [h.step for h in c.history()] == [0, 1, 2, 3, 4]  # step 3 on record from the survivors' reports
     assert c.lost_workers() == ["w3"]
@@ -981,7 +983,7 @@ def test_a_member_lost_before_the_commit_rolls_the_job_back_and_it_recovers_on_t
     assert answer["abort"] == 2 and "rolled back to generation 1" in answer["abort_reason"], answer
     assert "abort" not in call(c, "heartbeat", "w1", generation=1)  # not building anything: nothing to give up
     st = c.status()
-    assert (st.phase, st.generation, st.layout) == ("recovering", 1, "tp1.pp1.dp2")
+    assert (st.phase, st.generation, st.layout) == ("recovering", 1, Layout.parse("tp1.pp1.dp2"))
     failed = c.rescale_record(2)
     assert failed.ok is False and "rolled back to generation 1" in failed.reason and "w3" in failed.reason
     with pytest.raises(RescaleFailed, match="rolled back"):
@@ -1015,7 +1017,7 @@ def test_a_member_lost_before_the_commit_rolls_the_job_back_and_it_recovers_on_t
         assert call(c, "step", w, generation=3, step=d.switch_step)["action"] == "go"
     run_step(c, ["w0", "w1"], 3, d.switch_step + 1)
     st = c.status()
-    assert (st.phase, st.generation, st.layout) == ("running", 3, "tp1.pp1.dp2")
+    assert (st.phase, st.generation, st.layout) == ("running", 3, Layout.parse("tp1.pp1.dp2"))
     assert c.rescale_record(3).ok
     c.directive(4, "tp1.pp1.dp1", ["w0"])  # and the job can be rescaled again
 

@@ -221,7 +221,7 @@ def test_a_job_no_replica_can_recover_starts_again_from_its_checkpoint_on_anothe
     assert final.error is None, final.error
     second = h2.history()
     assert [r.step for r in second] == list(range(ref.step, ref.step + len(second))), "it goes on at the checkpoint"
-    assert {r.layout for r in second} == {"tp1.pp2.dp2"}
+    assert {r.layout for r in second} == {Layout.parse("tp1.pp2.dp2")}
     want = _mp.reference_losses(cfg, second[-1].step + 1)
     for r in first + second:
         assert r.loss == pytest.approx(want[r.step], abs=1e-4), f"step {r.step} ({r.layout}): {r.loss} vs {want[r.step]}"

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from elastic.model import SpecError
+from elastic.model import Layout, SpecError
 from elastic.train import checkpoint as ck
 from elastic.train.checkpoint import CheckpointSettings
 from elastic.train.rendezvous import CheckpointFailed
@@ -231,7 +231,7 @@ def test_a_running_job_saves_on_demand_and_the_files_are_complete(tmp_path) -> N
         again = h.coordinator.wait_checkpoint(ticket, timeout=120)
         ref = ck.latest(settings.dir)
         assert again > step and ref is not None and ref.step == again, (again, ref)
-        assert h.status().phase == "running" and h.status().layout == "tp1.pp1.dp1"
+        assert h.status().phase == "running" and h.status().layout == Layout.parse("tp1.pp1.dp1")
     finally:
         final = h.stop()
     assert final.error is None, final.error

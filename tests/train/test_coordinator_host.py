@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from elastic.model import SpecError, load_model
+from elastic.model import Layout, SpecError, load_model
 from elastic.train.checkpoint import CheckpointSettings
 from elastic.train.engine import TrainConfig
 from elastic.train.launch import LaunchOptions, ProcessJobHandle, coordinator_settings
@@ -222,8 +222,8 @@ def test_an_unreachable_coordinator_fails_the_job_after_a_bounded_retry() -> Non
 
 RECORD = RescaleRecord(
     generation=3,
-    from_layout="tp1.pp1.dp2",
-    to_layout="tp1.pp1.dp1",
+    from_layout=Layout.parse("tp1.pp1.dp2"),
+    to_layout=Layout.parse("tp1.pp1.dp1"),
     workers=["w0"],
     joiners=[],
     leavers=["w1"],
@@ -243,15 +243,19 @@ RECORD = RescaleRecord(
 @pytest.mark.parametrize(
     "value",
     [
-        StepRecord(step=4, generation=2, layout="tp1.pp1.dp2", loss=2.5, tokens=64, seconds=0.5),
-        StepRecord(step=0, generation=1, layout="tp1.pp1.dp1", loss=None, tokens=0, seconds=0.0),
+        StepRecord(
+            step=4, generation=2, layout=Layout.parse("tp1.pp1.dp2"), loss=2.5, tokens=64, seconds=0.5
+        ),
+        StepRecord(
+            step=0, generation=1, layout=Layout.parse("tp1.pp1.dp1"), loss=None, tokens=0, seconds=0.0
+        ),
         RECORD,
-        RescaleRecord(1, None, "tp1.pp1.dp1", ["w0"], ["w0"], [], 0),
+        RescaleRecord(1, None, Layout.parse("tp1.pp1.dp1"), ["w0"], ["w0"], [], 0),
         JobStatus(
             job="j",
             phase="running",
             generation=3,
-            layout="tp1.pp1.dp1",
+            layout=Layout.parse("tp1.pp1.dp1"),
             workers=["w0"],
             step=9,
             loss=2.0,
@@ -296,6 +300,56 @@ def test_what_crosses_the_wire_reads_back_equal(value) -> None:
 def test_settings_that_do_not_read_are_refused_naming_the_key(doc, named) -> None:
     with pytest.raises(SpecError, match=named):
         settings_from_json(doc)
+
+
+def test_layouts_are_values_and_text_only_on_the_wire() -> None:
+    doc = RECORD.to_json()
+    assert (doc["from_layout"], doc["to_layout"]) == ("tp1.pp1.dp2", "tp1.pp1.dp1")
+    st = JobStatus("j", "running", 3, Layout(1, 1, 1), ["w0"], 9, None, None, None, None, RECORD)
+    doc = st.to_json()
+    assert (doc["layout"], doc["last_rescale"]["to_layout"]) == ("tp1.pp1.dp1", "tp1.pp1.dp1")
+    assert StepRecord(1, 1, Layout(1, 1, 2), None, 1, 1.0).to_json()["layout"] == "tp1.pp1.dp2"
+
+
+@pytest.mark.parametrize(
+    "build, named",
+    [
+        (
+            lambda: JobStatus("j", "running", 3, "tp1.pp1.dp1", ["w0"], 9, None, None, None, None, None),
+            "JobStatus.layout",
+        ),
+        (
+            lambda: RescaleRecord(1, "tp1.pp1.dp2", Layout(1, 1, 1), [], [], [], 0),
+            "RescaleRecord.from_layout",
+        ),
+        (lambda: RescaleRecord(1, None, "tp1.pp1.dp1", [], [], [], 0), "RescaleRecord.to_layout"),
+        (lambda: RescaleRecord(1, None, None, [], [], [], 0), "RescaleRecord.to_layout"),
+        (lambda: StepRecord(1, 1, "tp1.pp1.dp1", None, 1, 1.0), "StepRecord.layout"),
+    ],
+)
+def test_a_layout_given_as_text_is_refused_naming_the_field_and_the_fix(build, named) -> None:
+    with pytest.raises(TypeError, match=rf"{named}: a Layout \(Layout.parse the text\), got"):
+        build()
+
+
+@pytest.mark.parametrize(
+    "doc, named",
+    [
+        ({**RECORD.to_json(), "to_layout": None}, "RescaleRecord.to_layout"),
+        ({**RECORD.to_json(), "from_layout": 3}, "RescaleRecord.from_layout"),
+        (
+            {
+                **JobStatus("j", "starting", 0, None, [], -1, None, None, None, None, None).to_json(),
+                "layout": ["tp1"],
+            },
+            "JobStatus.layout",
+        ),
+    ],
+)
+def test_a_layout_on_the_wire_that_is_not_text_is_refused_naming_the_field(doc, named) -> None:
+    read = RescaleRecord.from_json if named.startswith("RescaleRecord") else JobStatus.from_json
+    with pytest.raises(ValueError, match=rf"{named}: expected a layout's text"):
+        read(doc)
 
 
 def test_a_record_missing_a_field_is_refused_naming_it() -> None:
@@ -375,11 +429,20 @@ def test_a_job_driven_through_a_hosted_coordinator_rescales_in_place(tmp_path) -
             assert first.generation == 1 and h.status().phase == "running"
             h.wait_step(1, timeout=120)
             shrink = h.rescale("tp1.pp1.dp1", ["w0"], timeout=240)
-            assert (shrink.generation, shrink.to_layout, shrink.record.leavers) == (2, "tp1.pp1.dp1", ["w1"])
+            assert (shrink.generation, shrink.to_layout, shrink.record.leavers) == (
+                2,
+                Layout.parse("tp1.pp1.dp1"),
+                ["w1"],
+            )
             assert h.procs["w1"].poll() == 0, "the leaver exits cleanly"
             h.wait_step(shrink.switch_step + 1, timeout=120)
             st = h.status()
-            assert (st.phase, st.generation, st.layout, st.workers) == ("running", 2, "tp1.pp1.dp1", ["w0"])
+            assert (st.phase, st.generation, st.layout, st.workers) == (
+                "running",
+                2,
+                Layout.parse("tp1.pp1.dp1"),
+                ["w0"],
+            )
         finally:
             final = h.stop()
         assert final.phase == "stopped" and final.error is None

@@ -25,6 +25,7 @@ import math
 
 import pytest
 
+from elastic.model import Layout
 from tests.train._mp import (
     FIDELITY_TOL,
     check_rescale_curve,
@@ -85,7 +86,7 @@ def test_a_moe_job_rescales_between_ep_layouts_through_its_coordinator(tmp_path)
     assert final.error is None, final.error
     history = h.history()
     assert [r.step for r in history] == list(range(len(history))), "a step was lost or repeated"
-    assert {r.layout for r in history} == {"tp1.pp1.dp2.ep2", "tp1.pp1.dp4.ep4", "tp1.pp1.dp2"}
+    assert {r.layout for r in history} == set(map(Layout.parse, ["tp1.pp1.dp2.ep2", "tp1.pp1.dp4.ep4", "tp1.pp1.dp2"]))
     ref = reference_losses(cfg, len(history))
     for r, want in zip(history, ref, strict=True):
         assert math.isclose(r.loss, want, rel_tol=FIDELITY_TOL["float64"]), f"step {r.step} ({r.layout}): {r.loss} vs {want}"

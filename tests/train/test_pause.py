@@ -38,14 +38,14 @@ def test_pause_frees_every_worker_keeps_the_state_and_resume_continues_the_loss_
             h.pause(["only-one"])  # tp2 needs two keepers
         # 1. pause: the state goes into two keepers (tp2.pp1.dp1); all four workers exit cleanly
         paused = h.pause(["k0", "k1"], timeout=240)
-        assert paused.record.hold and paused.to_layout == "tp2.pp1.dp1"
+        assert paused.record.hold and paused.to_layout == Layout.parse("tp2.pp1.dp1")
         assert paused.bytes_moved == paused.planned_bytes > 0
         assert sorted(paused.record.leavers) == ["w0", "w1", "w2", "w3"]
         for w in ("w0", "w1", "w2", "w3"):
             assert h.procs[w].poll() == 0, f"worker {w} should have exited cleanly at the pause"
         assert h.keepers == {"k0", "k1"}
         st = h.status()
-        assert (st.phase, st.workers, st.layout) == ("paused", ["k0", "k1"], "tp2.pp1.dp1")
+        assert (st.phase, st.workers, st.layout) == ("paused", ["k0", "k1"], Layout.parse("tp2.pp1.dp1"))
         held_at = st.step
         assert held_at == paused.switch_step - 1
         time.sleep(1.5)  # nothing steps while paused, the keepers stay up
@@ -68,7 +68,7 @@ def test_pause_frees_every_worker_keeps_the_state_and_resume_continues_the_loss_
     assert final.error is None
     history = h.history()
     assert [r.step for r in history] == list(range(len(history))), "no step lost or repeated across the pause"
-    assert {r.layout for r in history} == {"tp2.pp1.dp2", "tp1.pp2.dp1"}
+    assert {r.layout for r in history} == set(map(Layout.parse, ["tp2.pp1.dp2", "tp1.pp2.dp1"]))
     ref = _mp.reference_losses(CFG, len(history))
     for r, want in zip(history, ref, strict=True):
         assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step} ({r.layout}): {r.loss} vs {want}"

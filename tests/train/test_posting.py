@@ -241,8 +241,8 @@ def test_a_shrink_directive_and_its_record() -> None:
     assert sorted(d.leavers) == ["w1", "w3"] and not d.joiners
     assert (r.generation, r.from_layout, r.to_layout, r.switch_step, r.leavers) == (
         4,
-        "tp1.pp1.dp4",
-        "tp1.pp1.dp2",
+        L("tp1.pp1.dp4"),
+        L("tp1.pp1.dp2"),
         15,
         sorted(d.leavers),
     )

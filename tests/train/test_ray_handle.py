@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from elastic.model import load_model
+from elastic.model import Layout, load_model
 from elastic.train.engine import TrainConfig
 from elastic.train.launch import LaunchOptions
 from tests.train import _mp
@@ -56,7 +56,7 @@ def test_start_4_grow_8_shrink_2_frees_gpus_in_ray(ray_local) -> None:
         h.start("tp1.pp2.dp2", [f"w{i}" for i in range(4)], timeout=240)
         assert free_gpus(ray) == 4
         grow = h.rescale("tp2.pp2.dp2", [f"w{i}" for i in range(8)], timeout=300)
-        assert grow.to_layout == "tp2.pp2.dp2" and sorted(grow.record.joiners) == [f"w{i}" for i in range(4, 8)]
+        assert grow.to_layout == Layout.parse("tp2.pp2.dp2") and sorted(grow.record.joiners) == [f"w{i}" for i in range(4, 8)]
         assert free_gpus(ray) == 0
         shrink = h.rescale("tp1.pp1.dp2", ["w5", "w2"], timeout=300)
         assert len(shrink.record.leavers) == 6 and shrink.bytes_moved > 0
@@ -67,7 +67,7 @@ def test_start_4_grow_8_shrink_2_frees_gpus_in_ray(ray_local) -> None:
             w: "exited with code 0" for w in shrink.record.leavers}
         h.wait_step(shrink.switch_step + 1, timeout=120)
         st = h.status()
-        assert (st.phase, st.generation, st.layout, sorted(st.workers)) == ("running", 3, "tp1.pp1.dp2", ["w2", "w5"])
+        assert (st.phase, st.generation, st.layout, sorted(st.workers)) == ("running", 3, Layout.parse("tp1.pp1.dp2"), ["w2", "w5"])
         assert st.last_rescale is not None and st.last_rescale.pause_seconds is not None
     finally:
         final = h.stop()

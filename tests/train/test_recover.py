@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from elastic.model import load_model
+from elastic.model import Layout, load_model
 from elastic.train.engine import TrainConfig
 from elastic.train.launch import LaunchOptions, ProcessJobHandle
 from elastic.train.rendezvous import RescaleFailed
@@ -77,7 +77,7 @@ def test_a_killed_worker_is_recovered_from_the_surviving_replica_on_the_same_los
             os.kill(h.pid(v), signal.SIGKILL)  # somewhere inside a step
         st = _wait_recovered(h, 2)
         took = time.monotonic() - t0
-        assert st.layout == after and not set(victims) & set(st.workers)
+        assert st.layout == Layout.parse(after) and not set(victims) & set(st.workers)
         rec = h.coordinator.rescale_record(2)
         assert rec is not None and rec.ok and f"lost {', '.join(victims)}" in rec.recovery, rec
         assert rec.bytes_moved == rec.planned_bytes  # the state moved from survivors, nothing from disk
@@ -93,7 +93,7 @@ def test_a_killed_worker_is_recovered_from_the_surviving_replica_on_the_same_los
     history = h.history()
     steps = [r.step for r in history]
     assert steps == list(range(len(steps))), f"a step was lost or repeated: {steps}"
-    assert {r.layout for r in history} == {layout, after}
+    assert {r.layout for r in history} == {Layout.parse(layout), Layout.parse(after)}
     ref = _mp.reference_losses(CFG, len(history))
     for r, want in zip(history, ref, strict=True):
         assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step} ({r.layout}): {r.loss} vs {want}"
@@ -110,7 +110,7 @@ def test_a_frozen_worker_is_given_up_by_its_heartbeat_killed_and_the_job_recover
         h.wait_step(2, timeout=120)
         os.kill(h.pid("w1"), signal.SIGSTOP)
         st = _wait_recovered(h, 2, timeout=60)
-        assert st.layout == "tp1.pp2.dp1" and "w1" not in st.workers
+        assert st.layout == Layout.parse("tp1.pp2.dp1") and "w1" not in st.workers
         rec = h.coordinator.rescale_record(2)
         assert "lost w1" in rec.recovery and "no heartbeat" in rec.recovery, rec.recovery
         assert h.procs["w1"].poll() is not None, "the frozen worker must have been killed"
@@ -156,7 +156,7 @@ def test_a_survivor_gives_a_long_step_up_as_soon_as_its_peer_is_lost_instead_of_
         os.kill(h.pid("w1"), signal.SIGKILL)  # replica 1 (pp1: its only rank; pp2: its first stage)
         st = _wait_recovered(h, 2)
         took = time.monotonic() - t0
-        assert (st.layout, st.workers) == (after, ["w0"] if after.startswith("tp1.pp1") else ["w0", "w2"])
+        assert (st.layout, st.workers) == (Layout.parse(after), ["w0"] if after.startswith("tp1.pp1") else ["w0", "w2"])
         rec = h.coordinator.rescale_record(2)
         assert rec is not None and rec.ok and "lost w1" in rec.recovery
         h.wait_step(rec.switch_step + 1, timeout=120)
@@ -224,7 +224,7 @@ def test_a_worker_lost_inside_a_rescale_rolls_the_job_back_and_it_recovers_on_th
         # a wait on the dead peer until a group's timeout would take pg_timeout_s at least: the
         # bound is that wait itself, not a guess at how fast this machine recovers
         assert took < opts.pg_timeout_s, f"{took:.1f} s: someone waited on the dead peer until a timeout"
-        assert st.layout == after and victim not in st.workers, st
+        assert st.layout == Layout.parse(after) and victim not in st.workers, st
         if survivors is not None:
             assert st.workers == survivors
         failed = h.coordinator.rescale_record(2)
@@ -232,7 +232,7 @@ def test_a_worker_lost_inside_a_rescale_rolls_the_job_back_and_it_recovers_on_th
         rec = h.coordinator.rescale_record(3)
         assert rec is not None and rec.ok and "rescale to generation 2 broke" in rec.recovery, rec
         assert f"lost {victim}" in rec.recovery or victim in grow_to[1] and victim not in workers, rec.recovery
-        assert rec.from_layout == start  # recovered from the old generation's state
+        assert rec.from_layout == Layout.parse(start)  # recovered from the old generation's state
         h.wait_step(rec.switch_step + 2, timeout=120)
         print(f"{start} -> {grow_to[0]} with {fault}: rolled back, recovered on {st.layout} at step "
               f"{rec.switch_step} ({rec.bytes_moved} bytes moved, pause {rec.pause_seconds:.3f} s) "
@@ -242,7 +242,7 @@ def test_a_worker_lost_inside_a_rescale_rolls_the_job_back_and_it_recovers_on_th
     assert final.error is None, final.error
     history = h.history()
     assert [r.step for r in history] == list(range(len(history))), "a step was lost or repeated"
-    assert {r.layout for r in history} == {start, after}
+    assert {r.layout for r in history} == {Layout.parse(start), Layout.parse(after)}
     ref = _mp.reference_losses(CFG, len(history))
     for r, want in zip(history, ref, strict=True):
         assert r.loss == pytest.approx(want, abs=1e-4), f"step {r.step} ({r.layout}): {r.loss} vs {want}"
@@ -265,7 +265,7 @@ def test_a_joiner_lost_inside_gloos_rendezvous_costs_its_peers_pg_timeout_not_th
             h.rescale("tp1.pp1.dp4", W4, timeout=120)
         st = _wait_recovered(h, 3)
         took = time.monotonic() - t0
-        assert (st.layout, st.workers) == ("tp1.pp1.dp2", ["w0", "w1"]), st
+        assert (st.layout, st.workers) == (Layout.parse("tp1.pp1.dp2"), ["w0", "w1"]), st
         assert took >= opts.pg_timeout_s * 0.8, f"{took:.1f} s: the rendezvous should have held them pg_timeout_s"
         rec = h.coordinator.rescale_record(3)
         h.wait_step(rec.switch_step + 2, timeout=120)
@@ -300,12 +300,12 @@ def test_a_worker_lost_in_the_first_step_after_a_committed_rescale_is_recovered_
         took = time.monotonic() - t0
         # (a wait until a group's timeout would take pg_timeout_s at least)
         assert took < h.opts.pg_timeout_s, f"{took:.1f} s: someone waited on the dead peer until a timeout"
-        assert st.layout == "tp1.pp1.dp2" and "w3" not in st.workers, st
+        assert st.layout == Layout.parse("tp1.pp1.dp2") and "w3" not in st.workers, st
         done = h.coordinator.rescale_record(2)
         assert done.ok and "lost before its first step finished" in done.reason, done
         rec = h.coordinator.rescale_record(3)
         # only w3: peers still building their groups with it hold the new state and report, not fail
-        assert rec.ok and rec.recovery.startswith("lost w3 (") and rec.from_layout == "tp1.pp1.dp4", rec.recovery
+        assert rec.ok and rec.recovery.startswith("lost w3 (") and rec.from_layout == Layout.parse("tp1.pp1.dp4"), rec.recovery
         h.wait_step(rec.switch_step + 2, timeout=120)
     finally:
         final = h.stop()

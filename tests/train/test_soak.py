@@ -63,7 +63,7 @@ def test_drawn_worker_sets_mix_current_and_fresh_names_and_never_repeat_one() ->
 
 
 def _records(losses: list[float]) -> list[StepRecord]:
-    return [StepRecord(i, 1, "tp1.pp1.dp1", x, 128, 0.01) for i, x in enumerate(losses)]
+    return [StepRecord(i, 1, Layout.parse("tp1.pp1.dp1"), x, 128, 0.01) for i, x in enumerate(losses)]
 
 
 def test_the_loss_comparison_catches_a_perturbed_missing_or_repeated_step() -> None:

@@ -110,7 +110,7 @@ def test_a_step_out_of_memory_holds_the_job_and_a_layout_that_fits_continues_the
     try:
         h.start(first, ["w0", "w1"], timeout=180)  # returns: its first step ran out of memory
         st = wait_out_of_memory_hold(h, 120)
-        assert (st.phase, st.layout, st.generation, st.step) == ("recovering", first, 1, -1)
+        assert (st.phase, st.layout, st.generation, st.step) == ("recovering", Layout.parse(first), 1, -1)
         oom = st.out_of_memory
         assert (oom["layout"], oom["step"]) == (first, 0) and oom["worker"] in failing
         assert oom["rank"] == int(oom["worker"][1:])  # w0 holds rank 0, w1 rank 1
@@ -123,11 +123,12 @@ def test_a_step_out_of_memory_holds_the_job_and_a_layout_that_fits_continues_the
             h.pause(timeout=30)
         # the move: every member's kept state, the failed step redone on the new layout
         res = h.rescale(fits, ["w0", "w1"], timeout=180)
-        assert (res.generation, res.from_layout, res.to_layout, res.switch_step) == (2, first, fits, 0)
+        assert (res.generation, res.from_layout, res.to_layout, res.switch_step) == (2, Layout.parse(first),
+                                                                                    Layout.parse(fits), 0)
         assert f"out of memory on {first}" in res.record.reason
         h.wait_step(STEPS - 1, timeout=120)
         hist = h.history()
-        assert [r.step for r in hist] == list(range(STEPS)) and {r.layout for r in hist} == {fits}
+        assert [r.step for r in hist] == list(range(STEPS)) and {r.layout for r in hist} == {Layout.parse(fits)}
         for r, want in zip(hist, losses, strict=True):
             assert r.loss == pytest.approx(want, rel=1e-9, abs=0), f"step {r.step}"
         st = h.status()
@@ -199,7 +200,7 @@ def test_the_coordinator_holds_the_job_until_every_member_reported_then_moves_it
     rec = c.wait_generation(2, timeout=1)
     assert rec.ok and "out of memory on tp1.pp2.dp1" in rec.reason and not rec.recovery
     st = c.status()
-    assert (st.phase, st.layout, st.error) == ("running", "tp2.pp1.dp1", None)
+    assert (st.phase, st.layout, st.error) == ("running", Layout.parse("tp2.pp1.dp1"), None)
     assert [h.step for h in c.history()] == [0, 1, 2, 3]  # step 3 redone once, on the new layout
     assert metric(reg, "elastic_training_recoveries_total") in (None, 0)  # nobody was lost
 

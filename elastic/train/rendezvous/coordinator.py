@@ -8,7 +8,6 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
 from http.server import ThreadingHTTPServer
 from typing import Any
 
@@ -119,7 +118,7 @@ class Coordinator(_Routes, _Liveness):
         self._left: set[str] = set()
         self._registered: set[str] = set()
         self._reports: dict[tuple[int, int], dict[str, StepReport]] = {}  # (generation, step) -> worker -> report
-        self._gen_sizes: dict[int, tuple[str, int]] = {}  # generation -> (layout, world size)
+        self._gen_sizes: dict[int, tuple[Layout, int]] = {}  # generation -> (layout, world size)
         self._history: list[StepRecord] = []
         self._rescales: dict[int, RescaleRecord] = {}
         # generation -> the measured memory of its worst rank over its measured steps (the reference
@@ -265,7 +264,7 @@ class Coordinator(_Routes, _Liveness):
             join_timeout_s=join_timeout_s if join_timeout_s is not None else self.settings.join_timeout_s,
             commit_step=r, give_up_checks=self.settings.shrink_gives_up_step,
         )
-        record = RescaleRecord(generation, str(cur.layout), str(d.layout), list(members), list(d.joiners), list(d.leavers),
+        record = RescaleRecord(generation, cur.layout, d.layout, list(members), list(d.joiners), list(d.leavers),
                                r + 1, reason=f"out of memory on {cur.layout}: {rec.reason}")
         self._post_seq += 1
         self._pending = _Pending(d, record, self._clock(), seq=self._post_seq)
@@ -309,12 +308,12 @@ class Coordinator(_Routes, _Liveness):
         rec_oom = self._oom_held_locked()
         return JobStatus(
             job=self.job, phase=self._phase, generation=cur.generation if cur else 0,
-            layout=str(cur.layout) if cur else None, workers=workers, step=last.step if last else -1,
+            layout=cur.layout if cur else None, workers=workers, step=last.step if last else -1,
             loss=last.loss if last else None, tokens_per_second=last.tokens_per_second if last else None,
             step_seconds=last.seconds if last else None,
             # held after a step ran out of memory: the job has not failed, and its error says why it waits
             error=self._error or (f"OutOfMemory: {rec_oom['error']}" if rec_oom else None),
-            last_rescale=RescaleRecord(**asdict(rec)) if rec else None, reason=self._reason,
+            last_rescale=rec.copy() if rec else None, reason=self._reason,
             failures=list(self._failures),
             checkpoint_step=self._checkpoint_step if self.settings.checkpoint else None,
             memory=(m.as_json() if cur is not None and (m := self._memory.get(cur.generation)) is not None
@@ -335,7 +334,7 @@ class Coordinator(_Routes, _Liveness):
     def rescale_record(self, generation: int) -> RescaleRecord | None:
         with self._cv:
             rec = self._rescales.get(generation)
-            return RescaleRecord(**asdict(rec)) if rec else None
+            return rec.copy() if rec else None
 
     def wait_generation(self, generation: int, timeout: float) -> RescaleRecord:
         """Block until ``generation`` ran its first step. Raises RescaleFailed / JobFailed / TimeoutError."""
@@ -346,9 +345,9 @@ class Coordinator(_Routes, _Liveness):
                                    f"(phase {self._phase}, {self._reason or 'no reason recorded'})")
             rec = self._rescales.get(generation)
             if rec is not None and rec.ok:
-                return RescaleRecord(**asdict(rec))
+                return rec.copy()
             if rec is not None and rec.ok is False:
-                raise RescaleFailed(rec.reason, RescaleRecord(**asdict(rec)))
+                raise RescaleFailed(rec.reason, rec.copy())
             raise JobFailed(self._error or f"job {self.job} is {self._phase}")
 
     def wait_resumed(self, generation: int, timeout: float) -> RescaleRecord:
@@ -372,7 +371,7 @@ class Coordinator(_Routes, _Liveness):
             if resumed():
                 p = self._pending
                 assert p is not None
-                return self._fill_record(RescaleRecord(**asdict(p.record)), p.results)
+                return self._fill_record(p.record.copy(), p.results)
         return self.wait_generation(generation, 0.0)
 
     def _generation_over_locked(self, generation: int) -> bool:
@@ -498,7 +497,7 @@ class Coordinator(_Routes, _Liveness):
         p.previous = self._current
         self._current = _Gen(d.generation, d.layout, new_ranks, d.switch_step, hold=d.hold,
                              give_up_checks=d.give_up_checks)
-        self._gen_sizes[d.generation] = (str(d.layout), len(d.workers))
+        self._gen_sizes[d.generation] = (d.layout, len(d.workers))
         self._max_begun = d.switch_step - 1
         self.metrics.record_generation(d.generation, len(d.workers))
         if not d.hold:

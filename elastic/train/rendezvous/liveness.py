@@ -290,7 +290,7 @@ class _Liveness:
         nxt = max([gen, *self._rescales]) + 1
         if not any(h.step == r for h in self._history[-3:]) and (parts := self._reports.pop((gen, r), None)):
             losses = [x.loss for x in parts.values() if x.loss is not None and math.isfinite(x.loss)]
-            step_rec = StepRecord(r, gen, str(cur.layout), losses[0] if losses else None,
+            step_rec = StepRecord(r, gen, cur.layout, losses[0] if losses else None,
                                   max(x.tokens for x in parts.values()), max(x.seconds for x in parts.values()))
             self._history.append(step_rec)
             self.metrics.record_step(step_rec.step, step_rec.loss, step_rec.tokens, step_rec.seconds)
@@ -300,7 +300,7 @@ class _Liveness:
             store_host=self.advertise_host, store_port=self.store_port, join_timeout_s=self.settings.join_timeout_s,
             commit_step=r, give_up_checks=self.settings.shrink_gives_up_step,
         )
-        record = RescaleRecord(nxt, str(cur.layout), str(d.layout), list(members), [], list(d.leavers), r + 1,
+        record = RescaleRecord(nxt, cur.layout, d.layout, list(members), [], list(d.leavers), r + 1,
                                recovery=why)
         self._post_seq += 1
         self._pending = _Pending(d, record, self._clock(), seq=self._post_seq)

@@ -4,6 +4,7 @@ step and rescale records, the job's status, and the errors a caller sees."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from copy import deepcopy
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
@@ -92,12 +93,7 @@ class Directive:
         return tuple(sorted(set(self.workers) - set(self.old_ranks)))
 
     def __post_init__(self) -> None:
-        # one type per concept: text only at the wire (to_json/from_json)
-        for name in ("layout", "old_layout"):
-            value = getattr(self, name)
-            if not (isinstance(value, Layout) or (value is None and name == "old_layout")):
-                raise TypeError(f"Directive.{name}: a Layout (Layout.parse the text), got {type(value).__name__} "
-                                f"{value!r}")
+        _check_layouts(self, "layout", optional=("old_layout",))
 
     def to_json(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -121,21 +117,26 @@ class StepRecord:
 
     step: int
     generation: int
-    layout: str
+    layout: Layout
     loss: float | None
     tokens: int
     seconds: float
+
+    def __post_init__(self) -> None:
+        _check_layouts(self, "layout")
 
     @property
     def tokens_per_second(self) -> float | None:
         return self.tokens / self.seconds if self.seconds > 0 else None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "layout": str(self.layout)}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> StepRecord:
-        return cls(**_known(cls, d))
+        kw = _known(cls, d)
+        kw["layout"] = _layout_in(cls, "layout", kw["layout"])
+        return cls(**kw)
 
 
 class CheckpointFailed(RuntimeError):
@@ -147,8 +148,8 @@ class RescaleRecord:
     """One directive's fate. ``ok`` is None while it is in progress."""
 
     generation: int
-    from_layout: str | None
-    to_layout: str
+    from_layout: Layout | None
+    to_layout: Layout
     workers: list[str]
     joiners: list[str]
     leavers: list[str]
@@ -173,12 +174,22 @@ class RescaleRecord:
     # finished from (0: none, the step was redone whole and gave_up_seconds were thrown away)
     kept_micro_batches: int = 0
 
+    def __post_init__(self) -> None:
+        _check_layouts(self, "to_layout", optional=("from_layout",))
+
+    def copy(self) -> RescaleRecord:
+        """A copy that shares nothing mutable with this record (a coordinator keeps filling its own)."""
+        return deepcopy(self)
+
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "from_layout": _layout_out(self.from_layout), "to_layout": str(self.to_layout)}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> RescaleRecord:
-        return cls(**_known(cls, d))
+        kw = _known(cls, d)
+        kw["from_layout"] = _layout_in(cls, "from_layout", kw["from_layout"], optional=True)
+        kw["to_layout"] = _layout_in(cls, "to_layout", kw["to_layout"])
+        return cls(**kw)
 
 
 @dataclass
@@ -186,7 +197,7 @@ class JobStatus:
     job: str
     phase: str  # starting | running | rescaling | paused | recovering | failed | stopping | stopped | finished
     generation: int
-    layout: str | None
+    layout: Layout | None
     workers: list[str]  # current generation's workers in rank order
     step: int  # last completed step, -1 before the first
     loss: float | None
@@ -204,15 +215,46 @@ class JobStatus:
     # fits: the failing worker's report (layout, rank, step, error, the memory it held); None otherwise
     out_of_memory: dict[str, Any] | None = None
 
+    def __post_init__(self) -> None:
+        _check_layouts(self, optional=("layout",))
+
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "layout": _layout_out(self.layout),
+                "last_rescale": self.last_rescale.to_json() if self.last_rescale is not None else None}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> JobStatus:
         kw = _known(cls, d)
+        kw["layout"] = _layout_in(cls, "layout", kw["layout"], optional=True)
         if kw.get("last_rescale") is not None:
             kw["last_rescale"] = RescaleRecord.from_json(kw["last_rescale"])
         return cls(**kw)
+
+
+# one type per concept: a layout is a Layout in Python, text only on the wire (to_json / from_json)
+
+
+def _check_layouts(obj: Any, *required: str, optional: tuple[str, ...] = ()) -> None:
+    """TypeError naming the field and the fix when a layout field of ``obj`` is not a ``Layout``
+    (``optional`` ones may be None): text handed in where a value belongs would slip back to text."""
+    for name in (*required, *optional):
+        value = getattr(obj, name)
+        if not (isinstance(value, Layout) or (value is None and name in optional)):
+            raise TypeError(f"{type(obj).__name__}.{name}: a Layout (Layout.parse the text), got "
+                            f"{type(value).__name__} {value!r}")
+
+
+def _layout_out(layout: Layout | None) -> str | None:
+    return str(layout) if layout is not None else None
+
+
+def _layout_in(cls: type, name: str, text: Any, optional: bool = False) -> Layout | None:
+    """A layout field as it arrives on the wire (text; None or empty for none where ``optional``)."""
+    if optional and not text:
+        return None
+    if not isinstance(text, str):
+        raise ValueError(f"{cls.__name__}.{name}: expected a layout's text (e.g. 'tp2.pp1.dp2'), got {text!r}")
+    return Layout.parse(text)
 
 
 def _known(cls: type, d: Mapping[str, Any]) -> dict[str, Any]:

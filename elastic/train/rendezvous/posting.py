@@ -227,8 +227,8 @@ def plan_post(settings: CoordinatorSettings, view: JobView, ask: PostAsk, now: f
     )
     record = RescaleRecord(
         ask.generation,
-        str(d.old_layout) if d.old_layout else None,
-        str(d.layout),
+        d.old_layout,
+        d.layout,
         list(members),
         list(d.joiners),
         list(d.leavers),
