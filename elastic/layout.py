@@ -56,6 +56,8 @@ class Layout:
     @classmethod
     def parse(cls, text: str) -> Layout:
         """``tp2.pp2.dp4`` (tp, pp, dp required; ep/vpp/z optional)."""
+        if isinstance(text, Layout):  # a value where text belongs: the caller has the layout already
+            raise TypeError(f"Layout.parse takes a layout's text; got the Layout {text} itself (use it as it is)")
         if not isinstance(text, str) or not text.strip():
             raise SpecError("layout: empty; expected e.g. 'tp2.pp2.dp4'")
         vals: dict[str, int] = {}

@@ -75,6 +75,11 @@ def test_layout_parse_errors_name_the_problem(text: str, needle: str) -> None:
         Layout.parse(text)
 
 
+def test_parsing_a_layout_value_says_to_use_it_as_it_is() -> None:
+    with pytest.raises(TypeError, match=r"got the Layout tp2.pp1.dp2 itself \(use it as it is\)"):
+        Layout.parse(Layout(tp=2, pp=1, dp=2))
+
+
 def test_rank_order_is_megatron_tp_fastest_then_dp_then_pp() -> None:
     L = Layout(tp=2, pp=2, dp=3)
     assert L.world_size == 12
