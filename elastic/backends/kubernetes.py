@@ -163,6 +163,18 @@ class KubernetesBackend(_Training):
         except (HTTPError, OSError) as e:
             raise BackendUnavailable(f"Kubernetes API unreachable during {what}: {e}") from e
 
+    def _delete(self, what: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> bool:
+        """One delete call through :meth:`_call`; an object already gone is not an error (False)."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            self._call(what, fn, *args, **kw)
+        except BackendError as e:
+            if isinstance(e.__cause__, ApiException) and e.__cause__.status == 404:
+                return False
+            raise
+        return True
+
     # ---- protocol: cluster ----------------------------------------------------------------------
     def ping(self) -> None:
         from kubernetes import client

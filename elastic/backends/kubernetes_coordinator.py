@@ -22,7 +22,7 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
-from elastic.backends.base import BackendError, default_trainer_config
+from elastic.backends.base import BackendError, BackendUnavailable, default_trainer_config
 from elastic.backends.kubernetes_names import (
     APPLY,
     COORDINATOR_PORT,
@@ -152,16 +152,12 @@ class _Coordinators:
             time.sleep(self.poll_seconds)
 
     def delete_coordinator(self, job: str) -> None:
-        from kubernetes.client.exceptions import ApiException
-
         ns, name = self._job_target(job).namespace, self.coordinator_pod_name(job)
         try:
-            self.core.delete_namespaced_pod(name, ns, grace_period_seconds=5)
-        except ApiException as e:
-            if e.status != 404:
-                raise BackendError(f"{job}: delete pod {ns}/{name}: HTTP {e.status} {e.reason}") from e
-        except OSError as e:
-            log.warning("%s: delete pod %s/%s: %s", job, ns, name, e)
+            self._delete(f"{job}: delete pod {ns}/{name}", self.core.delete_namespaced_pod, name, ns,
+                         grace_period_seconds=5)
+        except BackendUnavailable as e:  # a stop goes on; a resource's pod goes with its owner reference
+            log.warning("%s", e)
 
     def _job_secret(self, job: str) -> str | None:
         from kubernetes.client.exceptions import ApiException

@@ -478,24 +478,14 @@ class _Training(_Coordinators):
                    t.namespace, body, field_manager=self.field_manager, force=True, _content_type=APPLY)
 
     def delete_job_secret(self, job: str) -> None:
-        from kubernetes.client.exceptions import ApiException
-
         t = self._job_target(job)
-        try:
-            self.core.delete_namespaced_secret(self.secret_name(job), t.namespace)
-        except ApiException as e:
-            if e.status != 404:
-                raise BackendError(f"{job}: delete secret {t.namespace}/{self.secret_name(job)}: HTTP {e.status}") from e
+        self._delete(f"{job}: delete secret {t.namespace}/{self.secret_name(job)}", self.core.delete_namespaced_secret,
+                     self.secret_name(job), t.namespace)
 
     def delete_worker_service(self, job: str) -> None:
-        from kubernetes.client.exceptions import ApiException
-
         t = self._job_target(job)
-        try:
-            self.core.delete_namespaced_service(f"{t.name}-workers", t.namespace)
-        except ApiException as e:
-            if e.status != 404:
-                raise BackendError(f"{job}: delete service {t.namespace}/{t.name}-workers: HTTP {e.status}") from e
+        self._delete(f"{job}: delete service {t.namespace}/{t.name}-workers", self.core.delete_namespaced_service,
+                     f"{t.name}-workers", t.namespace)
 
     def release_job(self, job: str) -> int:
         """Finalizer path: stop the job and delete every worker pod and its Service. Returns pods deleted."""
