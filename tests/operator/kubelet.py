@@ -13,7 +13,9 @@ controller would do, with real local processes. Test harness only, never shipped
    (terminating ones included: they hold theirs until gone) cover its request; else it stays
    ``Pending`` with ``PodScheduled=False``/``Unschedulable``, as kube-scheduler says it.
 3. **Running** (kubelet): a bound pod's container command runs as a local process (``python`` is
-   this interpreter, ``$(VAR)`` expanded, working directory the repository) with the pod's env
+   this interpreter; ``python -m module`` forked from a warm starter, :mod:`elastic.train.warm`,
+   as an image's interpreter that has torch imported; ``$(VAR)`` expanded, working directory the
+   repository) with exactly the pod's env
    (values, and the downward-API ``fieldRef``s ``metadata.name``/``namespace``/``uid``/``labels``/
    ``annotations``, ``spec.nodeName``, ``status.podIP``/``hostIP``), ``GLOO_SOCKET_IFNAME=lo`` and
    ``OMP_NUM_THREADS=1``. The pod IP is a loopback address of its own (``127.0.x.y``). Status:
@@ -46,6 +48,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from elastic.train.warm import WarmProcess, WarmStartError, start_module
 
 log = logging.getLogger("tests.operator.kubelet")
 
@@ -97,7 +101,7 @@ class _Container:
     uid: str
     name: str
     ip: str
-    popen: subprocess.Popen[bytes] | None = None
+    popen: subprocess.Popen[bytes] | WarmProcess | None = None
     started_at: str = ""
     restarts: int = 0
     restart_at: float | None = None  # back-off: when to start it again (restartPolicy Always)
@@ -301,6 +305,15 @@ class NodeAgent:
             raise ValueError(f"pod {c.name}: container {ctr.get('name')} has no command (no image entrypoint here)")
         if argv[0] in ("python", "python3"):
             argv[0] = sys.executable
+            if len(argv) > 2 and argv[1] == "-m":  # forked warm: the image's python with torch imported
+                try:
+                    c.popen = start_module(argv[2], argv[3:], env=env, cwd=REPO,
+                                           log_path=str(self.log_dir / f"{c.name}.log"))
+                except WarmStartError:
+                    pass
+                else:
+                    self._started(c)
+                    return
         out = open(self.log_dir / f"{c.name}.log", "ab")  # noqa: SIM115 - the child owns it
         try:
             c.popen = subprocess.Popen(argv, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
@@ -311,6 +324,9 @@ class NodeAgent:
             c.last_exit = 128
         finally:
             out.close()
+        self._started(c)
+
+    def _started(self, c: _Container) -> None:
         c.started_at, c.probe_ok, c.next_probe, c.restart_at = _now(), False, 0.0, None
         self.started.append(c.name)
         self.start_times.append((c.name, time.monotonic()))

@@ -1,6 +1,6 @@
 """Multi-process harness for the trainer tests: spawn N gloo workers on loopback, bounded in time.
 
-``run_workers(fn, n, *args)`` starts ``n`` spawned processes, each with a default gloo
+``run_workers(fn, n, *args)`` starts ``n`` processes (forkserver, torch preloaded), each with a default gloo
 process group of ``n`` ranks on 127.0.0.1 (a free port found by binding port 0), calls
 ``fn(rank, n, *args)`` and returns the per-rank results. Any exception in a worker fails
 the caller with that worker's traceback; a worker that does not finish in ``timeout``
@@ -55,7 +55,10 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, q: Any, arg
 
 
 def run_workers(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    # forked from a server that has imported torch once (``import torch`` costs seconds of CPU per
+    # process here); the first harness to start this process's forkserver sets what it preloads
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "elastic.train.engine", "tests.train._mp"])
     q = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world, port, q, args), daemon=True) for r in range(world)]
