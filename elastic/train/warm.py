@@ -137,7 +137,8 @@ class WarmStarter:
         ``log_path`` (discarded when None)."""
         if start_key(env) != self.key:
             raise WarmStartError("the environment differs from the starter's in variables bound at start")
-        req = {"argv": [module, *args], "env": dict(env), "cwd": cwd or os.getcwd(), "log": log_path}
+        req: dict[str, Any] = {"argv": [module, *args], "env": dict(env), "cwd": cwd or os.getcwd(),
+                               "log": log_path}
         with self._lock:
             if self.dead:
                 raise WarmStartError("the warm starter is gone")
@@ -306,13 +307,22 @@ def _reap(reply: Any) -> None:
         reply({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
+class _Child(BaseException):
+    """Raised in a freshly forked child: unwinds the starter's loop, so the child runs its module
+    from the top of the stack and ends as an interpreter does (non-daemon threads joined, atexit
+    handlers run, an uncaught exception printed with exit code 1)."""
+
+    def __init__(self, req: dict[str, Any]) -> None:
+        super().__init__()
+        self.req = req
+
+
 def _fork(req: dict[str, Any], close: tuple[int, ...]) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid:
         return pid
-    code = 1
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -327,39 +337,37 @@ def _fork(req: dict[str, Any], close: tuple[int, ...]) -> int:
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
-        code = _run(req["argv"], req["cwd"])
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:  # noqa: BLE001 - the child reports everything to its log and exits
+    except BaseException:  # noqa: BLE001 - a child that cannot be set up must not return into the loop
         import traceback
 
         traceback.print_exc()
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+        os._exit(1)
+    raise _Child(req)
 
 
-def _run(argv: list[str], cwd: str) -> int:
+def _become(req: dict[str, Any]) -> None:
+    """Run the child's module as ``python -m`` in its working directory would."""
     import random
     import runpy
 
     random.seed()  # a fork copies the starter's generator: every child would draw the same numbers
-    if sys.path and sys.path[0] != cwd:
-        sys.path[0] = cwd  # as ``python -m`` started in cwd
-    sys.argv = list(argv)
-    runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
-    return 0
+    if sys.path and sys.path[0] != req["cwd"]:
+        sys.path[0] = req["cwd"]
+    sys.argv = list(req["argv"])
+    runpy.run_module(req["argv"][0], run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":
+    child: dict[str, Any] | None = None
     try:
         sys.exit(_serve(sys.argv[1:]))
+    except _Child as c:
+        child = c.req
     except KeyboardInterrupt:
         sys.exit(0)
     except OSError as e:
         if e.errno != errno.EPIPE:
             raise
         sys.exit(0)
+    assert child is not None
+    _become(child)

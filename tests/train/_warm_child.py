@@ -1,5 +1,5 @@
 """Run by tests/train/test_warm.py as ``python -m tests.train._warm_child OUT [ACTION]``: writes what
-the process sees to OUT (JSON), then does ACTION (``exit:N``, ``raise``, ``sleep``, ``torch``)."""
+the process sees to OUT (JSON), then does ACTION (``exit:N``, ``raise``, ``sleep``, ``torch``, ``finish``)."""
 
 import json
 import os
@@ -25,3 +25,14 @@ if action == "raise":
     raise RuntimeError("child failed on purpose")
 if action == "sleep":
     time.sleep(120)
+if action == "finish":  # ends as an interpreter does: non-daemon threads joined, then atexit handlers
+    import atexit
+    import threading
+
+    def late() -> None:
+        time.sleep(0.2)
+        with open(out + ".thread", "w") as f:
+            f.write("done")
+
+    atexit.register(lambda: open(out + ".atexit", "w").write(str(os.path.exists(out + ".thread"))))
+    threading.Thread(target=late).start()

@@ -77,6 +77,15 @@ def test_exit_codes_signals_and_exceptions_come_back_as_popen_gives_them(starter
     assert slow.poll() == -signal.SIGTERM
 
 
+def test_a_child_ends_as_an_interpreter_does(starter: Any, tmp_path: Path) -> None:
+    """After its module returns: its non-daemon threads finish, then its atexit handlers run."""
+    out = tmp_path / "f"
+    p = starter.start(CHILD, [str(out), "finish"], env=_env())
+    assert p.wait(30) == 0
+    assert (tmp_path / "f.thread").read_text() == "done"
+    assert (tmp_path / "f.atexit").read_text() == "True", "atexit ran after the thread was joined"
+
+
 def test_children_draw_different_random_numbers_and_compute_with_torch(starter: Any, tmp_path: Path) -> None:
     ps = [starter.start(CHILD, [str(tmp_path / f"s{i}"), "torch"], env=_env()) for i in range(3)]
     assert [p.wait(60) for p in ps] == [0, 0, 0]
