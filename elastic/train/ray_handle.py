@@ -56,7 +56,9 @@ def init_local_ray(num_gpus: int = 8, num_cpus: int = 2, object_store_bytes: int
     try:
         # Ray's own start-up lines at WARNING, as elastic.logs keeps every library (DEBUG: all)
         quiet = logging.getLogger().getEffectiveLevel() > logging.DEBUG
-        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+        # address="local": a Ray of this process's own, never a cluster some other program
+        # started on this machine (plain ray.init() would join the last one `ray start` made)
+        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
                  object_store_memory=object_store_bytes, _node_ip_address="127.0.0.1", log_to_driver=False,
                  logging_level=logging.WARNING if quiet else logging.DEBUG)
     finally:
