@@ -16,7 +16,9 @@ The starter is single-threaded (a fork from a process with threads can inherit a
 reaps its children and reports each exit status to the launcher, so a
 :class:`WarmProcess` answers ``poll``/``wait``/``kill`` as a :class:`subprocess.Popen` does.
 When the launcher exits, its starters see their input close and exit; their children go on,
-as ``start_new_session`` children of the launcher would.
+as ``start_new_session`` children of the launcher would. A child's command line (``ps -f``) is
+its starter's, ``python -m elastic.train.warm ...``; its process name (``ps -o comm``, ``top``)
+is its module's last part, e.g. ``worker``.
 """
 
 from __future__ import annotations
@@ -351,10 +353,22 @@ def _become(req: dict[str, Any]) -> None:
     import runpy
 
     random.seed()  # a fork copies the starter's generator: every child would draw the same numbers
+    _name(req["argv"][0])
     if sys.path and sys.path[0] != req["cwd"]:
         sys.path[0] = req["cwd"]
     sys.argv = list(req["argv"])
     runpy.run_module(req["argv"][0], run_name="__main__", alter_sys=True)
+
+
+def _name(module: str) -> None:
+    """Name the child after its module (``ps -o comm``, ``top``): its command line stays its starter's."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, module.rsplit(".", 1)[-1][:15].encode(), 0, 0, 0)  # 15: PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 if __name__ == "__main__":

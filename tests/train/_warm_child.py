@@ -9,7 +9,7 @@ import time
 
 out, action = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "")
 seen = {"env": dict(os.environ), "cwd": os.getcwd(), "argv": sys.argv, "pid": os.getpid(),
-        "sid": os.getsid(0), "random": random.random(), "name": __name__}
+        "sid": os.getsid(0), "comm": open("/proc/self/comm").read().strip(), "random": random.random(), "name": __name__}
 if action == "torch":
     import torch
 

@@ -54,7 +54,7 @@ def test_a_child_gets_exactly_its_environment_cwd_argv_log_and_a_session_of_its_
     assert seen["env"] == env, "the child's environment is exactly the one asked for"
     assert seen["cwd"] == str(tmp_path)
     assert seen["argv"][1:] == [str(out), "exit:0"] and seen["argv"][0].endswith("_warm_child.py")
-    assert seen["name"] == "__main__"
+    assert seen["name"] == "__main__" and seen["comm"] == "_warm_child", "named after its module"
     assert seen["pid"] == p.pid and seen["sid"] == p.pid, "a session (and process group) of its own"
     assert logf.read_text() == "earlier line\nchild says hello\n", "stdout appended to the log"
 
