@@ -406,8 +406,10 @@ def _idle(url: str) -> bool:
         return True
     import httpx
 
+    from elastic.metrics.scrape import shared_client
+
     try:
-        text = httpx.get(f"{url}/metrics", timeout=2.0).text
+        text = shared_client().get(f"{url}/metrics", timeout=2.0).text
     except httpx.HTTPError:
         return True
     total = 0.0

@@ -48,10 +48,12 @@ def hand_off(urls: Sequence[str], timeout: float = 2.0) -> dict[str, int | None]
     where it could not (no such endpoint, unreachable); those are drained as usual."""
     import httpx
 
+    from elastic.metrics.scrape import shared_client
+
     out: dict[str, int | None] = {}
     for u in urls:
         try:
-            r = httpx.post(f"{u.rstrip('/')}/admin/handoff", timeout=timeout)
+            r = shared_client().post(f"{u.rstrip('/')}/admin/handoff", timeout=timeout)
             out[u] = int(r.json()["handed_off"]) if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             out[u] = None

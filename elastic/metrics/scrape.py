@@ -14,6 +14,7 @@ justify growth, not shrinkage). Parsing uses ``prometheus_client``'s text parser
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
 
 import httpx
@@ -23,6 +24,22 @@ from elastic.metrics.presets import Preset, get_preset
 from elastic.metrics.sample import MetricSample, invalid_reading
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+_shared: httpx.Client | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_client() -> httpx.Client:
+    """One HTTP client for this process's one-off requests to replicas (drain checks, hand-offs,
+    readiness reads): building a client builds a TLS context, tens of milliseconds of CPU, which
+    a poll every 100 ms would pay on every read. Thread-safe; each call passes its own timeout.
+    No connection is kept alive: a request to a replica that is gone fails as unreachable, never
+    on a pooled connection to a server that has since gone away."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+        return _shared
 
 
 def parse_metrics(text: str) -> Samples:
@@ -39,7 +56,7 @@ def scrape_sum(url: str, names: Sequence[str], timeout: float = 1.0) -> float | 
     None when the replica does not answer. For one-off reads (drain checks, the demo's
     accounting); the controller's metric source is :class:`Scrape`."""
     try:
-        text = httpx.get(f"{url.rstrip('/')}/metrics", timeout=timeout).text
+        text = shared_client().get(f"{url.rstrip('/')}/metrics", timeout=timeout).text
     except httpx.HTTPError:
         return None
     samples = parse_metrics(text)

@@ -72,6 +72,9 @@ class Env:
         return self.http.request(method, path, headers=headers, **kw)
 
 
+_TLS = httpx.create_ssl_context()  # built once: tens of ms of CPU per client otherwise
+
+
 def _auth(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
@@ -90,7 +93,7 @@ def make_env(db_url: str, *, operator_mode: bool = False, require_auth_for_reads
     app = create_app(store, ctl, tokens=TokenSet.parse(TOKEN_FILE, "test tokens"), operator_mode=operator_mode,
                      registry=exporter.registry, require_auth_for_reads=require_auth_for_reads)
     server, _ = serve_api(app, "127.0.0.1", 0)
-    http = httpx.Client(base_url=server.url, timeout=60)  # an entrypoint check imports torch: slow on a loaded machine
+    http = httpx.Client(base_url=server.url, timeout=60, verify=_TLS)  # an entrypoint check imports torch: slow on a loaded machine
     return Env(store, ctl, backend, source, clock, server, exporter, server.url, http)
 
 

@@ -414,13 +414,15 @@ class NodeAgent:
             return c.probe_ok
         import httpx
 
+        from elastic.metrics.scrape import shared_client
+
         c.next_probe = time.monotonic() + 0.5
         port = probe.get("port")
         if isinstance(port, str):  # a named port
             port = next((x["containerPort"] for x in p["spec"]["containers"][0].get("ports") or []
                          if x.get("name") == port), None)
         try:
-            r = httpx.get(f"http://{c.ip}:{port}{probe.get('path', '/')}", timeout=0.5)
+            r = shared_client().get(f"http://{c.ip}:{port}{probe.get('path', '/')}", timeout=0.5)
             c.probe_ok = r.status_code == 200
         except httpx.HTTPError:
             c.probe_ok = False
