@@ -24,25 +24,25 @@ $(STAMP): pyproject.toml requirements-torchtitan.txt
 	$(BIN)/pip install -q --no-deps -r requirements-torchtitan.txt
 	@touch $(STAMP)
 
-# Three pytest processes, side by side, all of which always run; the target fails if any failed
-# (exit 5 only if none found tests). Tests that start Ray inside the pytest process run in a
-# process of their own: Ray leaves threads behind after ray.shutdown(), and a later test must not
-# share a process with them. The trainer and reshard tests (torch processes forked warm, gloo
-# groups) run apart from the thread-heavy rest: a segfault in the parent's garbage collector
-# during tests/reshard/test_execute.py has been seen twice in full runs (never in a run of that
-# file with its neighbours alone; cause unknown), and a process of their own at least keeps other
-# tests' objects out of that process. The suite waits on servers, subprocesses and timeouts more
-# than it computes, so the three share the cores; the other two's output is kept in
-# .pytest-1.out and .pytest-3.out and printed when the trainer's run ends.
+# Three pytest processes, all of which always run; the target fails if any failed (exit 5
+# only if none found tests). Tests that start Ray inside the pytest process run last, on their
+# own: Ray leaves threads behind after ray.shutdown(), and a later test must not share a process
+# with them (run beside the other two, the Ray tests took three times as long and slowed them).
+# The trainer and reshard tests (torch processes forked warm, gloo groups)
+# run apart from the thread-heavy rest: a segfault in the parent's garbage collector during
+# tests/reshard/test_execute.py has been seen twice in full runs (never in a run of that file
+# with its neighbours alone; cause unknown), and a process of their own at least keeps other
+# tests' objects out of that process. The first two run side by side: the suite waits on
+# servers, subprocesses and timeouts far more than it computes (a serial run used 36% of two
+# cores), so the rest's output is kept in .pytest-1.out and printed when the trainer's run ends.
 # A pytest process that crashes (exit >= 128) has its fault dump printed again at the end.
 MP_TESTS = tests/reshard tests/train tests/torch
 test: venv
 	@ELASTIC_FAULT_LOG=$(CURDIR)/.pytest-fault-1.log $(BIN)/python -m pytest -m "not ray" $(addprefix --ignore=,$(MP_TESTS)) $(PYTEST_ARGS) >.pytest-1.out 2>&1 & p1=$$!; \
-	ELASTIC_FAULT_LOG=$(CURDIR)/.pytest-fault-3.log $(BIN)/python -m pytest -m ray $(PYTEST_ARGS) >.pytest-3.out 2>&1 & p3=$$!; \
-	echo "== pytest runs 1 (everything but the trainer, reshard and Ray tests) and 3 (Ray) run alongside; their output follows run 2's"; \
+	echo "== pytest run 1 (everything but the trainer, reshard and Ray tests) runs alongside; its output follows run 2's"; \
 	ELASTIC_FAULT_LOG=$(CURDIR)/.pytest-fault-2.log $(BIN)/python -m pytest -m "not ray" $(MP_TESTS) $(PYTEST_ARGS); b=$$?; \
 	wait $$p1; a=$$?; echo "== pytest run 1 (exit $$a)"; cat .pytest-1.out; \
-	wait $$p3; c=$$?; echo "== pytest run 3 (exit $$c)"; cat .pytest-3.out; \
+	ELASTIC_FAULT_LOG=$(CURDIR)/.pytest-fault-3.log $(BIN)/python -m pytest -m ray $(PYTEST_ARGS); c=$$?; \
 	for r in "1 $$a" "2 $$b" "3 $$c"; do set -- $$r; if [ $$2 -ge 128 ]; then \
 	  echo "== pytest run $$1 crashed (exit $$2): the test and the top of every thread's stack"; \
 	  awk '/^(running|Fatal|Current thread|Thread |Extension)/{n=8} n-->0' .pytest-fault-$$1.log; fi; done; \

@@ -573,14 +573,18 @@ class KubernetesJobHandle(JobHandle):
             return None  # cannot tell now: treat as running, the heartbeat timeout catches a real loss
         except OSError:
             return None
-        phase = pod.status.phase if pod.status else None
-        if phase not in ("Succeeded", "Failed"):
-            return None
-        for cs in (pod.status.container_statuses or []):
-            term = cs.state.terminated if cs.state else None
-            if term is not None:
-                return f"pod {phase.lower()} (exit code {term.exit_code}{', ' + term.reason if term.reason else ''})"
-        return f"pod {phase.lower()}"
+        return _pod_exit_reason(pod)
+
+    def _exit_reasons(self, workers: Sequence[str]) -> dict[str, str | None]:
+        """Several workers: one list of the job's pods (the watcher and a rescale's wait for its
+        leavers poll every few ms; a read per pod would be that many requests to the API server)."""
+        if len(workers) < 2:
+            return super()._exit_reasons(workers)
+        try:  # the workers were all created before this list: one missing from it is gone
+            pods = {p.metadata.name: p for p in self.backend.worker_pods_including_deleting(self.spec.name)}
+        except BackendError:
+            return dict.fromkeys(workers)  # cannot tell now, as for one pod
+        return {w: "pod was deleted" if w not in pods else _pod_exit_reason(pods[w]) for w in workers}
 
     def _kill(self, worker: str) -> None:
         from kubernetes.client.exceptions import ApiException
@@ -620,3 +624,15 @@ class KubernetesJobHandle(JobHandle):
                 log.warning("job %s: pod(s) %s still running %.0f s after leaving", self.job, sorted(pending), timeout)
                 return
             time.sleep(self.backend.poll_seconds)
+
+
+def _pod_exit_reason(pod: Any) -> str | None:
+    """Why a worker pod's container ended; None while it runs."""
+    phase = pod.status.phase if pod.status else None
+    if phase not in ("Succeeded", "Failed"):
+        return None
+    for cs in (pod.status.container_statuses or []):
+        term = cs.state.terminated if cs.state else None
+        if term is not None:
+            return f"pod {phase.lower()} (exit code {term.exit_code}{', ' + term.reason if term.reason else ''})"
+    return f"pod {phase.lower()}"

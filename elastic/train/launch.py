@@ -527,7 +527,7 @@ class JobHandle(ABC):
             missing = [w for w in workers if not self.coordinator.registered(w)]
             if not missing:
                 return
-            dead = {w: r for w in missing if (r := self._exit_reason(w))}
+            dead = {w: r for w, r in self._exit_reasons(missing).items() if r}
             if dead or time.monotonic() > deadline:
                 for w in workers:
                     self._kill(w)
@@ -536,16 +536,25 @@ class JobHandle(ABC):
                 raise RescaleFailed(f"job {self.job}: worker(s) {', '.join(missing)} {why}; nothing changed")
             time.sleep(0.05)
 
-    def _observe_exit(self, worker: str) -> str | None:
-        """``_exit_reason``; the first time a worker is seen gone, reap what is left of it and then
+    def _exit_reasons(self, workers: Sequence[str]) -> dict[str, str | None]:
+        """``_exit_reason`` of each of ``workers``. A launcher that reads all its workers' states in
+        one request overrides this: one request per poll instead of one per worker."""
+        return {w: self._exit_reason(w) for w in workers}
+
+    def _observe_exits(self, workers: Sequence[str]) -> dict[str, str | None]:
+        """``_exit_reasons``; the first time a worker is seen gone, reap what is left of it and then
         remember why (another thread that sees it gone meanwhile waits for the reap)."""
-        reason = self._exit_reason(worker)
-        if reason is not None and worker not in self.exit_reasons:
-            with self._reap_lock:
-                if worker not in self.exit_reasons:
-                    self._reap(worker)
-                    self.exit_reasons[worker] = reason
-        return reason
+        reasons = self._exit_reasons(workers)
+        for worker, reason in reasons.items():
+            if reason is not None and worker not in self.exit_reasons:
+                with self._reap_lock:
+                    if worker not in self.exit_reasons:
+                        self._reap(worker)
+                        self.exit_reasons[worker] = reason
+        return reasons
+
+    def _observe_exit(self, worker: str) -> str | None:
+        return self._observe_exits([worker])[worker]
 
     def _live(self) -> list[str]:
         with self._lock:
@@ -555,7 +564,8 @@ class JobHandle(ABC):
         deadline = time.monotonic() + timeout
         pending = list(workers)
         while pending and time.monotonic() < deadline:
-            pending = [w for w in pending if self._observe_exit(w) is None]
+            seen = self._observe_exits(pending)
+            pending = [w for w in pending if seen[w] is None]
             if pending:
                 time.sleep(0.01)  # a leaver ends within ms of its last report; this is on rescale()'s path
         for w in pending:
@@ -582,8 +592,7 @@ class JobHandle(ABC):
                 unreachable = True
 
     def _watch_once(self, killed: set[str]) -> None:
-        for w in self._live():
-            reason = self._observe_exit(w)
+        for w, reason in self._observe_exits(self._live()).items():
             if reason is None:
                 continue
             with self._lock:
