@@ -39,8 +39,11 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-WORKER_PRELOAD = ("torch", "torch.distributed", "elastic.train.worker", "elastic.train.engine")
-"""What a worker starter imports before it forks: the modules every training worker imports."""
+WORKER_PRELOAD = ("torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes", "elastic.train.worker",
+                  "elastic.train.engine", "elastic.torch.run")
+"""What a worker starter imports before it forks: what every training worker imports, the
+reference trainer's and a user job's (``elastic.torch``), and what autograd imports on the first
+``backward`` given output gradients (a pipeline stage's): sympy, half a second of CPU."""
 
 START_TIMEOUT_S = 120.0
 """How long a starter may take to import its modules (a cold disk cache can take tens of seconds)."""

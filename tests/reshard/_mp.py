@@ -74,6 +74,13 @@ def bitwise_diff(got: State, want: State) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes", "elastic.reshard.execute",
+                      "elastic.train.engine", "tests.reshard._mp", "tests.train._mp"]
+"""What this pytest process's one forkserver imports, for this pool and tests.train._mp's workers
+alike (whichever starts it first sets the list; sympy: autograd imports it on a pipeline stage's
+first backward)."""
+
+
 def _loop(index: int, inbox: Any, outbox: Any) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)  # 8 processes on 2 cores: no intra-op thread oversubscription
@@ -99,7 +106,7 @@ class Pool:
     def _start(self) -> None:
         # forkserver with torch preloaded: one ``import torch`` instead of one per process
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "elastic.reshard.execute", "tests.reshard._mp"])
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
         self._out = ctx.Queue()
         self._in = [ctx.Queue() for _ in range(self.size)]
         self._procs = [ctx.Process(target=_loop, args=(i, self._in[i], self._out), daemon=True)

@@ -56,9 +56,11 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, q: Any, arg
 
 def run_workers(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0) -> list[Any]:
     # forked from a server that has imported torch once (``import torch`` costs seconds of CPU per
-    # process here); the first harness to start this process's forkserver sets what it preloads
+    # process here); the reshard harness's list, so that either may start this process's forkserver
+    from tests.reshard._mp import FORKSERVER_PRELOAD
+
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "elastic.train.engine", "tests.train._mp"])
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
     q = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world, port, q, args), daemon=True) for r in range(world)]
