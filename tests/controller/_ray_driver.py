@@ -1,6 +1,7 @@
 """A controller PROCESS for the crash test: ``elastic.cli.serve.build`` on a Ray cluster (detached mode),
 with the load read from a file the test writes (a metric source at our own boundary). One JSON line per
-tick on stdout: what the controller did and what Ray shows, so the test can check it from outside.
+tick on stdout: what the controller did and what Ray shows, so the test can check it from outside;
+and one when a directive reaches the job's coordinator (the test kills the controller after it).
 
     python -m tests.controller._ray_driver CONFIG.json DB_URL RAY_ADDRESS LOAD_FILE OWNER [finish|give-up]
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import Any
 
 from elastic.cli.serve import build, run
 from elastic.config import load_config
@@ -31,9 +33,18 @@ class FileSource:
 
 
 def main(config: str, db_url: str, address: str, load_file: str, owner: str, shrink: str = "finish") -> None:
+    from elastic.backends import ray_jobs
     from elastic.serve.server import ReplicaConfig
     from elastic.train.launch import LaunchOptions
 
+    posted = ray_jobs._RemoteCoordinator.directive
+
+    def directive(self: ray_jobs._RemoteCoordinator, generation: int, layout: Any, members: Any, **kw: Any) -> Any:
+        out = posted(self, generation, layout, members, **kw)
+        _line({"event": "directive", "job": self.job, "generation": generation})  # the test kills after this
+        return out
+
+    ray_jobs._RemoteCoordinator.directive = directive  # type: ignore[method-assign]
     cfg = load_config(data=json.load(open(config)))
     served = build(cfg, db_url=db_url, ray_address=address, owner=owner, sources={"chat": FileSource(load_file)},
                    replica_config=ReplicaConfig(model="tiny", max_running=4),
@@ -45,22 +56,27 @@ def main(config: str, db_url: str, address: str, load_file: str, owner: str, shr
     import ray
 
     backend = served.backend
-    print(json.dumps({"event": "started", "adopted": backend.adopted}), flush=True)
+    _line({"event": "started", "adopted": backend.adopted})
 
     def report(res) -> None:
         rt = backend.job_runtime("tiny-job")
         named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                  if a.get("namespace") == backend.namespace]
-        print(json.dumps({
+        _line({
             "event": "tick", "t": time.time(), "reason": res.reason, "acted": res.acted, "applied": res.applied,
             "error": res.error, "ready": served.controller.ready, "leader": served.controller.is_leader,
             "service_gpus": [str(g) for g in backend.service_gpus("chat")],
             "job": None if rt is None else {"layout": str(rt.layout), "generation": rt.generation, "step": rt.step,
                                             "gpus": [str(g) for g in rt.gpus], "phase": rt.phase},
             "ray_gpus_free": ray.available_resources().get("GPU", 0.0), "named_actors": sorted(named),
-        }), flush=True)
+        })
 
     run(served, on_tick=report)
+
+
+def _line(msg: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(msg) + "\n")  # one write: lines from two threads never interleave
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

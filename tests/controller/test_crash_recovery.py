@@ -185,11 +185,14 @@ def test_controller_killed_mid_shrink_restarts_and_the_job_carries_on(ray_cluste
             hold.touch()  # the step in progress does not end until the controller is dead
         load.write_text("20")
         store = db.Store.from_url(db_url)
+        g0 = a.ticks()[-1]["job"]["generation"]
         deadline = time.monotonic() + 120
-        while not any(x.kind == "shrink_training" for x in db.open_actions(store, "crash")):
-            assert time.monotonic() < deadline, "the shrink never began"
+        # the shrink's directive has reached the coordinator: its workers are on their way to the boundary
+        while not any(x["event"] == "directive" and x["generation"] > g0 for x in a.lines()):
+            assert time.monotonic() < deadline, "the shrink's directive was never posted"
+            assert a.proc.poll() is None, "the controller exited before the shrink"
             time.sleep(0.05)
-        time.sleep(0.5)  # the directive is posted; the workers are on their way to the boundary
+        assert any(x.kind == "shrink_training" for x in db.open_actions(store, "crash")), "a directive but no shrink"
         # 3. kill -9 the controller mid-shrink
         a.kill()
         before = a.ticks()[-1]
