@@ -157,6 +157,8 @@ class WarmStarter:
                 raise WarmStartError(f"the warm starter is gone: {e}") from None
             with self._cond:
                 if not self._cond.wait_for(lambda: rid in self._replies or self.dead, 30.0):
+                    self.dead = True  # wedged: the next start gets a new starter
+                    threading.Thread(target=self.close, daemon=True).start()
                     raise WarmStartError("the warm starter did not answer a start in 30 s")
                 reply = self._replies.pop(rid, None)
                 if reply is None:
